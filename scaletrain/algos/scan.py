@@ -1,0 +1,72 @@
+"""Discounted reverse cumulative sums (the scans behind GAE and REINFORCE++ returns) without a loop over time.
+
+``y[t] = sum_{s >= t} f**(s - t) * x[s]`` is computed exactly with two small matrix products (no Python loop
+over time steps, no negative powers, so no overflow or underflow for long sequences):
+
+1. split the time axis into chunks of C steps and take the discounted suffix sum inside each chunk with one
+   (C, C) upper-triangular matrix of powers f**(i - j);
+2. the value at each chunk start ``S_c`` then satisfies ``A_c = sum_{c' >= c} f**(C (c' - c)) S_{c'}``, another
+   (n_chunks, n_chunks) triangular product, and every position adds ``f**(C - j) * A_{c+1}``.
+
+Work is O(B T C + B (T / C)**2) instead of the O(B T**2) of a full (T, T) decay matrix. The products run in
+float64 so the result does not depend on TF32 settings.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _decay_matrix(n: int, factor: float, stride: int, device: torch.device) -> torch.Tensor:
+    """(n, n) matrix M with M[j, i] = factor**(stride * (i - j)) for i >= j, else 0 (float64)."""
+    idx = torch.arange(n, device=device)
+    gap = idx[None, :] - idx[:, None]
+    powers = torch.tensor(float(factor), dtype=torch.float64, device=device) ** (stride * gap.clamp(min=0))
+    return torch.where(gap >= 0, powers, torch.zeros((), dtype=torch.float64, device=device))
+
+
+def discounted_suffix_sum(x: torch.Tensor, factor: float, chunk_size: int = 64) -> torch.Tensor:
+    """``y[..., t] = sum_{s >= t} factor**(s - t) * x[..., s]`` along the last dim; returns x's dtype.
+
+    ``factor`` must lie in [0, 1] (a discount). ``factor == 0`` returns x, ``factor == 1`` a plain reverse cumsum.
+    """
+    factor = float(factor)
+    if not 0.0 <= factor <= 1.0:
+        raise ValueError(f"discount factor must be in [0, 1], got {factor}")
+    *lead, T = x.shape
+    if T == 0:
+        return x.clone()
+    flat = x.reshape(-1, T).to(torch.float64)
+    C = max(1, min(chunk_size, T))
+    n = -(-T // C)
+    flat = F.pad(flat, (0, n * C - T))  # zeros at the end do not change earlier suffix sums
+    chunks = flat.view(-1, n, C)
+
+    inner = _decay_matrix(C, factor, 1, x.device)                # (C, C)
+    local = chunks @ inner.T                                      # suffix sums inside each chunk
+    starts = local[..., 0] @ _decay_matrix(n, factor, C, x.device).T   # full value at each chunk start
+    carry = F.pad(starts[:, 1:], (0, 1))                          # value at the start of the next chunk
+    exps = torch.arange(C, 0, -1, device=x.device)                # position j is C - j steps before the next chunk
+    tail = torch.tensor(factor, dtype=torch.float64, device=x.device) ** exps
+    y = local + carry[..., None] * tail
+    return y.reshape(-1, n * C)[:, :T].reshape(*lead, T).to(x.dtype)
+
+
+def segmented_discounted_suffix_sum(x: torch.Tensor, mask: torch.Tensor, factor: float, chunk_size: int = 64) -> torch.Tensor:
+    """Like ``discounted_suffix_sum`` but the sum restarts at every masked position.
+
+    ``y[t] = sum over s in [t, e_t) of factor**(s - t) * x[s]`` where ``e_t`` is the first masked position at or
+    after t; masked positions get 0. This is the REINFORCE++ return with its reset after EOS. Computed as
+    ``D(t) - factor**(e_t - t) * D(e_t)`` from the unsegmented sum D of the masked input, in float64 (for a mask
+    that is all ones followed by all zeros, D(e_t) is exactly 0).
+    """
+    T = x.shape[-1]
+    keep = mask.bool()
+    xm = torch.where(keep, x.to(torch.float64), 0.0)
+    D = F.pad(discounted_suffix_sum(xm, factor, chunk_size), (0, 1))     # D[..., T] = 0
+    pos = torch.arange(T, device=x.device).expand_as(keep)
+    stop = torch.where(keep, torch.full_like(pos, T), pos)
+    stop = stop.flip(-1).cummin(-1).values.flip(-1)                     # first masked position >= t (or T)
+    decay = torch.tensor(float(factor), dtype=torch.float64, device=x.device) ** (stop - pos)
+    y = D[..., :T] - decay * D.gather(-1, stop)
+    return torch.where(keep, y, 0.0).to(x.dtype)

@@ -1,0 +1,39 @@
+"""The single-controller runtime (layer 3): worker groups of SPMD workers driven through registered methods.
+
+    from scaletrain.controller import Worker, register, Dispatch, RayResourcePool, RayClassWithInitArgs, RayWorkerGroup
+
+    class Adder(Worker):
+        @register(Dispatch.ONE_TO_ALL)
+        def add(self, x):
+            return self.rank + x
+
+    group = RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(Adder))
+    group.add(10)  # [10, 11]
+
+The controller knows nothing about PPO or any backend: the trainer composes it with role workers.
+"""
+
+from scaletrain.controller.colocate import create_colocated_worker_cls
+from scaletrain.controller.decorator import register
+from scaletrain.controller.dispatch import Dispatch, Execute, MeshPlace, register_dispatch_mode
+from scaletrain.controller.ray_worker_group import RayClassWithInitArgs, RayWorkerGroup
+from scaletrain.controller.resource_pool import RayResourcePool
+from scaletrain.controller.worker import Worker
+from scaletrain.controller.worker_group import LocalWorkerGroup, WorkerDiedError, WorkerError, WorkerGroup
+
+__all__ = [
+    "Dispatch",
+    "Execute",
+    "LocalWorkerGroup",
+    "MeshPlace",
+    "RayClassWithInitArgs",
+    "RayResourcePool",
+    "RayWorkerGroup",
+    "Worker",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerGroup",
+    "create_colocated_worker_cls",
+    "register",
+    "register_dispatch_mode",
+]

@@ -1,0 +1,66 @@
+"""Colocation: several roles (actor, critic, ref, ...) in one process per rank (layer 3).
+
+``create_colocated_worker_cls({"actor": RayClassWithInitArgs(A, ...), "critic": ...})`` builds one Worker class
+whose instance holds one instance of each role class; each role's registered methods appear on it as
+``<role>_<method>``. ``RayWorkerGroup(pool, that).spawn(prefix_set=[...])`` then gives one worker group per role
+over the same actors, so the roles share the processes (and the GPU) rank by rank.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from scaletrain.controller.decorator import REGISTERED_ATTR, get_registration
+from scaletrain.controller.ray_worker_group import RayClassWithInitArgs, unwrap_actor_class
+from scaletrain.controller.worker import Worker
+
+
+def _forward(role: str, name: str, fn: Callable) -> Callable:
+    def method(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.worker_dict[role], name)(*args, **kwargs)
+
+    functools.update_wrapper(method, fn)
+    method.__name__ = f"{role}_{name}"
+    info = get_registration(fn)
+    if info is not None:
+        setattr(method, REGISTERED_ATTR, info)
+    else:  # not a group method of the combined class: only role views call it
+        method.__dict__.pop(REGISTERED_ATTR, None)
+    return method
+
+
+def create_colocated_worker_cls(class_dict: dict[str, Any]) -> RayClassWithInitArgs:
+    """One class holding every role of ``class_dict`` (role -> RayClassWithInitArgs or class)."""
+    if not class_dict:
+        raise ValueError("create_colocated_worker_cls needs at least one role")
+    specs = {
+        role: spec if isinstance(spec, RayClassWithInitArgs) else RayClassWithInitArgs(spec)
+        for role, spec in class_dict.items()
+    }
+    role_classes = {role: spec.user_cls for role, spec in specs.items()}
+    init_args = {role: (spec.args, spec.kwargs) for role, spec in specs.items()}
+
+    class WorkerDict(Worker):
+        ROLE_CLASSES = role_classes
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.worker_dict = {}
+            for role, cls in role_classes.items():
+                args, kwargs = init_args[role]
+                self.worker_dict[role] = cls(*args, **kwargs)
+
+    for role, cls in role_classes.items():
+        for name in dir(cls):
+            fn = getattr(cls, name, None)
+            if get_registration(fn) is not None or name in Worker.CONTROL_METHODS:
+                setattr(WorkerDict, f"{role}_{name}", _forward(role, name, fn))
+    WorkerDict.__name__ = WorkerDict.__qualname__ = "WorkerDict_" + "_".join(role_classes)
+
+    options: dict[str, Any] = {}
+    for spec in specs.values():
+        options.update(spec._options)
+    combined = RayClassWithInitArgs(WorkerDict)
+    combined.update_options(options)
+    return combined

@@ -1,0 +1,74 @@
+"""``@register``: marks a Worker method as a worker-group method (layer 3).
+
+The decorator records how the group dispatches, executes and collects the call (``RegisteredMethod``), and wraps
+the method for the worker side: DataProtoFuture arguments are materialised on arrival, and the padding rows a
+data-parallel dispatch appended to this worker's share are trimmed off a row-aligned DataProto result.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from scaletrain.controller.dispatch import Dispatch, Execute, get_dispatch_spec
+from scaletrain.protocol import PAD_ROWS_KEY, DataProto, DataProtoFuture
+
+REGISTERED_ATTR = "__scaletrain_registered__"
+
+
+@dataclass(frozen=True)
+class RegisteredMethod:
+    dispatch_mode: Any
+    execute_mode: Execute
+    blocking: bool
+    materialize_futures: bool
+
+
+def get_registration(fn: Any) -> RegisteredMethod | None:
+    return getattr(fn, REGISTERED_ATTR, None)
+
+
+def _materialize(value: Any) -> Any:
+    return value.get() if isinstance(value, DataProtoFuture) else value
+
+
+def _strip_pad_marker(value: Any, found: list[tuple[int, int]]) -> Any:
+    """A share without the pad marker (a new object: in-process groups hand one share to several workers)."""
+    if isinstance(value, DataProto) and PAD_ROWS_KEY in value.meta_info:
+        meta = {k: v for k, v in value.meta_info.items() if k != PAD_ROWS_KEY}
+        found.append((value.meta_info[PAD_ROWS_KEY], len(value)))
+        return DataProto(value.batch, value.non_tensor_batch, meta)
+    return value
+
+
+def register(
+    dispatch_mode: Any = Dispatch.ALL_TO_ALL,
+    execute_mode: Execute = Execute.ALL,
+    blocking: bool = True,
+    materialize_futures: bool = True,
+) -> Callable:
+    get_dispatch_spec(dispatch_mode)  # fail at class definition on an unknown mode
+    execute_mode = Execute(execute_mode)
+    info = RegisteredMethod(dispatch_mode, execute_mode, blocking, materialize_futures)
+
+    def decorator(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            if materialize_futures:
+                args = tuple(_materialize(a) for a in args)
+                kwargs = {k: _materialize(v) for k, v in kwargs.items()}
+            found: list[tuple[int, int]] = []
+            args = tuple(_strip_pad_marker(a, found) for a in args)
+            kwargs = {k: _strip_pad_marker(v, found) for k, v in kwargs.items()}
+            out = fn(*args, **kwargs)
+            if found and isinstance(out, DataProto):
+                pad, share_len = found[0]
+                if pad and len(out) == share_len:
+                    out = out[: share_len - pad]
+            return out
+
+        setattr(inner, REGISTERED_ATTR, info)
+        return inner
+
+    return decorator

@@ -1,0 +1,206 @@
+"""Dispatch modes (layer 3): how a worker-group call splits its arguments over workers and combines results.
+
+A dispatch mode is a pair of functions, registered by name with ``register_dispatch_mode``:
+  - ``dispatch_fn(worker_group, *args, **kwargs) -> (args, kwargs)``: returns every argument as a list with
+    one entry per worker (worker i receives entry i);
+  - ``collect_fn(worker_group, outputs) -> result``: outputs holds one entry per executed worker, in rank
+    order (values, or Ray refs for non-blocking calls).
+
+Data-parallel modes split DataProtos into padded shares (see ``scaletrain.protocol.padded_shares``); the
+worker-side wrapper trims the padding off each share's output. Mesh modes (the MEGATRON family) ask each worker
+for its place in a named mesh: its data-parallel rank and whether its output is collected (TP rank 0 of the
+last pipeline stage), so one mechanism serves every layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable
+
+from scaletrain.protocol import DataProto, DataProtoFuture, padded_shares
+from scaletrain.utils.registry import Registry
+
+
+class Dispatch(str, Enum):
+    ONE_TO_ALL = "ONE_TO_ALL"
+    ALL_TO_ALL = "ALL_TO_ALL"
+    RANK_ZERO = "RANK_ZERO"
+    DP_COMPUTE = "DP_COMPUTE"
+    DP_COMPUTE_PROTO = "DP_COMPUTE_PROTO"
+    DP_COMPUTE_PROTO_WITH_FUNC = "DP_COMPUTE_PROTO_WITH_FUNC"
+    DP_COMPUTE_METRIC = "DP_COMPUTE_METRIC"
+    MEGATRON_COMPUTE = "MEGATRON_COMPUTE"
+    MEGATRON_COMPUTE_PROTO = "MEGATRON_COMPUTE_PROTO"
+    MEGATRON_PP_AS_DP_PROTO = "MEGATRON_PP_AS_DP_PROTO"
+    MEGATRON_PP_ONLY = "MEGATRON_PP_ONLY"
+
+
+class Execute(str, Enum):
+    ALL = "ALL"
+    RANK_ZERO = "RANK_ZERO"
+
+
+@dataclass(frozen=True)
+class DispatchSpec:
+    name: str
+    dispatch_fn: Callable[..., tuple[tuple, dict]]
+    collect_fn: Callable[[Any, list], Any]
+
+
+@dataclass(frozen=True)
+class MeshPlace:
+    """A worker's place in a named mesh, as the dispatch layer needs it."""
+
+    dp_rank: int
+    dp_size: int
+    is_collect: bool
+
+
+DISPATCH_MODES = Registry("dispatch mode")
+
+
+def register_dispatch_mode(name: str, dispatch_fn: Callable, collect_fn: Callable) -> DispatchSpec:
+    """Add a dispatch mode usable as ``@register(dispatch_mode=name)``."""
+    spec = DispatchSpec(str(name), dispatch_fn, collect_fn)
+    DISPATCH_MODES.register(spec.name)(spec)
+    return spec
+
+
+def get_dispatch_spec(mode: Any) -> DispatchSpec:
+    if isinstance(mode, DispatchSpec):
+        return mode
+    if isinstance(mode, dict):  # {"dispatch_fn": ..., "collect_fn": ...}
+        return DispatchSpec("custom", mode["dispatch_fn"], mode["collect_fn"])
+    return DISPATCH_MODES.get(mode.value if isinstance(mode, Dispatch) else str(mode))
+
+
+# ------------------------------------------------------------------------------------------- argument helpers
+def _broadcast(n: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return tuple([a] * n for a in args), {k: [v] * n for k, v in kwargs.items()}
+
+
+def _check_per_worker(n: int, args: tuple, kwargs: dict, what: str) -> None:
+    for i, a in enumerate(args):
+        if not isinstance(a, (list, tuple)) or len(a) != n:
+            raise ValueError(f"{what}: positional argument {i} must be a list of {n} entries (one per worker)")
+    for k, v in kwargs.items():
+        if not isinstance(v, (list, tuple)) or len(v) != n:
+            raise ValueError(f"{what}: argument '{k}' must be a list of {n} entries (one per worker)")
+
+
+def _shares(value: Any, n: int, name: str, rows: list[int]) -> list[Any]:
+    """n padded shares of a DataProto/future; other values are sent whole to every share."""
+    if isinstance(value, DataProto):
+        rows.append(len(value))
+        if len(set(rows)) > 1:
+            raise ValueError(f"argument '{name}' has {len(value)} rows but another DataProto argument has {rows[0]}")
+        return padded_shares(value, n)
+    if isinstance(value, DataProtoFuture):
+        return value.chunk(n)
+    return [value] * n
+
+
+def split_proto_args(n: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    rows: list[int] = []
+    out_args = tuple(_shares(a, n, str(i), rows) for i, a in enumerate(args))
+    out_kwargs = {k: _shares(v, n, k, rows) for k, v in kwargs.items()}
+    return out_args, out_kwargs
+
+
+def concat_outputs(outputs: list) -> Any:
+    """DataProtos concatenated; Ray refs become a DataProtoFuture; anything else (e.g. None) stays a list."""
+    if not outputs:
+        return outputs
+    if all(isinstance(o, DataProto) for o in outputs):
+        return DataProto.concat(outputs)
+    if _is_ray_ref(outputs[0]):
+        return DataProtoFuture.concat(outputs)
+    kinds = sorted({type(o).__name__ for o in outputs})
+    raise TypeError(f"a DataProto-collecting dispatch mode got worker outputs of type {kinds}; return DataProto")
+
+
+def _is_ray_ref(obj: Any) -> bool:
+    return type(obj).__name__ == "ObjectRef"
+
+
+# -------------------------------------------------------------------------------------- data-parallel modes
+def dispatch_one_to_all(wg, *args, **kwargs):
+    return _broadcast(wg.world_size, args, kwargs)
+
+
+def dispatch_all_to_all(wg, *args, **kwargs):
+    return args, kwargs
+
+
+def collect_all(wg, outputs):
+    return list(outputs)
+
+
+def collect_rank_zero(wg, outputs):
+    return outputs[0]
+
+
+def dispatch_dp_compute(wg, *args, **kwargs):
+    _check_per_worker(wg.world_size, args, kwargs, "DP_COMPUTE")
+    return args, kwargs
+
+
+def dispatch_dp_compute_proto(wg, *args, **kwargs):
+    return split_proto_args(wg.world_size, args, kwargs)
+
+
+def dispatch_dp_compute_proto_with_func(wg, fn, *args, **kwargs):
+    if not callable(fn):
+        raise ValueError("DP_COMPUTE_PROTO_WITH_FUNC: the first argument must be a function")
+    args, kwargs = split_proto_args(wg.world_size, args, kwargs)
+    return ([fn] * wg.world_size, *args), kwargs
+
+
+def collect_dp_compute_proto(wg, outputs):
+    return concat_outputs(outputs)
+
+
+# --------------------------------------------------------------------------------------------- mesh modes
+def _mesh_dispatch(mesh: str, proto: bool) -> Callable:
+    def dispatch(wg, *args, **kwargs):
+        places = wg.mesh_places(mesh)
+        dp_size = places[0].dp_size
+        if proto:
+            args, kwargs = split_proto_args(dp_size, args, kwargs)
+        else:
+            _check_per_worker(dp_size, args, kwargs, f"{mesh} mesh dispatch (one entry per data-parallel rank)")
+        per_worker = lambda shares: [shares[p.dp_rank] for p in places]  # noqa: E731
+        return tuple(per_worker(a) for a in args), {k: per_worker(v) for k, v in kwargs.items()}
+
+    return dispatch
+
+
+def _mesh_collect(mesh: str, proto: bool) -> Callable:
+    def collect(wg, outputs):
+        places = wg.mesh_places(mesh)
+        picked = sorted((p.dp_rank, i) for i, p in enumerate(places) if p.is_collect)
+        chosen = [outputs[i] for _, i in picked]
+        return concat_outputs(chosen) if proto else chosen
+
+    return collect
+
+
+for _mode, _dispatch, _collect in [
+    (Dispatch.ONE_TO_ALL, dispatch_one_to_all, collect_all),
+    (Dispatch.ALL_TO_ALL, dispatch_all_to_all, collect_all),
+    (Dispatch.RANK_ZERO, dispatch_one_to_all, collect_rank_zero),
+    (Dispatch.DP_COMPUTE, dispatch_dp_compute, collect_all),
+    (Dispatch.DP_COMPUTE_PROTO, dispatch_dp_compute_proto, collect_dp_compute_proto),
+    (Dispatch.DP_COMPUTE_PROTO_WITH_FUNC, dispatch_dp_compute_proto_with_func, collect_dp_compute_proto),
+    (Dispatch.DP_COMPUTE_METRIC, dispatch_dp_compute_proto, collect_all),
+    (Dispatch.MEGATRON_COMPUTE, _mesh_dispatch("megatron", proto=False), _mesh_collect("megatron", proto=False)),
+    (Dispatch.MEGATRON_COMPUTE_PROTO, _mesh_dispatch("megatron", proto=True), _mesh_collect("megatron", proto=True)),
+    (
+        Dispatch.MEGATRON_PP_AS_DP_PROTO,
+        _mesh_dispatch("megatron_pp_as_dp", proto=True),
+        _mesh_collect("megatron_pp_as_dp", proto=True),
+    ),
+    (Dispatch.MEGATRON_PP_ONLY, dispatch_one_to_all, _mesh_collect("megatron_pp_only", proto=False)),
+]:
+    register_dispatch_mode(_mode.value, _dispatch, _collect)

@@ -1,0 +1,193 @@
+"""RayWorkerGroup: one Ray actor per bundle of a resource pool, driven as one SPMD group (layer 3).
+
+Rank r gets WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its environment
+(rank 0 picks the address), so the workers can form a torch.distributed group. Calls wait with ``ray.wait`` on
+all workers at once: the first failing or dead worker fails the call immediately, even while its peers are still
+blocked (e.g. in a collective waiting for it); ``call_timeout_s`` bounds a call that never returns.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from scaletrain.controller.resource_pool import RayResourcePool
+from scaletrain.controller.worker_group import WorkerDiedError, WorkerError, WorkerGroup, select_worker_args
+from scaletrain.protocol import DataProto
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def unwrap_actor_class(cls: Any) -> type:
+    """The plain Python class behind a ``@ray.remote`` class (or the class itself)."""
+    meta = getattr(cls, "__ray_metadata__", None)
+    return meta.modified_class if meta is not None else cls
+
+
+class RayClassWithInitArgs:
+    """A worker class plus its constructor arguments and Ray options, instantiated once per bundle."""
+
+    def __init__(self, cls: Any, *args: Any, **kwargs: Any) -> None:
+        self.cls = cls
+        self.user_cls = unwrap_actor_class(cls)
+        self.args, self.kwargs = args, kwargs
+        self._options: dict[str, Any] = {}
+
+    def update_options(self, options: dict[str, Any]) -> None:
+        self._options.update(options)
+
+    def create(self, placement_group, bundle_index: int, env: dict[str, str], resources: dict[str, float]):
+        options = dict(self._options)
+        runtime_env = dict(options.pop("runtime_env", {}))
+        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **env}
+        options.update(
+            resources,
+            runtime_env=runtime_env,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=placement_group, placement_group_bundle_index=bundle_index
+            ),
+        )
+        remote_cls = self.cls if hasattr(self.cls, "remote") else ray.remote(self.cls)
+        return remote_cls.options(**options).remote(*self.args, **self.kwargs)
+
+
+class RayWorkerGroup(WorkerGroup):
+    def __init__(
+        self,
+        resource_pool: RayResourcePool | None = None,
+        ray_cls_with_init: RayClassWithInitArgs | None = None,
+        name_prefix: str | None = None,
+        call_timeout_s: float | None = None,
+        init_timeout_s: float | None = None,
+        poll_interval_s: float = 0.5,
+        _from_workers: tuple[list, list[dict], type, str] | None = None,
+    ) -> None:
+        self.call_timeout_s = call_timeout_s
+        self.init_timeout_s = init_timeout_s
+        self.poll_interval_s = poll_interval_s
+        if _from_workers is not None:  # a role view of colocated workers (see spawn)
+            workers, infos, user_cls, prefix = _from_workers
+            super().__init__(name_prefix or prefix.rstrip("_"), control_prefix=prefix)
+            self._workers, self._infos = workers, infos
+            self._bind_worker_methods(user_cls, remote_prefix=prefix)
+            return
+        if resource_pool is None or ray_cls_with_init is None:
+            raise ValueError("RayWorkerGroup needs a resource_pool and a ray_cls_with_init")
+        if isinstance(ray_cls_with_init, type) or hasattr(ray_cls_with_init, "remote"):
+            ray_cls_with_init = RayClassWithInitArgs(ray_cls_with_init)
+        super().__init__(name_prefix or ray_cls_with_init.user_cls.__name__)
+        self._cls_with_init = ray_cls_with_init
+        self._workers: list[Any] = []
+        self._infos: list[dict] = []
+        self._start_workers(resource_pool, ray_cls_with_init)
+        self._bind_worker_methods(ray_cls_with_init.user_cls)
+
+    # ------------------------------------------------------------------------------------------------ start
+    def _start_workers(self, pool: RayResourcePool, cls_with_init: RayClassWithInitArgs) -> None:
+        world = pool.world_size
+        master: dict[str, str] = {}
+        rank = 0
+        for pg, local_size in zip(pool.get_placement_groups(), pool.local_sizes()):
+            for local_rank in range(local_size):
+                env = {
+                    "WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(local_rank),
+                    "LOCAL_WORLD_SIZE": str(local_size), "SCALETRAIN_WORKER_GROUP": self.name, **master,
+                }
+                self._workers.append(cls_with_init.create(pg, local_rank, env, pool.actor_resources()))
+                if rank == 0:  # rank 0 picks the rendezvous address; the others are told it
+                    self._infos = [{"rank": 0}]
+                    addr, port = self._control_on(0, "get_master_address")
+                    master = {"MASTER_ADDR": addr, "MASTER_PORT": port}
+                rank += 1
+        refs = [getattr(w, "worker_info").remote() for w in self._workers]
+        self._infos = self._wait("__init__", list(range(world)), refs, timeout_s=self.init_timeout_s)
+
+    def _control_on(self, rank: int, name: str) -> Any:
+        ref = getattr(self._workers[rank], name).remote()
+        return self._wait("__init__", [rank], [ref], timeout_s=self.init_timeout_s)[0]
+
+    # ---------------------------------------------------------------------------------------------- execute
+    @property
+    def world_size(self) -> int:
+        return len(self._workers)
+
+    @property
+    def workers(self) -> list[Any]:
+        return list(self._workers)
+
+    @property
+    def worker_infos(self) -> list[dict]:
+        """rank, pid, host and ip of each worker, as reported at start."""
+        return list(self._infos)
+
+    def _execute(self, remote_name: str, ranks: list[int], args: tuple, kwargs: dict) -> list[Any]:
+        shared: dict[int, Any] = {}  # a DataProto sent to several workers is put in the object store once
+
+        def put_once(value: Any) -> Any:
+            if isinstance(value, DataProto):
+                if id(value) not in shared:
+                    shared[id(value)] = (value, ray.put(value))
+                return shared[id(value)][1]
+            return value
+
+        handles = []
+        for rank in ranks:
+            a, kw = select_worker_args(self.world_size, rank, args, kwargs)
+            if len(ranks) > 1:
+                a, kw = tuple(put_once(x) for x in a), {k: put_once(v) for k, v in kw.items()}
+            handles.append(getattr(self._workers[rank], remote_name).remote(*a, **kw))
+        return handles
+
+    def _wait(self, remote_name: str, ranks: list[int], handles: list[Any], timeout_s: Any = "call") -> list[Any]:
+        """Values of all handles; the first failure raises at once. ``timeout_s`` defaults to call_timeout_s."""
+        timeout_s = self.call_timeout_s if timeout_s == "call" else timeout_s
+        rank_of = {ref: rank for ref, rank in zip(handles, ranks)}
+        results: dict[Any, Any] = {}
+        pending = list(handles)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_interval_s)
+            for ref in ready:
+                results[ref] = self._get_one(ref, rank_of[ref], remote_name)
+            if pending and deadline is not None and time.monotonic() > deadline:
+                late = sorted(rank_of[r] for r in pending)
+                raise TimeoutError(
+                    f"worker group '{self.name}': {remote_name}() did not finish on ranks {late} within "
+                    f"{timeout_s}s"
+                )
+        return [results[ref] for ref in handles]
+
+    def _get_one(self, ref: Any, rank: int, remote_name: str) -> Any:
+        try:
+            return ray.get(ref)
+        except RayActorError as exc:  # includes ActorDiedError: the process is gone
+            info = self._infos[rank] if rank < len(self._infos) else {}
+            where = f"pid {info.get('pid', '?')} on {info.get('host', '?')}"
+            raise WorkerDiedError(self.name, rank, remote_name, f"{where}: {exc}") from None
+        except RayTaskError as exc:
+            raise WorkerError(self.name, rank, remote_name, _ANSI.sub("", str(exc))) from exc.cause
+        except GetTimeoutError:  # pragma: no cover - ray.wait said it was ready
+            raise
+
+    # ------------------------------------------------------------------------------------------- colocation
+    def spawn(self, prefix_set) -> dict[str, "RayWorkerGroup"]:
+        """One worker group per role of a colocated class, all sharing these actors."""
+        role_classes = getattr(self._cls_with_init.user_cls, "ROLE_CLASSES", None)
+        if role_classes is None:
+            raise ValueError(f"worker group '{self.name}' is not colocated; build it with create_colocated_worker_cls")
+        groups = {}
+        for role in prefix_set:
+            if role not in role_classes:
+                raise ValueError(f"unknown role '{role}'; this group holds {sorted(role_classes)}")
+            groups[role] = RayWorkerGroup(
+                call_timeout_s=self.call_timeout_s,
+                poll_interval_s=self.poll_interval_s,
+                _from_workers=(self._workers, self._infos, role_classes[role], f"{role}_"),
+            )
+        return groups

@@ -1,0 +1,87 @@
+"""Worker: the base class of every SPMD worker a worker group drives (layer 3).
+
+A worker knows its ``rank`` and ``world_size`` from the environment the group sets (WORLD_SIZE, RANK,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so it can form a torch.distributed group with its peers. Rank 0 picks the
+rendezvous address when none is given. Workers that run a model-parallel layout declare their place in a named
+mesh (``register_mesh`` / ``set_megatron_mesh``) so mesh dispatch modes know where each data share goes and whose
+output to collect.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from scaletrain.controller.dispatch import MeshPlace
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:  # pragma: no cover - ray is a hard dependency, but workers may run without it
+        pass
+    return "127.0.0.1"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+class Worker:
+    # methods the group calls on every worker, in addition to the @register ones (colocation forwards them)
+    CONTROL_METHODS = ("get_mesh_place", "worker_info", "get_master_address")
+
+    def __init__(self) -> None:
+        self._rank = int(os.environ.get("RANK", "0"))
+        self._world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if self._rank == 0 and "MASTER_ADDR" not in os.environ:
+            os.environ["MASTER_ADDR"] = _node_ip()
+            os.environ["MASTER_PORT"] = str(_free_port())
+        self._mesh_places: dict[str, MeshPlace] = {}
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    # ------------------------------------------------------------------------------------------------- meshes
+    def register_mesh(self, name: str, dp_rank: int, dp_size: int, is_collect: bool) -> None:
+        """Declare this worker's data-parallel rank in mesh ``name`` and whether its output is collected."""
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"mesh '{name}': dp_rank {dp_rank} outside [0, {dp_size})")
+        self._mesh_places[name] = MeshPlace(dp_rank, dp_size, bool(is_collect))
+
+    def set_megatron_mesh(
+        self, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, dp_rank: int, dp_size: int
+    ) -> None:
+        """Declare a (TP, PP, DP) place; serves MEGATRON_COMPUTE*, MEGATRON_PP_AS_DP_PROTO and MEGATRON_PP_ONLY."""
+        if tp_size * pp_size * dp_size != self._world_size:
+            raise ValueError(f"TP {tp_size} x PP {pp_size} x DP {dp_size} != world size {self._world_size}")
+        last_stage = pp_rank == pp_size - 1
+        self.register_mesh("megatron", dp_rank, dp_size, tp_rank == 0 and last_stage)
+        self.register_mesh("megatron_pp_as_dp", dp_rank * pp_size + pp_rank, dp_size * pp_size, tp_rank == 0)
+        self.register_mesh("megatron_pp_only", pp_rank, pp_size, tp_rank == 0 and dp_rank == 0)
+
+    def get_mesh_place(self, name: str) -> MeshPlace | None:
+        return self._mesh_places.get(name)
+
+    # ------------------------------------------------------------------------------------------------ control
+    def get_master_address(self) -> tuple[str, str]:
+        return os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+
+    def worker_info(self) -> dict[str, Any]:
+        return {"rank": self._rank, "pid": os.getpid(), "host": socket.gethostname(), "ip": _node_ip()}

@@ -1,0 +1,157 @@
+"""WorkerGroup: turns a Worker class's @register methods into methods of a group (layer 3).
+
+Each bound method runs dispatch -> execute on the workers -> (if blocking) wait -> collect. Subclasses say how
+to execute and wait: ``RayWorkerGroup`` (one Ray actor per worker) and ``LocalWorkerGroup`` below (workers as
+plain objects in this process, so a debugger can step through worker code with the same API).
+
+A failing worker surfaces as ``WorkerError`` naming the role, rank and method with the worker's traceback; a
+worker whose process died surfaces as ``WorkerDiedError``.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any, Callable
+
+from scaletrain.controller.decorator import RegisteredMethod, get_registration
+from scaletrain.controller.dispatch import Dispatch, Execute, MeshPlace, get_dispatch_spec
+from scaletrain.controller.worker import _free_port
+
+
+class WorkerError(RuntimeError):
+    """A worker raised inside a group call."""
+
+    def __init__(self, role: str, rank: int, method: str, detail: str, what: str = "failed in"):
+        self.role, self.rank, self.method = role, rank, method
+        super().__init__(f"worker '{role}' rank {rank} {what} {method}():\n{detail}")
+
+
+class WorkerDiedError(WorkerError):
+    """A worker's process exited (killed, out of memory, crashed) while a call was pending."""
+
+    def __init__(self, role: str, rank: int, method: str, detail: str):
+        super().__init__(role, rank, method, detail, what="died while running")
+
+
+def select_worker_args(n: int, i: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Worker i gets element i when every argument is a list of length n; otherwise everyone gets all of them."""
+    values = [*args, *kwargs.values()]
+    if all(isinstance(v, list) and len(v) == n for v in values):
+        return tuple(a[i] for a in args), {k: v[i] for k, v in kwargs.items()}
+    return args, kwargs
+
+
+class WorkerGroup:
+    """Base class: method binding and the dispatch/execute/collect call; subclasses implement the transport."""
+
+    def __init__(self, name: str, control_prefix: str = "") -> None:
+        self.name = name
+        self._control_prefix = control_prefix
+        self._mesh_cache: dict[str, list[MeshPlace]] = {}
+
+    # ------------------------------------------------------------------------------------ transport (abstract)
+    @property
+    def world_size(self) -> int:
+        raise NotImplementedError
+
+    def _execute(self, remote_name: str, ranks: list[int], args: tuple, kwargs: dict) -> list[Any]:
+        """Start ``remote_name`` on each rank in ``ranks``; return one handle per rank."""
+        raise NotImplementedError
+
+    def _wait(self, remote_name: str, ranks: list[int], handles: list[Any]) -> list[Any]:
+        """Block until all handles are done; return their values or raise WorkerError / WorkerDiedError."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------------------ binding
+    def _bind_worker_methods(self, user_cls: type, remote_prefix: str = "") -> None:
+        for attr in dir(user_cls):
+            info = get_registration(getattr(user_cls, attr, None))
+            if info is None:
+                continue
+            if attr in vars(WorkerGroup) or attr in ("name", "world_size"):
+                raise ValueError(f"{user_cls.__name__}.{attr} collides with a WorkerGroup attribute; rename it")
+            setattr(self, attr, self._make_method(remote_prefix + attr, info, getattr(user_cls, attr)))
+
+    def _make_method(self, remote_name: str, info: RegisteredMethod, user_fn: Callable) -> Callable:
+        spec = get_dispatch_spec(info.dispatch_mode)
+        rank_zero = info.execute_mode == Execute.RANK_ZERO or info.dispatch_mode == Dispatch.RANK_ZERO
+
+        def method(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs = spec.dispatch_fn(self, *args, **kwargs)
+            ranks = [0] if rank_zero else list(range(self.world_size))
+            handles = self._execute(remote_name, ranks, args, kwargs)
+            outputs = self._wait(remote_name, ranks, handles) if info.blocking else handles
+            return spec.collect_fn(self, outputs)
+
+        method.__name__ = remote_name
+        method.__qualname__ = f"{type(self).__name__}.{remote_name}"
+        method.__doc__ = user_fn.__doc__
+        return method
+
+    def _control(self, name: str, *args: Any) -> list[Any]:
+        """Call a Worker control method on every worker and wait."""
+        remote_name = self._control_prefix + name
+        ranks = list(range(self.world_size))
+        return self._wait(remote_name, ranks, self._execute(remote_name, ranks, args, {}))
+
+    def mesh_places(self, mesh: str) -> list[MeshPlace]:
+        """Every worker's place in ``mesh`` (asked once, then cached)."""
+        if mesh not in self._mesh_cache:
+            places = self._control("get_mesh_place", mesh)
+            for rank, place in enumerate(places):
+                if place is None:
+                    raise ValueError(
+                        f"worker group '{self.name}': rank {rank} declared no place in mesh '{mesh}'; the worker "
+                        f"must call register_mesh('{mesh}', ...) or set_megatron_mesh(...) before such calls"
+                    )
+            sizes = {p.dp_size for p in places}
+            if len(sizes) != 1:
+                raise ValueError(f"worker group '{self.name}': ranks disagree on mesh '{mesh}' dp size: {sizes}")
+            self._mesh_cache[mesh] = places
+        return self._mesh_cache[mesh]
+
+
+class LocalWorkerGroup(WorkerGroup):
+    """Same API as RayWorkerGroup, no Ray: the workers are objects in this process, called one after another."""
+
+    def __init__(self, cls: type, *args: Any, world_size: int = 1, name: str | None = None, **kwargs: Any) -> None:
+        super().__init__(name or cls.__name__)
+        self._workers = []
+        saved = dict(os.environ)
+        port = str(_free_port())
+        try:
+            for rank in range(world_size):
+                os.environ.update(
+                    WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank),
+                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                )
+                try:
+                    self._workers.append(cls(*args, **kwargs))
+                except Exception as exc:
+                    raise WorkerError(self.name, rank, "__init__", traceback.format_exc()) from exc
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        self._bind_worker_methods(cls)
+
+    @property
+    def world_size(self) -> int:
+        return len(self._workers)
+
+    @property
+    def workers(self) -> list[Any]:
+        return list(self._workers)
+
+    def _execute(self, remote_name: str, ranks: list[int], args: tuple, kwargs: dict) -> list[Any]:
+        outputs = []
+        for rank in ranks:
+            a, kw = select_worker_args(self.world_size, rank, args, kwargs)
+            try:
+                outputs.append(getattr(self._workers[rank], remote_name)(*a, **kw))
+            except Exception as exc:
+                raise WorkerError(self.name, rank, remote_name, traceback.format_exc()) from exc
+        return outputs
+
+    def _wait(self, remote_name: str, ranks: list[int], handles: list[Any]) -> list[Any]:
+        return handles

@@ -1,0 +1,32 @@
+"""``build_reward_manager``: the reward manager a config asks for (``reward_model.reward_manager``,
+``custom_reward_function``, manager kwargs)."""
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+from scaletrain.reward.loader import DEFAULT_FN_NAME, load_custom_reward_fn
+from scaletrain.reward.managers import RewardManager, get_reward_manager
+
+
+def build_reward_manager(
+    tokenizer: Any,
+    reward_manager: str = "naive",
+    custom_reward_function: Mapping[str, Any] | None = None,
+    num_examine: int = 0,
+    **manager_kwargs: Any,
+) -> RewardManager:
+    """``custom_reward_function``: ``{path, name (default compute_score), reward_kwargs (optional, bound to
+    the function)}``; with no path the manager's default scorer is used. ``manager_kwargs`` go to the manager
+    (``timeout_s``, ``num_processes``, DAPO's ``overlong_buffer_len``, multi's ``scorers``, ...)."""
+    compute_score = None
+    if custom_reward_function and custom_reward_function.get("path"):
+        compute_score = load_custom_reward_fn(
+            custom_reward_function["path"], custom_reward_function.get("name") or DEFAULT_FN_NAME
+        )
+        reward_kwargs = custom_reward_function.get("reward_kwargs")
+        if reward_kwargs:
+            compute_score = functools.partial(compute_score, **dict(reward_kwargs))
+    manager_cls = get_reward_manager(reward_manager)
+    return manager_cls(tokenizer, compute_score=compute_score, num_examine=num_examine, **manager_kwargs)

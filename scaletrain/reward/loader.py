@@ -1,0 +1,75 @@
+"""Load a user's reward function from a file: ``custom_reward_function.path`` / ``.name``.
+
+``load_custom_reward_fn(path, name)`` imports the file and returns a ``CustomRewardFn``: a callable that
+behaves like the function and pickles as just ``(path, name)``. Reward workers are separate processes, so a
+function defined in a file that is not an importable module could not be pickled by reference; unpickling a
+CustomRewardFn in a worker loads the file again there. Relative imports of neighbouring files from the user's
+file are not supported (it is not a package); import from installed packages instead.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import sys
+from typing import Any, Callable
+
+DEFAULT_FN_NAME = "compute_score"
+
+
+class CustomRewardFn:
+    """A reward function loaded from ``path``; call it like the function itself."""
+
+    def __init__(self, path: str, name: str, fn: Callable[..., Any]):
+        self.path, self.name, self.fn = path, name, fn
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self):
+        return load_custom_reward_fn, (self.path, self.name)
+
+    def __repr__(self) -> str:
+        return f"CustomRewardFn({self.path!r}, {self.name!r})"
+
+
+def _import_file(path: str) -> Any:
+    # A unique, stable module name per file, so two files called reward.py do not collide in sys.modules.
+    digest = hashlib.sha1(path.encode()).hexdigest()[:12]
+    stem = os.path.splitext(os.path.basename(path))[0]
+    module_name = f"scaletrain_custom_reward_{stem}_{digest}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"custom reward function file {path} cannot be imported (not a Python file?)")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses, pickle and typing look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as e:
+        del sys.modules[module_name]
+        raise ImportError(f"importing custom reward function file {path} failed: {type(e).__name__}: {e}") from e
+    return module
+
+
+def load_custom_reward_fn(path: str | os.PathLike, name: str | None = DEFAULT_FN_NAME) -> CustomRewardFn:
+    """The function ``name`` (default ``compute_score``) defined in the Python file ``path``.
+
+    Raises FileNotFoundError for a missing file, ImportError when the file fails to import, AttributeError when
+    it has no ``name``, TypeError when ``name`` is not callable; each message names the path and the name.
+    """
+    if not path:
+        raise ValueError("custom reward function path is empty")
+    name = name or DEFAULT_FN_NAME
+    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"custom reward function file not found: {path} (looking for function {name!r})")
+    module = _import_file(path)
+    if not hasattr(module, name):
+        defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise AttributeError(f"custom reward function {name!r} not found in {path}; callables defined there: {defined}")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise TypeError(f"custom reward function {name!r} in {path} is a {type(fn).__name__}, not callable")
+    return CustomRewardFn(path, name, fn)

@@ -1,0 +1,26 @@
+"""Reward managers, one per file, each registered by name; importing this package registers them all."""
+from scaletrain.reward.managers.base import (
+    REWARD_MANAGERS,
+    RewardManager,
+    Rows,
+    get_reward_manager,
+    register_reward_manager,
+)
+from scaletrain.reward.managers.batch import BatchRewardManager
+from scaletrain.reward.managers.dapo import DAPORewardManager
+from scaletrain.reward.managers.multi import MultiRewardManager
+from scaletrain.reward.managers.naive import NaiveRewardManager
+from scaletrain.reward.managers.prime import PrimeRewardManager
+
+__all__ = [
+    "REWARD_MANAGERS",
+    "BatchRewardManager",
+    "DAPORewardManager",
+    "MultiRewardManager",
+    "NaiveRewardManager",
+    "PrimeRewardManager",
+    "RewardManager",
+    "Rows",
+    "get_reward_manager",
+    "register_reward_manager",
+]

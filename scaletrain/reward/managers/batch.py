@@ -1,0 +1,44 @@
+"""``batch``: one call of a batch scorer for the whole batch,
+``compute_score(data_sources, solution_strs, ground_truths, extra_infos) -> list[float | dict]``, in a worker
+process. ``timeout_s`` bounds the whole call: on timeout or error every row scores 0 and is counted (so
+``reward/timeouts`` is the batch size). A returned list of the wrong length counts as an error for every row;
+a bad element only for its row. Without a compute_score, ``default_compute_score`` is applied row by row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from scaletrain.reward.managers.base import RewardManager, Rows, register_reward_manager
+from scaletrain.reward.sandbox import ERROR, OK, Outcome
+from scaletrain.reward.scorers.default import default_compute_score
+
+
+@dataclass
+class RowByRow:
+    """A batch scorer made of a per-sample one (picklable, unlike a closure)."""
+
+    compute_score: Callable[..., Any]
+
+    def __call__(self, data_sources, solution_strs, ground_truths, extra_infos) -> list[Any]:
+        return [
+            self.compute_score(*row) for row in zip(data_sources, solution_strs, ground_truths, extra_infos)
+        ]
+
+
+@register_reward_manager("batch")
+class BatchRewardManager(RewardManager):
+    def default_scorer(self) -> Callable[..., Any]:
+        return RowByRow(default_compute_score)
+
+    def score_rows(self, rows: Rows) -> list[Outcome]:
+        call = ((list(rows.data_sources), list(rows.response_strs), list(rows.ground_truths), list(rows.extra_infos)), {})
+        (outcome,) = self.pool.map([call])
+        if outcome.status != OK:
+            return [outcome] * len(rows)
+        values = outcome.value
+        if not isinstance(values, (list, tuple)) or len(values) != len(rows):
+            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+            error = f"batch scorer returned {got}; expected a list of {len(rows)}"
+            return [Outcome(ERROR, error=error)] * len(rows)
+        return [Outcome(OK, value=value) for value in values]

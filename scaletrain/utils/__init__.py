@@ -1,0 +1,1 @@
+"""Small helpers shared by every scaletrain layer (registries, ...). Imports nothing from scaletrain itself."""

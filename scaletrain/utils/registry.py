@@ -1,0 +1,74 @@
+"""A name -> object registry with one decorator, used by every pluggable family.
+
+Advantage estimators, policy losses, reward managers, backends, rollout engines, ... each own one
+``Registry``; the config names an entry and the code looks it up with ``.get(name)``::
+
+    POLICY_LOSSES = Registry("policy loss")
+
+    @POLICY_LOSSES.register("vanilla")
+    def vanilla(...): ...
+
+    POLICY_LOSSES.get("vanilla")   # -> the function; an unknown name raises ValueError listing the known ones
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Iterator
+
+
+def _key(name: Any) -> str:
+    # A str Enum member (e.g. AdvantageEstimator.GRPO) is looked up by its value, not its member name.
+    if isinstance(name, enum.Enum):
+        name = name.value
+    if not isinstance(name, str):
+        raise TypeError(f"registry names are strings, got {type(name).__name__}: {name!r}")
+    return name
+
+
+class Registry:
+    """Maps names to objects. ``kind`` (e.g. "advantage estimator") only appears in error messages."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: dict[str, Any] = {}
+
+    def register(self, name: Any, *, override: bool = False) -> Callable[[Any], Any]:
+        """Decorator registering its target under ``name``; returns the target unchanged.
+
+        Registering a second, different object under a taken name raises ValueError unless ``override=True``
+        (re-registering the same object, e.g. on module reload, is a no-op).
+        """
+        key = _key(name)
+
+        def decorator(obj: Any) -> Any:
+            old = self._entries.get(key)
+            if old is not None and old is not obj and not override:
+                raise ValueError(f"{self.kind} '{key}' is already registered ({old!r}); pass override=True to replace it")
+            self._entries[key] = obj
+            return obj
+
+        return decorator
+
+    def get(self, name: Any) -> Any:
+        """The object registered under ``name``; ValueError listing the registered names if there is none."""
+        key = _key(name)
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise ValueError(f"unknown {self.kind} '{key}'; registered: {', '.join(self.names()) or '(none)'}") from None
+
+    def names(self) -> list[str]:
+        """Registered names, sorted."""
+        return sorted(self._entries)
+
+    def __contains__(self, name: Any) -> bool:
+        return _key(name) in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, names={self.names()})"

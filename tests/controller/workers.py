@@ -1,0 +1,163 @@
+"""Worker classes the controller tests drive (importable by Ray worker processes)."""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from scaletrain.controller import Dispatch, Execute, Worker, register
+from scaletrain.protocol import DataProto
+
+
+class EchoWorker(Worker):
+    """One method per dispatch mode; each output says which rank produced it."""
+
+    def __init__(self, offset: int = 0):
+        super().__init__()
+        self.offset = offset
+        self.calls = 0
+
+    @register(Dispatch.ONE_TO_ALL)
+    def one_to_all(self, x, y=0):
+        return (self.rank, x + y + self.offset)
+
+    @register(Dispatch.ALL_TO_ALL)
+    def all_to_all(self, x):
+        return (self.rank, x)
+
+    @register(Dispatch.RANK_ZERO)
+    def rank_zero(self, x):
+        self.calls += 1
+        return (self.rank, x)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def count_calls(self):
+        return self.calls
+
+    @register(Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
+    def only_rank_zero_executes(self, x):
+        self.calls += 1
+        return (self.rank, x)
+
+    @register(Dispatch.DP_COMPUTE)
+    def dp_compute(self, x):
+        return (self.rank, x)
+
+    def _tag(self, data: DataProto, scale=1) -> DataProto:
+        """The rows it got, each tagged with this rank, values scaled."""
+        out = DataProto.from_dict(
+            {"x": data.batch["x"] * scale, "rank": torch.full((len(data),), self.rank)},
+            {"s": data.non_tensor_batch["s"]},
+        )
+        out.meta_info["seen_rows"] = len(data)
+        return out
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def tag_rows(self, data: DataProto, scale=1):
+        return self._tag(data, scale)
+
+    @register(Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def tag_rows_async(self, data: DataProto):
+        return self._tag(data)
+
+    @register(Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
+    def apply_fn(self, fn, data: DataProto):
+        return DataProto.from_dict({"x": fn(data.batch["x"])})
+
+    @register(Dispatch.DP_COMPUTE_METRIC)
+    def metric(self, data: DataProto):
+        return {"rank": self.rank, "rows": len(data), "sum": int(data.batch["x"].sum())}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def set_mesh(self, tp: int, pp: int, dp: int):
+        """Lay ranks out as Megatron does: TP fastest, then DP, then PP."""
+        tp_rank = self.rank % tp
+        dp_rank = (self.rank // tp) % dp
+        pp_rank = self.rank // (tp * dp)
+        self.place = (tp_rank, pp_rank, dp_rank)
+        self.set_megatron_mesh(tp_rank, tp, pp_rank, pp, dp_rank, dp)
+        return self.place
+
+    @register(Dispatch.MEGATRON_COMPUTE)
+    def mg_compute(self, x):
+        return (self.rank, self.place, x)
+
+    @register(Dispatch.MEGATRON_COMPUTE_PROTO)
+    def mg_proto(self, data: DataProto):
+        n = len(data)
+        return DataProto.from_dict({"x": data.batch["x"], "rank": torch.full((n,), self.rank)})
+
+    @register(Dispatch.MEGATRON_PP_AS_DP_PROTO)
+    def mg_pp_as_dp(self, data: DataProto):
+        n = len(data)
+        return DataProto.from_dict({"x": data.batch["x"], "rank": torch.full((n,), self.rank)})
+
+    @register(Dispatch.MEGATRON_PP_ONLY)
+    def mg_pp_only(self, x):
+        return (self.rank, self.place, x)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def allreduce_rank(self):
+        """Forms a gloo group from the env the group set and sums the ranks."""
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size)
+        t = torch.tensor([float(self.rank)])
+        dist.all_reduce(t)
+        return {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}, t.item()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def fail_on(self, bad_rank: int):
+        if self.rank == bad_rank:
+            raise KeyError(f"boom on rank {self.rank}")
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def fail_or_sleep(self, bad_rank: int, seconds: float):
+        if self.rank == bad_rank:
+            raise ValueError(f"rank {self.rank} gives up")
+        time.sleep(seconds)
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sleep(self, seconds: float):
+        time.sleep(seconds)
+        return self.rank
+
+
+class CriticLike(Worker):
+    def __init__(self, scale: int):
+        super().__init__()
+        self.scale = scale
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def values(self, data: DataProto):
+        return DataProto.from_dict({"v": data.batch["x"].float() * self.scale})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def pid(self):
+        return os.getpid()
+
+
+class ActorLike(Worker):
+    def __init__(self):
+        super().__init__()
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def log_prob(self, data: DataProto):
+        return DataProto.from_dict({"lp": -data.batch["x"].float()})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def pid(self):
+        return os.getpid()
+
+
+class BrokenInit(Worker):
+    def __init__(self):
+        super().__init__()
+        if self.rank == 1:
+            raise RuntimeError("cannot build the model on rank 1")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def ping(self):
+        return self.rank
