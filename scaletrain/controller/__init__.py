@@ -15,7 +15,14 @@ The controller knows nothing about PPO or any backend: the trainer composes it w
 
 from scaletrain.controller.colocate import create_colocated_worker_cls
 from scaletrain.controller.decorator import register
-from scaletrain.controller.dispatch import Dispatch, Execute, MeshPlace, register_dispatch_mode
+from scaletrain.controller.dispatch import (
+    Dispatch,
+    Execute,
+    MeshPlace,
+    make_mesh_collect,
+    make_mesh_dispatch,
+    register_dispatch_mode,
+)
 from scaletrain.controller.ray_worker_group import RayClassWithInitArgs, RayWorkerGroup
 from scaletrain.controller.resource_pool import RayResourcePool
 from scaletrain.controller.worker import Worker
@@ -34,6 +41,8 @@ __all__ = [
     "WorkerError",
     "WorkerGroup",
     "create_colocated_worker_cls",
+    "make_mesh_collect",
+    "make_mesh_dispatch",
     "register",
     "register_dispatch_mode",
 ]

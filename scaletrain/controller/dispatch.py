@@ -162,7 +162,9 @@ def collect_dp_compute_proto(wg, outputs):
 
 
 # --------------------------------------------------------------------------------------------- mesh modes
-def _mesh_dispatch(mesh: str, proto: bool) -> Callable:
+def make_mesh_dispatch(mesh: str, proto: bool) -> Callable:
+    """Dispatch over the data-parallel ranks of named mesh ``mesh`` (split DataProtos when ``proto``)."""
+
     def dispatch(wg, *args, **kwargs):
         places = wg.mesh_places(mesh)
         dp_size = places[0].dp_size
@@ -176,7 +178,9 @@ def _mesh_dispatch(mesh: str, proto: bool) -> Callable:
     return dispatch
 
 
-def _mesh_collect(mesh: str, proto: bool) -> Callable:
+def make_mesh_collect(mesh: str, proto: bool) -> Callable:
+    """Collect from the ranks of ``mesh`` that declared is_collect, in DP order (concatenated when ``proto``)."""
+
     def collect(wg, outputs):
         places = wg.mesh_places(mesh)
         picked = sorted((p.dp_rank, i) for i, p in enumerate(places) if p.is_collect)
@@ -194,13 +198,13 @@ for _mode, _dispatch, _collect in [
     (Dispatch.DP_COMPUTE_PROTO, dispatch_dp_compute_proto, collect_dp_compute_proto),
     (Dispatch.DP_COMPUTE_PROTO_WITH_FUNC, dispatch_dp_compute_proto_with_func, collect_dp_compute_proto),
     (Dispatch.DP_COMPUTE_METRIC, dispatch_dp_compute_proto, collect_all),
-    (Dispatch.MEGATRON_COMPUTE, _mesh_dispatch("megatron", proto=False), _mesh_collect("megatron", proto=False)),
-    (Dispatch.MEGATRON_COMPUTE_PROTO, _mesh_dispatch("megatron", proto=True), _mesh_collect("megatron", proto=True)),
+    (Dispatch.MEGATRON_COMPUTE, make_mesh_dispatch("megatron", proto=False), make_mesh_collect("megatron", proto=False)),
+    (Dispatch.MEGATRON_COMPUTE_PROTO, make_mesh_dispatch("megatron", proto=True), make_mesh_collect("megatron", proto=True)),
     (
         Dispatch.MEGATRON_PP_AS_DP_PROTO,
-        _mesh_dispatch("megatron_pp_as_dp", proto=True),
-        _mesh_collect("megatron_pp_as_dp", proto=True),
+        make_mesh_dispatch("megatron_pp_as_dp", proto=True),
+        make_mesh_collect("megatron_pp_as_dp", proto=True),
     ),
-    (Dispatch.MEGATRON_PP_ONLY, dispatch_one_to_all, _mesh_collect("megatron_pp_only", proto=False)),
+    (Dispatch.MEGATRON_PP_ONLY, dispatch_one_to_all, make_mesh_collect("megatron_pp_only", proto=False)),
 ]:
     register_dispatch_mode(_mode.value, _dispatch, _collect)

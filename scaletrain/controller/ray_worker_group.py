@@ -21,6 +21,7 @@ from scaletrain.controller.worker_group import WorkerDiedError, WorkerError, Wor
 from scaletrain.protocol import DataProto
 
 
+_CALL_TIMEOUT = object()  # _wait's default: the group's call_timeout_s
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -144,9 +145,9 @@ class RayWorkerGroup(WorkerGroup):
             handles.append(getattr(self._workers[rank], remote_name).remote(*a, **kw))
         return handles
 
-    def _wait(self, remote_name: str, ranks: list[int], handles: list[Any], timeout_s: Any = "call") -> list[Any]:
+    def _wait(self, remote_name: str, ranks: list[int], handles: list[Any], timeout_s: Any = _CALL_TIMEOUT) -> list[Any]:
         """Values of all handles; the first failure raises at once. ``timeout_s`` defaults to call_timeout_s."""
-        timeout_s = self.call_timeout_s if timeout_s == "call" else timeout_s
+        timeout_s = self.call_timeout_s if timeout_s is _CALL_TIMEOUT else timeout_s
         rank_of = {ref: rank for ref, rank in zip(handles, ranks)}
         results: dict[Any, Any] = {}
         pending = list(handles)

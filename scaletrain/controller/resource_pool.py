@@ -8,6 +8,7 @@ contiguous per node and stable across runs.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ class RayResourcePool:
                     f"(available {ray.available_resources()})"
                 )
             self._pgs = _sort_by_node_ip(pgs)
+            logger.debug("placed resource pool %s x %s", self.process_on_nodes, self.bundle)
         return self._pgs
 
     def local_sizes(self) -> list[int]:
@@ -83,10 +85,13 @@ class RayResourcePool:
 def _sort_by_node_ip(pgs: list[PlacementGroup]) -> list[PlacementGroup]:
     ip_of = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
 
-    def key(item: tuple[int, Any]) -> tuple[str, int]:
+    def key(item: tuple[int, Any]) -> tuple[Any, int]:
         i, pg = item
         node_ids = placement_group_table(pg).get("bundles_to_node_id", {})
-        first = node_ids.get(0) if isinstance(node_ids, dict) else None
-        return (ip_of.get(first, ""), i)
+        ip = ip_of.get(node_ids.get(0) if isinstance(node_ids, dict) else None, "")
+        try:
+            return (ipaddress.ip_address(ip), i)
+        except ValueError:
+            return (ipaddress.ip_address("0.0.0.0"), i)
 
     return [pg for _, pg in sorted(enumerate(pgs), key=key)]
