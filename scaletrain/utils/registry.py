@@ -13,6 +13,7 @@ Advantage estimators, policy losses, reward managers, backends, rollout engines,
 from __future__ import annotations
 
 import enum
+import importlib
 from typing import Any, Callable, Iterator
 
 
@@ -26,11 +27,16 @@ def _key(name: Any) -> str:
 
 
 class Registry:
-    """Maps names to objects. ``kind`` (e.g. "advantage estimator") only appears in error messages."""
+    """Maps names to objects. ``kind`` (e.g. "advantage estimator") only appears in error messages.
 
-    def __init__(self, kind: str):
+    ``lazy`` maps built-in names to the module that registers them, imported on first ``get`` of that name, so
+    heavy optional dependencies (DeepSpeed, vLLM, ...) load only when a run asks for them.
+    """
+
+    def __init__(self, kind: str, lazy: dict[str, str] | None = None):
         self.kind = kind
         self._entries: dict[str, Any] = {}
+        self._lazy = dict(lazy or {})
 
     def register(self, name: Any, *, override: bool = False) -> Callable[[Any], Any]:
         """Decorator registering its target under ``name``; returns the target unchanged.
@@ -52,17 +58,19 @@ class Registry:
     def get(self, name: Any) -> Any:
         """The object registered under ``name``; ValueError listing the registered names if there is none."""
         key = _key(name)
+        if key not in self._entries and key in self._lazy:
+            importlib.import_module(self._lazy[key])
         try:
             return self._entries[key]
         except KeyError:
             raise ValueError(f"unknown {self.kind} '{key}'; registered: {', '.join(self.names()) or '(none)'}") from None
 
     def names(self) -> list[str]:
-        """Registered names, sorted."""
-        return sorted(self._entries)
+        """Registered names (and not yet imported built-ins), sorted."""
+        return sorted(set(self._entries) | set(self._lazy))
 
     def __contains__(self, name: Any) -> bool:
-        return _key(name) in self._entries
+        return _key(name) in self._entries or _key(name) in self._lazy
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())

@@ -4,9 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from scaletrain.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from scaletrain.protocol import DataProto, DataProtoFuture
-from tests.controller.workers import EchoWorker
+from tests.controller.workers import EchoWorker, started_group
 
 pytestmark = pytest.mark.slow
 
@@ -14,12 +13,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module", params=[2, 4])
 def group(request, ray_cluster):
     n = request.param
-    pool = RayResourcePool([n], use_gpu=True)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker, offset=100), name_prefix=f"echo{n}")
-    yield wg
-    for actor in wg.workers:
-        ray_cluster.kill(actor)
-    pool.release()
+    with started_group(ray_cluster, n, EchoWorker, 100, name_prefix=f"echo{n}") as wg:
+        yield wg
 
 
 def rows(n):
@@ -109,9 +104,7 @@ def test_megatron_modes_tp2_dp2(group):
 
 def test_megatron_pp_modes_tp2_pp2(ray_cluster):
     """TP=2 x PP=2 (DP=1): PP-as-DP splits over PP stages; PP_ONLY collects one output per stage."""
-    pool = RayResourcePool([4], use_gpu=True)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker), name_prefix="mesh_pp")
-    try:
+    with started_group(ray_cluster, 4, EchoWorker, name_prefix="mesh_pp") as wg:
         wg.set_mesh(tp=2, pp=2, dp=1)
         # collected from the last PP stage only
         res = wg.mg_proto(rows(4))
@@ -121,19 +114,9 @@ def test_megatron_pp_modes_tp2_pp2(ray_cluster):
         assert res.batch["rank"].tolist() == [0, 0, 2, 2]
         out = wg.mg_pp_only("w")
         assert out == [(0, (0, 0, 0), "w"), (2, (0, 1, 0), "w")]
-    finally:
-        for actor in wg.workers:
-            ray_cluster.kill(actor)
-        pool.release()
 
 
 def test_mesh_mode_without_declared_mesh_fails_clearly(ray_cluster):
-    pool = RayResourcePool([2], use_gpu=False)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker), name_prefix="nomesh")
-    try:
+    with started_group(ray_cluster, 2, EchoWorker, use_gpu=False, name_prefix="nomesh") as wg:
         with pytest.raises(ValueError, match="declared no place in mesh 'megatron'"):
             wg.mg_proto(rows(4))
-    finally:
-        for actor in wg.workers:
-            ray_cluster.kill(actor)
-        pool.release()

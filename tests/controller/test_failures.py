@@ -7,26 +7,16 @@ import time
 
 import pytest
 
-from scaletrain.controller import (
-    RayClassWithInitArgs,
-    RayResourcePool,
-    RayWorkerGroup,
-    WorkerDiedError,
-    WorkerError,
-)
-from tests.controller.workers import BrokenInit, EchoWorker
+from scaletrain.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, WorkerDiedError, WorkerError
+from tests.controller.workers import BrokenInit, EchoWorker, started_group
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def group(ray_cluster):
-    pool = RayResourcePool([2], use_gpu=False)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker), name_prefix="actor", call_timeout_s=60)
-    yield wg
-    for actor in wg.workers:
-        ray_cluster.kill(actor)
-    pool.release()
+    with started_group(ray_cluster, 2, EchoWorker, use_gpu=False, name_prefix="actor", call_timeout_s=60) as wg:
+        yield wg
 
 
 def test_remote_exception_names_role_rank_method_and_traceback(group):
@@ -48,35 +38,25 @@ def test_failure_is_reported_while_peers_still_run(group):
 
 
 def test_call_timeout_names_the_late_ranks(ray_cluster):
-    pool = RayResourcePool([2], use_gpu=False)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker), name_prefix="slow", call_timeout_s=1.0)
-    try:
+    with started_group(ray_cluster, 2, EchoWorker, use_gpu=False, name_prefix="slow", call_timeout_s=1.0) as wg:
         with pytest.raises(TimeoutError, match=r"sleep\(\) did not finish on ranks \[0, 1\]"):
             wg.sleep(20)
-    finally:
-        for actor in wg.workers:
-            ray_cluster.kill(actor)
-        pool.release()
 
 
 def test_killed_worker_fails_pending_call_naming_it(ray_cluster):
-    pool = RayResourcePool([2], use_gpu=False)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker), name_prefix="victim")
-    victim_pid = wg.worker_infos[1]["pid"]
-    killer = threading.Timer(2.0, os.kill, args=(victim_pid, signal.SIGKILL))
-    killer.start()
-    start = time.monotonic()
-    try:
-        with pytest.raises(WorkerDiedError) as info:
-            wg.sleep(120)  # would take 2 minutes; the kill must end it early
+    with started_group(ray_cluster, 2, EchoWorker, use_gpu=False, name_prefix="victim") as wg:
+        victim_pid = wg.worker_infos[1]["pid"]
+        killer = threading.Timer(2.0, os.kill, args=(victim_pid, signal.SIGKILL))
+        killer.start()
+        start = time.monotonic()
+        try:
+            with pytest.raises(WorkerDiedError) as info:
+                wg.sleep(120)  # would take 2 minutes; the kill must end it early
+        finally:
+            killer.cancel()
         assert time.monotonic() - start < 60
         assert info.value.rank == 1 and info.value.role == "victim"
         assert f"pid {victim_pid}" in str(info.value) and "sleep()" in str(info.value)
-    finally:
-        killer.cancel()
-        for actor in wg.workers:
-            ray_cluster.kill(actor)
-        pool.release()
 
 
 def test_constructor_failure_names_rank(ray_cluster):

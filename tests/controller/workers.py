@@ -1,12 +1,21 @@
 """Worker classes the controller tests drive (importable by Ray worker processes)."""
 
+import contextlib
 import os
 import time
 
 import torch
 import torch.distributed as dist
 
-from scaletrain.controller import Dispatch, Execute, Worker, register
+from scaletrain.controller import (
+    Dispatch,
+    Execute,
+    RayClassWithInitArgs,
+    RayResourcePool,
+    RayWorkerGroup,
+    Worker,
+    register,
+)
 from scaletrain.protocol import DataProto
 
 
@@ -161,3 +170,18 @@ class BrokenInit(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def ping(self):
         return self.rank
+
+
+@contextlib.contextmanager
+def started_group(ray, workers: int, cls, *args, use_gpu=True, **group_kwargs):
+    """A RayWorkerGroup of ``cls`` on a fresh pool; its actors and placement group are freed on exit."""
+    pool = RayResourcePool([workers], use_gpu=use_gpu)
+    group = None
+    try:
+        group = RayWorkerGroup(pool, cls if isinstance(cls, RayClassWithInitArgs) else RayClassWithInitArgs(cls, *args),
+                               **group_kwargs)
+        yield group
+    finally:
+        for actor in group.workers if group is not None else []:
+            ray.kill(actor)
+        pool.release()

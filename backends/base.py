@@ -1,0 +1,105 @@
+"""The training-engine interface and its registry (layer 1).
+
+A role worker (scaletrain/workers) owns one TrainEngine and talks to it only through this interface, so the
+worker is the same for FSDP2, DeepSpeed ZeRO-3 and Megatron-core. A backend knows nothing about Ray or PPO:
+the worker passes in the per-micro-batch loss as a function.
+
+Batch layout every engine accepts (verl's): ``input_ids``, ``attention_mask``, ``position_ids`` of shape
+(B, P + R) with prompts left-padded and responses right-padded, and ``responses`` (B, R). Outputs are aligned
+with the response tokens: ``log_probs`` / ``entropy`` / ``values`` of shape (B, R).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Callable, Iterator
+
+import torch
+
+from scaletrain.protocol import DataProto
+from scaletrain.utils.registry import Registry
+
+# loss_fn(outputs, micro_batch) -> (loss, metrics). ``outputs`` holds (b, R) tensors with grad: "log_probs"
+# (and "entropy" when asked) for causal_lm models, "values" for value models. The engine scales the loss for
+# gradient accumulation (by the micro-batch's share of the mini-batch's rows), so loss_fn returns the plain
+# per-micro-batch loss.
+LossFn = Callable[[dict[str, torch.Tensor], DataProto], tuple[torch.Tensor, dict[str, float]]]
+
+Buckets = Iterator[list[tuple[str, torch.Tensor]]]
+
+
+class TrainEngine(ABC):
+    # how the controller shards batches for this backend: "DP_COMPUTE_PROTO" (fsdp, deepspeed) or
+    # "MEGATRON_COMPUTE_PROTO" (megatron; the worker then declares its mesh place with set_megatron_mesh)
+    dispatch: str = "DP_COMPUTE_PROTO"
+
+    @abstractmethod
+    def forward(self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",)) -> DataProto:
+        """No-grad forward over micro-batches; returns a DataProto with the requested (B, R) outputs."""
+
+    @abstractmethod
+    def train_step(self, mini_batch: DataProto, loss_fn: LossFn, outputs: tuple[str, ...] = ("log_probs",)) -> dict:
+        """One optimizer step on a mini-batch: micro-batches, grad accumulation, clip, step, LR schedule.
+
+        Returns metrics averaged over micro-batches plus ``grad_norm`` and ``lr``.
+        """
+
+    @abstractmethod
+    def export_weights(self, bucket_bytes: int = 256 << 20) -> Buckets:
+        """Full HF-named tensors, yielded in buckets of at most ``bucket_bytes`` (a larger single tensor is a
+        bucket of its own). Every rank must iterate it (gathers are collective); every rank gets the tensors."""
+
+    @abstractmethod
+    def save(self, path: str) -> None:
+        """Sharded model + optimizer + LR scheduler + RNG state under directory ``path`` (collective)."""
+
+    @abstractmethod
+    def load(self, path: str) -> None:
+        """Restore what ``save`` wrote, exactly (collective)."""
+
+    def save_hf(self, path: str) -> None:
+        """An HF checkpoint (config + safetensors) that transformers and vLLM load; written by rank 0."""
+        raise NotImplementedError
+
+    def offload(self) -> None:
+        """Free accelerator memory (params/grads/optimizer to CPU) while the rollout engine runs."""
+
+    def onload(self) -> None:
+        """Undo offload."""
+
+    @property
+    def dp_rank(self) -> int:
+        return 0
+
+    @property
+    def dp_size(self) -> int:
+        return 1
+
+    @property
+    def collects_output(self) -> bool:
+        """Whether this rank's outputs are the ones the controller keeps (Megatron: TP rank 0, last PP stage)."""
+        return True
+
+
+# built-ins are imported on first use, so a run imports only the framework it needs
+BACKENDS = Registry(
+    "backend", lazy={"fsdp": "backends.fsdp", "deepspeed": "backends.deepspeed", "megatron": "backends.megatron"}
+)
+
+
+def register_backend(name: str):
+    """``@register_backend("fsdp")`` on a TrainEngine subclass whose __init__ takes
+    (model_config, optim_config, engine_config)."""
+    return BACKENDS.register(name)
+
+
+def get_backend(name: str) -> type[TrainEngine]:
+    """The engine class registered as ``name``; imports ``backends.<name>`` first if it has not registered yet."""
+    if isinstance(name, str) and name not in BACKENDS:
+        try:
+            importlib.import_module(f"backends.{name}")
+        except ModuleNotFoundError as e:
+            if e.name not in (f"backends.{name}",):
+                raise
+    return BACKENDS.get(name)

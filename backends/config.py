@@ -1,0 +1,48 @@
+"""Typed settings the engines take (layer 1). The trainer's Hydra config maps onto these.
+
+Kept free of Hydra/OmegaConf so an engine can be built from plain Python (tests, notebooks, benchmarks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    path: str                                   # a local HF checkpoint directory
+    kind: str = "causal_lm"                     # causal_lm (actor/ref) | value (critic) | reward (seq. classifier)
+    dtype: str = "float32"                      # parameter dtype: float32 | bfloat16
+    gradient_checkpointing: bool = False
+    use_remove_padding: bool = False            # pack valid tokens of a micro-batch into one sequence
+    trust_remote_code: bool = False
+    override_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float = 1.0                      # <= 0 disables clipping
+    warmup_steps: int = 0
+    total_steps: int = 0                        # needed by cosine; 0 = unknown (constant after warm-up)
+    lr_scheduler: str = "constant"              # constant | cosine
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class EngineConfig:
+    """How a training engine batches and shards; shared by every backend (backend-specific knobs in extra)."""
+
+    micro_batch_size_per_gpu: int = 4
+    use_dynamic_bsz: bool = False
+    max_token_len_per_gpu: int = 16384          # token budget of one micro-batch when use_dynamic_bsz
+    mixed_precision: str | None = None          # None | bfloat16 (compute dtype; params stay in ModelConfig.dtype)
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    entropy_chunk_size: int = 1024
+    seed: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
