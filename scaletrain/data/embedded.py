@@ -1,0 +1,208 @@
+"""The embedded default: a tiny Qwen2 model, its tokenizer and a synthetic addition task, built once and cached.
+
+The task (see the platform notes' recipe): two 3-digit operands (100-999), prompt ``"437+258="``, answer
+``"695"`` followed by EOS. Problems are distinct (a, b) pairs drawn without replacement from the 810,000
+possible ones, seeded; the test set is drawn first, then validation, then train, so held-out sets are disjoint
+from train and don't change when ``n_train`` does.
+
+Files written by ``write_arithmetic_task(output_dir, ...)``:
+  - ``train.parquet``, ``val.parquet``, ``test.parquet``: verl's RL row format, ``data_source``
+    ``"scaletrain/arithmetic"``, ``reward_model={"style": "rule", "ground_truth": "695"}``,
+    ``extra_info={"split", "index", "a", "b"}``.
+  - ``sft_train.parquet``, ``sft_val.parquet`` (same problems as train / val): ``prompt`` (``"437+258="``) and
+    ``response`` (``"695"``, without EOS: an SFT trainer appends ``tokenizer.eos_token``), plus ``messages``
+    (a user/assistant pair; the tokenizer's chat template renders it as ``"437+258=695<eos>"``) and
+    ``data_source``.
+
+``build_embedded_default(cache_dir, ...)`` also writes the model directory: a random-init Qwen2ForCausalLM
+(hidden 128, 2 layers, 4 heads / 2 KV heads, intermediate 512, tied embeddings, 16-token vocabulary,
+max_position_embeddings 64, float32) and the tokenizer, both via ``save_pretrained``, so the model path is also
+the tokenizer path. The build goes into a temporary sibling directory that is renamed into place after its stamp
+file (written last) is in: a directory without a valid stamp is a half-built cache and is rebuilt.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from scaletrain.data import tokenizer as tok
+
+logger = logging.getLogger(__name__)
+
+DATA_SOURCE = "scaletrain/arithmetic"
+ABILITY = "arithmetic"
+LOW, HIGH = 100, 999
+NUM_PROBLEMS = (HIGH - LOW + 1) ** 2
+BUILD_VERSION = 1
+STAMP_FILE = "BUILD_COMPLETE.json"
+DEFAULT_N_TRAIN = 50_000
+
+MODEL_CONFIG = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=512,
+    tie_word_embeddings=True,
+    max_position_embeddings=tok.MODEL_MAX_LENGTH,
+)
+
+
+def default_cache_dir() -> Path:
+    """``$SCALETRAIN_CACHE/embedded`` when that variable is set, else ``~/.cache/scaletrain/embedded``."""
+    root = os.environ.get("SCALETRAIN_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "scaletrain"
+    return base / "embedded"
+
+
+# ------------------------------------------------------------------------------------------------- the task
+def sample_problems(seed: int, n_train: int, n_val: int, n_test: int) -> dict[str, list[tuple[int, int]]]:
+    """Disjoint (a, b) operand pairs per split, drawn without replacement (test, then val, then train)."""
+    sizes = {"train": n_train, "val": n_val, "test": n_test}
+    for name, n in sizes.items():
+        if n < 0:
+            raise ValueError(f"n_{name} must be >= 0, got {n}")
+    total = n_train + n_val + n_test
+    if total > NUM_PROBLEMS:
+        raise ValueError(f"asked for {total} distinct problems; only {NUM_PROBLEMS} exist")
+    codes = np.random.default_rng(seed).permutation(NUM_PROBLEMS)[:total]
+    pairs = [(LOW + int(c) // (HIGH - LOW + 1), LOW + int(c) % (HIGH - LOW + 1)) for c in codes]
+    return {"test": pairs[:n_test], "val": pairs[n_test:n_test + n_val], "train": pairs[n_test + n_val:]}
+
+
+def problem_row(a: int, b: int, split: str, index: int) -> dict[str, Any]:
+    """One RL row in verl's format for ``a+b=``."""
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+        "ability": ABILITY,
+        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        "extra_info": {"split": split, "index": index, "a": a, "b": b},
+    }
+
+
+def sft_row(a: int, b: int) -> dict[str, Any]:
+    """One SFT row: prompt / response strings (no EOS in the response) and the same as chat messages."""
+    prompt, response = f"{a}+{b}=", str(a + b)
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": prompt,
+        "response": response,
+        "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}],
+    }
+
+
+def _write_parquet(rows: list[dict[str, Any]], path: Path) -> str:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def write_arithmetic_task(
+    output_dir: str | os.PathLike, seed: int = 0, n_train: int = DEFAULT_N_TRAIN, n_val: int = 300, n_test: int = 500
+) -> dict[str, str]:
+    """Write the RL and SFT parquet files of the addition task; returns split name -> path."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    splits = sample_problems(seed, n_train, n_val, n_test)
+    paths = {}
+    for split, pairs in splits.items():
+        paths[split] = _write_parquet([problem_row(a, b, split, i) for i, (a, b) in enumerate(pairs)],
+                                      out / f"{split}.parquet")
+    for split in ("train", "val"):
+        paths[f"sft_{split}"] = _write_parquet([sft_row(a, b) for a, b in splits[split]], out / f"sft_{split}.parquet")
+    logger.info("arithmetic task: %s problems (train/val/test) written to %s",
+                "/".join(str(len(splits[s])) for s in ("train", "val", "test")), out)
+    return paths
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def tiny_qwen2_config(**overrides: Any) -> Any:
+    """The embedded model's ``Qwen2Config`` (vocabulary and special ids from the tokenizer)."""
+    from transformers import Qwen2Config
+
+    settings = dict(MODEL_CONFIG, vocab_size=len(tok.arithmetic_vocab()), pad_token_id=tok.PAD_ID,
+                    bos_token_id=tok.BOS_ID, eos_token_id=tok.EOS_ID)
+    settings.update(overrides)
+    return Qwen2Config(**settings)
+
+
+def save_tiny_model(path: str | os.PathLike, seed: int = 0) -> str:
+    """Random-init the tiny Qwen2 (seeded, without touching the caller's RNG) and save model + tokenizer."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(tiny_qwen2_config()).to(torch.float32)
+    model.generation_config.pad_token_id = tok.PAD_ID
+    model.generation_config.eos_token_id = tok.EOS_ID
+    model.generation_config.bos_token_id = tok.BOS_ID
+    model.save_pretrained(path)
+    tok.save_arithmetic_tokenizer(str(path))
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------------ the cache
+def _paths(root: Path) -> dict[str, str]:
+    model = str(root / "model")
+    data = root / "data"
+    paths = {"dir": str(root), "model": model, "tokenizer": model}
+    for name in ("train", "val", "test", "sft_train", "sft_val"):
+        paths[name] = str(data / f"{name}.parquet")
+    return paths
+
+
+def _read_stamp(root: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((root / STAMP_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def build_embedded_default(
+    cache_dir: str | os.PathLike | None = None,
+    seed: int = 0,
+    n_train: int = DEFAULT_N_TRAIN,
+    n_val: int = 300,
+    n_test: int = 500,
+) -> dict[str, str]:
+    """Build (once) the embedded default's model, tokenizer and data; return their paths.
+
+    Keys: ``dir``, ``model`` and ``tokenizer`` (the same HF directory), ``train`` / ``val`` / ``test`` (RL parquet),
+    ``sft_train`` / ``sft_val`` (SFT parquet). Each (seed, sizes) combination gets its own subdirectory of
+    ``cache_dir`` (default ``default_cache_dir()``); a complete one is returned as is.
+    """
+    params = {"version": BUILD_VERSION, "seed": seed, "n_train": n_train, "n_val": n_val, "n_test": n_test}
+    base = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    root = base / f"v{BUILD_VERSION}-seed{seed}-train{n_train}-val{n_val}-test{n_test}"
+    if _read_stamp(root) == params:
+        logger.debug("embedded default cached at %s", root)
+        return _paths(root)
+
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = base / f".{root.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        logger.info("building the embedded default into %s", root)
+        save_tiny_model(tmp / "model", seed=seed)
+        write_arithmetic_task(tmp / "data", seed=seed, n_train=n_train, n_val=n_val, n_test=n_test)
+        (tmp / STAMP_FILE).write_text(json.dumps(params))  # last: marks the build complete
+        if root.exists():  # half-built or stale
+            shutil.rmtree(root, ignore_errors=True)
+        try:
+            os.rename(tmp, root)
+        except OSError:
+            if _read_stamp(root) != params:  # not a concurrent builder that finished first
+                raise
+            logger.debug("another process finished building %s first", root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _paths(root)

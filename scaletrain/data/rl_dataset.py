@@ -1,0 +1,270 @@
+"""RL prompt dataset: parquet files in verl's row format -> left-padded prompt tensors + per-row fields.
+
+Row format (one parquet row = one prompt)::
+
+    data_source   str                              picks the reward function
+    prompt        list of {"role": str, "content": str}   chat messages
+    ability       str (optional)
+    reward_model  {"style": "rule" | "model", "ground_truth": ...}   ground_truth is required
+    extra_info    dict (optional)                  passed through to the reward function
+    agent_name    str (optional)                   picks the agent loop
+
+Each prompt is rendered with the tokenizer's chat template (``add_generation_prompt=True``, as text) and that text
+is tokenized with ``add_special_tokens=False``: the template already writes any BOS/system tokens the model
+wants, so letting the tokenizer add them again would double them.
+
+``dataset[i]`` is a dict: ``input_ids`` / ``attention_mask`` / ``position_ids`` (1-D, left-padded to
+``max_prompt_length``; position ids count valid tokens from 0) plus the non-tensor fields ``data_source``,
+``reward_model``, ``extra_info``, ``ability``, ``raw_prompt`` (the messages), ``raw_prompt_ids`` (unpadded token
+ids), ``index`` (``extra_info["index"]`` when present, else ``row_id``), ``row_id`` (the row's position across all
+files, unique, counted before filtering) and ``agent_name`` when any file has that column.
+``collate_fn`` turns a list of those into a DataProto.
+
+Everything is tokenized once in ``__init__`` (tens of microseconds a row), so overlong prompts are known up front:
+``filter_overlong_prompts=True`` drops them (``num_filtered`` counts them); otherwise ``truncation`` decides:
+``"error"`` raises naming file and row, ``"left"`` keeps the last tokens, ``"right"`` the first ones.
+Malformed rows raise ValueError naming the file and the 0-based row index.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from scaletrain.protocol import DataProto
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right")
+TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def left_pad(token_ids: Sequence[Sequence[int]], length: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Left-pad id lists to ``length``: ``input_ids``, ``attention_mask``, ``position_ids`` of shape (B, length).
+
+    Position ids are 0 at the first valid token and count up; padding positions hold 0.
+    """
+    input_ids = torch.full((len(token_ids), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(token_ids), length), dtype=torch.long)
+    for row, ids in enumerate(token_ids):
+        if len(ids) > length:
+            raise ValueError(f"row {row} has {len(ids)} tokens, more than the padded length {length}")
+        if ids:
+            input_ids[row, length - len(ids):] = torch.as_tensor(list(ids), dtype=torch.long)
+            attention_mask[row, length - len(ids):] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+def _object_array(values: list[Any]) -> np.ndarray:
+    """A 1-D object array holding each value as one element (lists/dicts are not broadcast into new axes)."""
+    arr = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        arr[i] = value
+    return arr
+
+
+def collate_fn(items: Sequence[dict[str, Any]]) -> DataProto:
+    """Rows from ``RLDataset.__getitem__`` -> one DataProto: tensors stacked, other fields as object arrays."""
+    if not items:
+        raise ValueError("collate_fn needs at least one row")
+    keys = list(items[0])
+    for i, item in enumerate(items[1:], start=1):
+        if set(item) != set(keys):
+            raise ValueError(f"collate_fn: row {i} has fields {sorted(item)}, row 0 has {sorted(keys)}")
+    tensors = {k: torch.stack([item[k] for item in items]) for k in keys if isinstance(items[0][k], torch.Tensor)}
+    non_tensors = {k: _object_array([item[k] for item in items]) for k in keys if k not in tensors}
+    return DataProto.from_dict(tensors, non_tensors)
+
+
+def _is_message(message: Any) -> bool:
+    return (
+        isinstance(message, dict)
+        and isinstance(message.get("role"), str)
+        and isinstance(message.get("content"), str)
+    )
+
+
+def _check_row(row: dict[str, Any], prompt_key: str, where: str) -> dict[str, Any]:
+    """Validate one raw parquet row; return its fields normalised (dict copies, defaults filled)."""
+    messages = row.get(prompt_key)
+    if messages is None:
+        raise ValueError(f"{where}: missing '{prompt_key}' (a list of {{role, content}} chat messages)")
+    if not isinstance(messages, (list, tuple)) or not messages or not all(_is_message(m) for m in messages):
+        raise ValueError(
+            f"{where}: '{prompt_key}' must be a non-empty list of {{role: str, content: str}} messages, "
+            f"got {messages!r:.200}"
+        )
+    data_source = row.get("data_source")
+    if not isinstance(data_source, str) or not data_source:
+        raise ValueError(f"{where}: 'data_source' must be a non-empty string, got {data_source!r:.100}")
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+        raise ValueError(f"{where}: missing 'reward_model.ground_truth' (reward_model={reward_model!r:.200})")
+    extra_info = row.get("extra_info")
+    if extra_info is None:
+        extra_info = {}
+    elif not isinstance(extra_info, dict):
+        raise ValueError(f"{where}: 'extra_info' must be a dict, got {type(extra_info).__name__}")
+    ability = row.get("ability")
+    if ability is not None and not isinstance(ability, str):
+        raise ValueError(f"{where}: 'ability' must be a string, got {type(ability).__name__}")
+    agent_name = row.get("agent_name")
+    if agent_name is not None and not isinstance(agent_name, str):
+        raise ValueError(f"{where}: 'agent_name' must be a string, got {type(agent_name).__name__}")
+    return {
+        "data_source": data_source,
+        "raw_prompt": [{"role": m["role"], "content": m["content"]} for m in messages],
+        "ability": ability or "",
+        "reward_model": dict(reward_model),
+        "extra_info": dict(extra_info),
+        "agent_name": agent_name,
+    }
+
+
+class RLDataset:
+    """Prompts of one or more parquet files in verl's row format, tokenized and ready for ``collate_fn``.
+
+    Args:
+        data_files: one path or a list of paths; rows are concatenated in order.
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        max_prompt_length: the padded prompt length (tokens).
+        prompt_key: the column holding the chat messages.
+        filter_overlong_prompts: drop prompts longer than ``max_prompt_length`` (counted in ``num_filtered``).
+        truncation: when not filtering: ``"error"``, ``"left"`` (keep the end) or ``"right"`` (keep the start).
+        max_samples: keep only the first ``max_samples`` rows (before filtering); None keeps all.
+        chat_template_kwargs: extra keyword arguments for ``apply_chat_template`` (e.g. ``enable_thinking``).
+    """
+
+    def __init__(
+        self,
+        data_files: str | os.PathLike | Sequence[str | os.PathLike],
+        tokenizer: Any,
+        max_prompt_length: int = 1024,
+        *,
+        prompt_key: str = "prompt",
+        filter_overlong_prompts: bool = False,
+        truncation: str = "error",
+        max_samples: int | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ):
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
+        if max_prompt_length <= 0:
+            raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
+        if isinstance(data_files, (str, os.PathLike)):
+            data_files = [data_files]
+        self.data_files = [os.fspath(f) for f in data_files]
+        if not self.data_files:
+            raise ValueError("RLDataset needs at least one data file")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat template; RLDataset renders prompts with apply_chat_template")
+        self.tokenizer = tokenizer
+        self.max_prompt_length = int(max_prompt_length)
+        self.prompt_key = prompt_key
+        self.filter_overlong_prompts = filter_overlong_prompts
+        self.truncation = truncation
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is None:
+            raise ValueError("the tokenizer has neither a pad token nor an EOS token to pad prompts with")
+        self.pad_token_id = int(pad)
+
+        self.rows: list[dict[str, Any]] = []
+        self.prompt_ids: list[list[int]] = []
+        self.num_filtered = 0
+        self.num_truncated = 0
+        self.has_agent_name = False
+        self._load(max_samples)
+
+    # ---------------------------------------------------------------------------------------------- loading
+    def _load(self, max_samples: int | None) -> None:
+        rows, wheres = [], []
+        for path in self.data_files:
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"RL data file not found: {path}")
+            table = pq.read_table(path)
+            self.has_agent_name |= "agent_name" in table.column_names
+            for i, raw in enumerate(table.to_pylist()):
+                if max_samples is not None and len(rows) >= max_samples:
+                    break
+                where = f"{path}: row {i}"
+                rows.append(_check_row(raw, self.prompt_key, where))
+                wheres.append(where)
+        texts = []
+        for row, where in zip(rows, wheres):
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    row["raw_prompt"], add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
+                )
+            except Exception as exc:  # template errors are user data errors: say which row
+                raise ValueError(f"{where}: applying the chat template failed: {exc}") from exc
+            texts.append(text)
+        all_ids = []
+        if texts:
+            all_ids = self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+        limit = self.max_prompt_length
+        for row_id, (row, ids, where) in enumerate(zip(rows, all_ids, wheres)):
+            ids = list(ids)
+            if len(ids) > limit:
+                if self.filter_overlong_prompts:
+                    self.num_filtered += 1
+                    continue
+                if self.truncation == "error":
+                    raise ValueError(
+                        f"{where}: prompt has {len(ids)} tokens, more than max_prompt_length={limit}; "
+                        "raise max_prompt_length, set filter_overlong_prompts=True or truncation='left'|'right'"
+                    )
+                ids = ids[-limit:] if self.truncation == "left" else ids[:limit]
+                self.num_truncated += 1
+            row["row_id"] = row_id
+            index = row["extra_info"].get("index")
+            row["index"] = index if index is not None else row_id
+            self.rows.append(row)
+            self.prompt_ids.append(ids)
+        if self.num_filtered:
+            logger.info(
+                "filtered %d of %d prompts longer than %d tokens (%s)",
+                self.num_filtered, len(rows), limit, ", ".join(self.data_files),
+            )
+        if self.num_truncated:
+            logger.warning("%s-truncated %d prompts to %d tokens", self.truncation, self.num_truncated, limit)
+        if not self.rows:
+            raise ValueError(
+                f"no prompts left in {', '.join(self.data_files)} "
+                f"({len(rows)} read, {self.num_filtered} longer than max_prompt_length={limit})"
+            )
+        logger.info("RL dataset: %d prompts from %d file(s)", len(self.rows), len(self.data_files))
+
+    # ---------------------------------------------------------------------------------------------- access
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        row = self.rows[idx]
+        ids = self.prompt_ids[idx]
+        padded = left_pad([ids], self.max_prompt_length, self.pad_token_id)
+        item: dict[str, Any] = {k: padded[k][0] for k in TENSOR_KEYS}
+        item.update(
+            data_source=row["data_source"],
+            reward_model=copy.deepcopy(row["reward_model"]),
+            extra_info=copy.deepcopy(row["extra_info"]),
+            ability=row["ability"],
+            raw_prompt=copy.deepcopy(row["raw_prompt"]),
+            raw_prompt_ids=list(ids),
+            index=row["index"],
+            row_id=row["row_id"],
+        )
+        if self.has_agent_name:
+            item["agent_name"] = row["agent_name"]
+        return item
+
+    def get_batch(self, indices: Sequence[int]) -> DataProto:
+        """Rows ``indices`` collated into one DataProto."""
+        return collate_fn([self[int(i)] for i in indices])
