@@ -24,7 +24,8 @@ extras = {
     "vllm": _vllm_requirement(),
     "deepspeed": ["deepspeed==0.19.8"],
     "megatron": ["megatron-core==0.16.1"],
-    "loggers": ["wandb", "tensorboard", "mlflow"],
+    # mlflow-skinny: the full mlflow pulls scikit-learn, flask, docker, ... and downgrades pyarrow
+    "loggers": ["wandb>=0.19", "tensorboard>=2.14", "mlflow-skinny>=3.0", "sqlalchemy>=2.0", "alembic"],
     "test": ["pytest>=8", "pytest-timeout"],
 }
 
@@ -52,8 +53,9 @@ setup(
         "pandas",
         "transformers>=4.45",
         "psutil",
-        "tqdm",
-        "rich",
+        "tqdm>=4.66",
+        "rich>=13",
+        "matplotlib>=3.7",
         "math-verify>=0.9",
     ],
     extras_require=extras,
