@@ -11,7 +11,6 @@ with the response tokens: ``log_probs`` / ``entropy`` / ``values`` of shape (B, 
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from typing import Callable, Iterator
 
@@ -95,11 +94,4 @@ def register_backend(name: str):
 
 
 def get_backend(name: str) -> type[TrainEngine]:
-    """The engine class registered as ``name``; imports ``backends.<name>`` first if it has not registered yet."""
-    if isinstance(name, str) and name not in BACKENDS:
-        try:
-            importlib.import_module(f"backends.{name}")
-        except ModuleNotFoundError as e:
-            if e.name not in (f"backends.{name}",):
-                raise
     return BACKENDS.get(name)

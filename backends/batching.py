@@ -1,0 +1,100 @@
+"""Micro-batch partitioning for the training engines: fixed size or by token budget, and the way back.
+
+A partition is a list of micro-batches, each a sorted list of row indices into the mini-batch.
+
+- ``fixed_partition(n, size)``: consecutive rows, ``size`` at a time.
+- ``token_budget_partition(lengths, max_tokens, min_parts)``: dynamic batch size. Rows are grouped so that each
+  micro-batch's sum of valid tokens (``attention_mask.sum(-1)``) stays within ``max_tokens``, using the fewest
+  parts (>= ``min_parts``) for which a balanced split fits: rows are placed longest first into the currently
+  lightest part (LPT). A row longer than the budget gets a part of its own (with a warning).
+- ``restore_order(partition)``: the index that puts outputs concatenated in partition order back into the
+  original row order: ``torch.cat(outputs)[restore_order(partition)]``.
+- ``grad_scales(partition)``: gradient-accumulation weights, rows in the micro-batch / rows in the mini-batch.
+
+Gradient accumulation. The engine backpropagates ``loss_i * rows_i / rows`` for micro-batch i. For a loss that is
+a mean over rows (each row's own loss averaged with equal weight, e.g. "seq-mean-token-mean"), the sum is exactly
+the mini-batch loss, so any partition (fixed or dynamic, any size) gives the same gradient. For a token-mean loss
+(sum over the micro-batch's tokens / its token count) the sum weights micro-batches by rows, not tokens, so it
+equals the mini-batch token-mean only when every micro-batch has the same tokens per row; partitions then differ
+slightly. A loss_fn that needs the exact mini-batch token-mean can divide its token sum by the mini-batch's token
+count and by the micro-batch's ``grad_scale`` (the engine puts it in ``micro_batch.meta_info["grad_scale"]``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+from typing import Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Partition = list[list[int]]
+
+
+def fixed_partition(n_rows: int, micro_batch_size: int) -> Partition:
+    """Consecutive rows ``micro_batch_size`` at a time (the last part may be shorter)."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    return [list(range(s, min(s + micro_batch_size, n_rows))) for s in range(0, n_rows, micro_batch_size)]
+
+
+def balanced_partition(lengths: Sequence[int], parts: int) -> Partition:
+    """Exactly ``parts`` non-empty parts with balanced length sums: longest row first into the lightest part."""
+    n = len(lengths)
+    if not 1 <= parts <= n:
+        raise ValueError(f"cannot split {n} rows into {parts} non-empty parts")
+    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = [[] for _ in range(parts)]
+    # the first `parts` rows seed one part each, so no part stays empty
+    heap = []
+    for k, i in enumerate(order[:parts]):
+        bins[k].append(i)
+        heap.append((lengths[i], k))
+    heapq.heapify(heap)
+    for i in order[parts:]:
+        load, k = heapq.heappop(heap)
+        bins[k].append(i)
+        heapq.heappush(heap, (load + lengths[i], k))
+    return [sorted(b) for b in bins]
+
+
+def _fits(partition: Partition, lengths: Sequence[int], max_tokens: int) -> bool:
+    return all(len(p) == 1 or sum(lengths[i] for i in p) <= max_tokens for p in partition)
+
+
+def token_budget_partition(lengths: Sequence[int], max_tokens: int, min_parts: int = 1) -> Partition:
+    """The fewest balanced parts (at least ``min_parts``) whose token sums are each <= ``max_tokens``."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    n = len(lengths)
+    if n == 0:
+        return []
+    if min_parts > n:
+        raise ValueError(f"cannot split {n} rows into at least {min_parts} micro-batches")
+    too_long = [i for i in range(n) if lengths[i] > max_tokens]
+    if too_long:
+        logger.warning("%d row(s) longer than max_token_len_per_gpu=%d (longest %d tokens) each form a micro-batch "
+                       "of their own", len(too_long), max_tokens, max(lengths[i] for i in too_long))
+    parts = max(min_parts, len(too_long), math.ceil(sum(min(x, max_tokens) for x in lengths) / max_tokens), 1)
+    while True:
+        partition = balanced_partition(lengths, parts)
+        if _fits(partition, lengths, max_tokens):
+            return partition
+        parts += 1  # ends at parts == n, where every row is alone
+
+
+def restore_order(partition: Partition) -> torch.Tensor:
+    """Index ``r`` with ``torch.cat(per_part_outputs)[r]`` in the original row order."""
+    flat = torch.tensor([i for part in partition for i in part], dtype=torch.long)
+    inverse = torch.empty_like(flat)
+    inverse[flat] = torch.arange(len(flat))
+    return inverse
+
+
+def grad_scales(partition: Partition) -> list[float]:
+    """Each micro-batch's share of the mini-batch's rows (the gradient-accumulation weight)."""
+    total = sum(len(p) for p in partition)
+    return [len(p) / total for p in partition]

@@ -1,0 +1,54 @@
+"""torch.distributed set-up for the FSDP engine: device choice, process-group init, and cross-rank agreement on the
+number of micro-batches (every rank must run the same number of forwards: each one all-gathers parameters)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+def local_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` (modulo the visible devices) when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: torch.device) -> None:
+    """Initialise the default process group unless the caller already did.
+
+    From the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) when RANK and WORLD_SIZE are set; otherwise a
+    one-process group on a free local port (notebooks, benchmarks). gloo on CPU; on CUDA nccl for CUDA tensors
+    plus gloo for CPU tensors.
+    """
+    if dist.is_initialized():
+        return
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend)
+    else:
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    logger.info("initialised torch.distributed: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend)
+
+
+def max_over_ranks(values: list[int], device: torch.device, group=None) -> list[int]:
+    """Element-wise maximum of small integer lists across the ranks of ``group`` (no-op for one rank)."""
+    if dist.get_world_size(group) == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [int(x) for x in t.tolist()]

@@ -1,0 +1,200 @@
+"""Hugging Face model pieces shared by the training engines: building a model from ModelConfig and the forward
+of one micro-batch that turns verl-layout inputs into per-response-token outputs.
+
+Outputs of ``forward_micro_batch`` (all float32, zero at padded response positions):
+  - causal_lm: ``log_probs`` (b, R) of the response tokens (logits at position t predict token t+1, so the
+    predictions are taken at the R positions before each response token), optional ``entropy`` (b, R). The logits
+    are divided by ``temperature`` first, like the sampler that produced the responses.
+  - value: ``values`` (b, R), the token-classification head's output at the position *before* each response token.
+  - reward: ``scores`` (b,), the sequence-classification head's output at each row's last valid token.
+
+Two paths, numerically equal (tests/backends/test_fsdp_hf_model.py):
+  - padded: a plain HF forward with ``attention_mask`` and ``position_ids``;
+  - remove-padding (``ModelConfig.use_remove_padding``): the valid tokens of the micro-batch are packed into one
+    (1, total) sequence, position ids restarting at 0 for each row and no attention mask. transformers (5.x) detects
+    the packing from the position ids: flash-attention uses them as sequence boundaries, sdpa/eager get a
+    block-diagonal causal mask (``masking_utils.find_packed_sequence_indices``). Only the positions that predict
+    response tokens go through the LM head (``logits_to_keep`` with an index tensor). Packing pays off with
+    flash-attention (varlen kernels); with sdpa/eager the block-diagonal mask is dense, so attention costs
+    O(total tokens^2) and the padded path is faster (see benchmarks/train_throughput.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from backends.config import ModelConfig
+from scaletrain.algos.entropy import entropy_from_logits, logprobs_from_logits
+
+logger = logging.getLogger(__name__)
+
+KIND_OUTPUTS = {"causal_lm": ("log_probs", "entropy"), "value": ("values",), "reward": ("scores",)}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype '{name}'; known: {sorted(DTYPES)}") from None
+
+
+def build_hf_config(model_config: ModelConfig):
+    """The HF config of ``model_config.path`` with ``override_config`` applied (value/reward: one label)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_config.path, trust_remote_code=model_config.trust_remote_code)
+    for key, value in model_config.override_config.items():
+        if key != "attn_implementation":
+            setattr(config, key, value)
+    if model_config.kind in ("value", "reward"):
+        config.num_labels = 1
+        if "classifier_dropout" not in model_config.override_config:
+            config.classifier_dropout = 0.0  # a critic must give the same values in forward and in training
+    config.use_cache = False
+    return config
+
+
+def build_model(model_config: ModelConfig) -> nn.Module:
+    """Load the HF model for ``model_config.kind`` on CPU in ``model_config.dtype``.
+
+    causal_lm -> AutoModelForCausalLM; value -> AutoModelForTokenClassification (num_labels=1, a value per token);
+    reward -> AutoModelForSequenceClassification (num_labels=1). A value/reward model may start from a causal-LM
+    checkpoint: its head is then freshly initialised (seed the RNG identically on every rank first).
+    ``override_config["attn_implementation"]`` picks the attention kernel (default: transformers' choice).
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    classes = {"causal_lm": AutoModelForCausalLM, "value": AutoModelForTokenClassification,
+               "reward": AutoModelForSequenceClassification}
+    if model_config.kind not in classes:
+        raise ValueError(f"unknown model kind '{model_config.kind}'; known: {sorted(classes)}")
+    kwargs = {}
+    if "attn_implementation" in model_config.override_config:
+        kwargs["attn_implementation"] = model_config.override_config["attn_implementation"]
+    model = classes[model_config.kind].from_pretrained(
+        model_config.path,
+        config=build_hf_config(model_config),
+        dtype=torch_dtype(model_config.dtype),
+        trust_remote_code=model_config.trust_remote_code,
+        **kwargs,
+    )
+    if model_config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (the modules named in the model's ``_no_split_modules``), in order."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (_no_split_modules={names})")
+    return layers
+
+
+# ------------------------------------------------------------------------------------------------ packing
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
+    """Valid tokens of every row concatenated into (1, total); returns (ids, position_ids, packed_index) where
+    ``packed_index[i, t]`` is the packed position of token (i, t) (meaningful where the mask is 1)."""
+    mask = attention_mask.bool()
+    ids = input_ids[mask].unsqueeze(0)
+    pos = position_ids[mask].unsqueeze(0)
+    lengths = mask.sum(-1)
+    starts = torch.cumsum(lengths, 0) - lengths
+    first_pos = pos[0, starts[lengths > 0]]
+    if bool((first_pos != 0).any()):
+        # transformers finds sequence boundaries where the position id does not grow by one
+        raise ValueError("remove-padding needs each row's valid position ids to start at 0")
+    packed_index = torch.cumsum(mask.flatten().long(), 0).view(mask.shape) - 1
+    return ids, pos, packed_index
+
+
+def _scatter_rows(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(n_valid,) values into a zero (b, R) tensor at ``valid``'s True entries (differentiable)."""
+    out = values.new_zeros(valid.shape)
+    return out.masked_scatter(valid, values)
+
+
+# ------------------------------------------------------------------------------------------------ forward
+def forward_micro_batch(
+    model: nn.Module,
+    micro: dict[str, torch.Tensor],
+    outputs: tuple[str, ...],
+    kind: str = "causal_lm",
+    remove_padding: bool = False,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> dict[str, torch.Tensor]:
+    """Per-response-token outputs of one micro-batch (see the module docstring); gradients flow if enabled."""
+    allowed = KIND_OUTPUTS[kind]
+    unknown = [o for o in outputs if o not in allowed]
+    if unknown:
+        raise ValueError(f"a {kind} model cannot produce {unknown}; it gives {list(allowed)}")
+    input_ids, attention_mask = micro["input_ids"], micro["attention_mask"]
+    position_ids = micro["position_ids"]
+    b, T = input_ids.shape
+    R = micro["responses"].shape[1] if "responses" in micro else 0
+    resp_valid = attention_mask[:, T - R:].bool()                 # (b, R): response tokens that exist
+
+    if kind == "reward":
+        return {"scores": _reward_scores(model, input_ids, attention_mask, position_ids, remove_padding)}
+
+    if remove_padding:
+        ids, pos, packed_index = pack(input_ids, attention_mask, position_ids)
+        # response token (i, T-R+j) is predicted at packed position of token (i, T-R+j-1)
+        predict_at = packed_index[:, T - R - 1:T - 1][resp_valid]  # (n_valid,)
+        if kind == "causal_lm":
+            out = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=predict_at)
+            logits = out.logits[0]                                  # (n_valid, V)
+        else:
+            out = model(input_ids=ids, position_ids=pos, use_cache=False)
+            logits = out.logits[0, predict_at]                      # (n_valid, 1)
+    else:
+        if kind == "causal_lm":
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=False, logits_to_keep=R + 1)
+            logits = out.logits[:, :-1][resp_valid]                 # (n_valid, V)
+        else:
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=False)
+            logits = out.logits[:, T - R - 1:T - 1][resp_valid]     # (n_valid, 1)
+
+    if kind == "value":
+        return {"values": _scatter_rows(logits[:, 0].float(), resp_valid)}
+    if temperature != 1.0:
+        logits = logits / temperature
+    result = {}
+    if "log_probs" in outputs:
+        labels = micro["responses"][resp_valid]
+        result["log_probs"] = _scatter_rows(logprobs_from_logits(logits, labels, chunk_size), resp_valid)
+    if "entropy" in outputs:
+        result["entropy"] = _scatter_rows(entropy_from_logits(logits, chunk_size), resp_valid)
+    return result
+
+
+def _reward_scores(model, input_ids, attention_mask, position_ids, remove_padding) -> torch.Tensor:
+    """Score head output at each row's last valid token. The HF sequence classifier pools at the last token that
+    is not ``pad_token_id`` (wrong when pad == eos, and meaningless when packed), so the per-token head output is
+    captured with a forward hook and pooled here from the attention mask."""
+    captured = []
+    handle = model.score.register_forward_hook(lambda mod, args, out: captured.append(out))
+    try:
+        if remove_padding:
+            ids, pos, packed_index = pack(input_ids, attention_mask, position_ids)
+            model(input_ids=ids, position_ids=pos, use_cache=False)
+        else:
+            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    token_scores = captured[0][..., 0].float()                      # (b, T) or (1, total)
+    T = input_ids.shape[1]
+    last = T - 1 - attention_mask.flip(-1).long().argmax(-1)       # column of each row's last valid token
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    if remove_padding:
+        return token_scores[0, packed_index[rows, last]]
+    return token_scores[rows, last]

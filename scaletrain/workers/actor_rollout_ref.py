@@ -1,0 +1,176 @@
+"""ActorRolloutRefWorker: actor training, rollout generation and reference log-probs in one process (layer 2).
+
+One instance per rank. It owns a TrainEngine for the actor (any registered backend), optionally a second one
+for the frozen reference policy, and a RolloutEngine (vllm or hf). After each actor update the trainer calls
+``sync_rollout_weights``: the actor engine streams HF-named full tensors bucket by bucket and the rollout
+engine loads each bucket into its own layout, so the whole model never sits twice in memory.
+
+Call path from the trainer: ``actor_rollout_wg.update_actor(batch)`` -> this worker's ``update_actor`` ->
+``engine.train_step`` of the backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+
+from transformers import AutoTokenizer
+
+from backends.base import TrainEngine, get_backend
+from backends.rollout.base import RolloutConfig, RolloutEngine, SamplingConfig, get_rollout
+from scaletrain.controller import Dispatch, Worker, register
+from scaletrain.protocol import DataProto
+from scaletrain.workers.config import ActorRolloutRefConfig
+from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO
+from scaletrain.workers.losses import ACTOR_INPUTS, actor_loss_fn, actor_outputs
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("actor", "rollout", "ref")
+SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "seed")
+
+
+def rows_per_rank(prompts: int, n: int, dp_size: int, what: str) -> int:
+    """Mini-batch rows one rank trains on: ``prompts`` x ``n`` rows split over ``dp_size`` ranks."""
+    rows = prompts * n
+    if rows % dp_size:
+        raise ValueError(f"{what}: {prompts} prompts x n={n} = {rows} rows do not split over {dp_size} ranks")
+    return rows // dp_size
+
+
+class ActorRolloutRefWorker(Worker):
+    def __init__(self, config: ActorRolloutRefConfig, role: str = "actor_rollout_ref") -> None:
+        super().__init__()
+        parts = role.split("_")
+        if not parts or any(p not in ROLES for p in parts):
+            raise ValueError(f"role '{role}' must join some of {ROLES} with '_', e.g. actor_rollout_ref")
+        self.config, self.role, self.parts = config, role, set(parts)
+        self.actor: TrainEngine | None = None
+        self.ref: TrainEngine | None = None
+        self.rollout: RolloutEngine | None = None
+        self.tokenizer = None
+
+    # ------------------------------------------------------------------------------------------------- build
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        cfg = self.config
+        backend = get_backend(cfg.backend)
+        engine_cfg = replace(
+            cfg.engine,
+            micro_batch_size_per_gpu=cfg.actor.ppo_micro_batch_size_per_gpu,
+            use_dynamic_bsz=cfg.actor.use_dynamic_bsz,
+            max_token_len_per_gpu=cfg.actor.ppo_max_token_len_per_gpu,
+        )
+        if "actor" in self.parts:
+            self.actor = backend(cfg.model, cfg.actor.optim, engine_cfg)
+            self._declare_engine_mesh(self.actor)
+            self._mini_rows = rows_per_rank(
+                cfg.actor.ppo_mini_batch_size, cfg.rollout.n, self.actor.dp_size, "actor.ppo_mini_batch_size"
+            )
+        if "ref" in self.parts:
+            ref_engine = replace(engine_cfg, micro_batch_size_per_gpu=cfg.ref.log_prob_micro_batch_size_per_gpu)
+            self.ref = backend(cfg.model, None, ref_engine)
+            if self.actor is None:
+                self._declare_engine_mesh(self.ref)
+        if "rollout" in self.parts:
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+            rc = cfg.rollout
+            rollout_cfg = RolloutConfig(
+                model_path=cfg.model.path, dtype=rc.dtype, tensor_parallel_size=rc.tensor_model_parallel_size,
+                max_model_len=rc.prompt_length + rc.response_length, kv_cache_bytes=rc.kv_cache_bytes,
+                seed=rc.seed + self.rank,
+            )
+            self.rollout = get_rollout(rc.name)(rollout_cfg, self.tokenizer)
+            tp = rc.tensor_model_parallel_size
+            self.register_mesh("rollout", self.rank // tp, self.world_size // tp, self.rank % tp == 0)
+
+    def _declare_engine_mesh(self, engine: TrainEngine) -> None:
+        self.register_mesh("engine", engine.dp_rank, engine.dp_size, engine.collects_output)
+
+    def _need(self, part: str):
+        engine = {"actor": self.actor, "ref": self.ref, "rollout": self.rollout}[part]
+        if engine is None:
+            raise RuntimeError(f"worker role '{self.role}' has no {part}; call init_model first or add the role")
+        return engine
+
+    # ---------------------------------------------------------------------------------------------- rollout
+    def _sampling(self, meta: dict) -> SamplingConfig:
+        rc = self.config.rollout
+        sampling = SamplingConfig(n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
+                                  max_new_tokens=rc.response_length, seed=None)
+        if meta.get("validate"):
+            sampling = replace(sampling, **{k: v for k, v in rc.val_kwargs.items() if k in SAMPLING_KEYS})
+        overrides = {k: meta[k] for k in SAMPLING_KEYS if k in meta}
+        if overrides.get("seed") is not None:  # one stream per DP rank
+            overrides["seed"] = int(overrides["seed"]) * 1000 + self.rank
+        return replace(sampling, **overrides)
+
+    @register(dispatch_mode=ROLLOUT_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        rollout = self._need("rollout")
+        offload = self.config.rollout.offload_train_during_rollout and self.actor is not None
+        if offload:
+            self.actor.offload()
+        rollout.wake_up()
+        try:
+            out = rollout.generate(prompts, self._sampling(prompts.meta_info))
+        finally:
+            rollout.sleep()
+            if offload:
+                self.actor.onload()
+        return out
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sync_rollout_weights(self) -> None:
+        """Actor weights -> rollout engine, streamed in buckets of ``rollout.weight_bucket_bytes``."""
+        actor, rollout = self._need("actor"), self._need("rollout")
+        rollout.update_weights(actor.export_weights(self.config.rollout.weight_bucket_bytes))
+
+    # ------------------------------------------------------------------------------------------- log-probs
+    @register(dispatch_mode=ENGINE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        out = self._need("actor").forward(data, outputs=("log_probs", "entropy"))
+        return DataProto.from_dict({"old_log_probs": out.batch["log_probs"], "entropys": out.batch["entropy"]})
+
+    @register(dispatch_mode=ENGINE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        out = self._need("ref").forward(data, outputs=("log_probs",))
+        return DataProto.from_dict({"ref_log_prob": out.batch["log_probs"]})
+
+    # -------------------------------------------------------------------------------------------- training
+    @register(dispatch_mode=ENGINE_METRIC)
+    def update_actor(self, data: DataProto) -> dict[str, float]:
+        actor, cfg = self._need("actor"), self.config.actor
+        keys = list(ACTOR_INPUTS)
+        keys += [k for k in ("ref_log_prob", "rollout_log_probs", "token_level_rewards", "rollout_is_weights")
+                 if k in data.batch.keys()]
+        if cfg.use_kl_loss and "ref_log_prob" not in data.batch.keys():
+            raise ValueError("actor.use_kl_loss needs 'ref_log_prob' in the batch (run compute_ref_log_prob)")
+        batch = data.select(batch_keys=keys)
+        seed = cfg.data_loader_seed if cfg.shuffle else None
+        loss_fn, outputs = actor_loss_fn(cfg), actor_outputs(cfg)
+        totals: dict[str, list[float]] = {}
+        for mini in batch.make_iterator(self._mini_rows, epochs=cfg.ppo_epochs, seed=seed):
+            for key, value in actor.train_step(mini, loss_fn, outputs=outputs).items():
+                totals.setdefault(key, []).append(float(value))
+        metrics = {k: sum(v) / len(v) for k, v in totals.items()}
+        metrics = {(k if "/" in k else f"actor/{k}"): v for k, v in metrics.items()}
+        return metrics
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        self._need("actor").save(os.path.join(path, "actor"))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        self._need("actor").load(os.path.join(path, "actor"))
+        if self.rollout is not None:
+            self.sync_rollout_weights()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_hf(self, path: str) -> None:
+        self._need("actor").save_hf(path)
+        if self.rank == 0 and self.tokenizer is not None:
+            self.tokenizer.save_pretrained(path)

@@ -1,0 +1,108 @@
+"""Typed settings of the role workers (layer 2), named as in verl so a verl user's keys port.
+
+The trainer's Hydra config (``actor_rollout_ref.*``, ``critic.*``, ``reward_model.*``) maps onto these
+dataclasses; the workers turn them into the engines' own settings (``backends.config``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.config import EngineConfig, ModelConfig, OptimConfig
+
+
+@dataclass
+class PolicyLossConfig:
+    """``loss_mode`` names a registered policy loss; the other fields are read by the losses that use them."""
+
+    loss_mode: str = "vanilla"
+    clip_cov_ratio: float | None = None
+    clip_cov_lb: float | None = None
+    clip_cov_ub: float | None = None
+    kl_cov_ratio: float | None = None
+    ppo_kl_coef: float | None = None
+    tau_pos: float | None = None
+    tau_neg: float | None = None
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = 8             # prompts per mini-batch (x rollout.n rows), over all DP ranks
+    ppo_micro_batch_size_per_gpu: int = 4    # rows per micro-batch on one rank
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    data_loader_seed: int = 1
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class RolloutWorkerConfig:
+    name: str = "vllm"                       # vllm | hf
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    prompt_length: int = 512
+    response_length: int = 512
+    dtype: str = "float32"
+    tensor_model_parallel_size: int = 1
+    kv_cache_bytes: int = 64 << 20
+    seed: int = 0
+    log_prob_micro_batch_size_per_gpu: int = 8
+    weight_bucket_bytes: int = 256 << 20
+    offload_train_during_rollout: bool = False
+    val_kwargs: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.0, "n": 1})
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 8
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig
+    backend: str = "fsdp"
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutWorkerConfig = field(default_factory=RolloutWorkerConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass
+class CriticConfig:
+    model: ModelConfig
+    backend: str = "fsdp"
+    ppo_mini_batch_size: int = 8
+    ppo_micro_batch_size_per_gpu: int = 4
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    data_loader_seed: int = 1
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    rollout_n: int = 1                       # rows per prompt, to turn ppo_mini_batch_size into rows
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass
+class RewardModelConfig:
+    model: ModelConfig
+    backend: str = "fsdp"
+    micro_batch_size_per_gpu: int = 8
+    engine: EngineConfig = field(default_factory=EngineConfig)

@@ -1,0 +1,65 @@
+"""CriticWorker: the value model, its forward pass and its PPO update (layer 2).
+
+Owns one TrainEngine built from a ``kind="value"`` model (a token-classification head with one output, so each
+position yields a value). ``compute_values`` gives (B, R) values aligned with the response tokens;
+``update_critic`` trains on returns with the clipped value loss.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from backends.base import get_backend
+from scaletrain.controller import Dispatch, Worker, register
+from scaletrain.protocol import DataProto
+from scaletrain.workers.actor_rollout_ref import rows_per_rank
+from scaletrain.workers.config import CriticConfig
+from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO
+from scaletrain.workers.losses import CRITIC_INPUTS, critic_loss_fn
+
+
+class CriticWorker(Worker):
+    def __init__(self, config: CriticConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.engine = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        cfg = self.config
+        if cfg.model.kind != "value":
+            cfg = replace(cfg, model=replace(cfg.model, kind="value"))
+        engine_cfg = replace(
+            cfg.engine, micro_batch_size_per_gpu=cfg.ppo_micro_batch_size_per_gpu, use_dynamic_bsz=cfg.use_dynamic_bsz,
+            max_token_len_per_gpu=cfg.ppo_max_token_len_per_gpu,
+        )
+        self.engine = get_backend(cfg.backend)(cfg.model, cfg.optim, engine_cfg)
+        self.register_mesh("engine", self.engine.dp_rank, self.engine.dp_size, self.engine.collects_output)
+        self._mini_rows = rows_per_rank(cfg.ppo_mini_batch_size, cfg.rollout_n, self.engine.dp_size,
+                                        "critic.ppo_mini_batch_size")
+
+    @register(dispatch_mode=ENGINE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        out = self.engine.forward(data, outputs=("values",))
+        return DataProto.from_dict({"values": out.batch["values"]})
+
+    @register(dispatch_mode=ENGINE_METRIC)
+    def update_critic(self, data: DataProto) -> dict[str, float]:
+        cfg = self.config
+        batch = data.select(batch_keys=list(CRITIC_INPUTS))
+        seed = cfg.data_loader_seed if cfg.shuffle else None
+        loss_fn = critic_loss_fn(cfg)
+        totals: dict[str, list[float]] = {}
+        for mini in batch.make_iterator(self._mini_rows, epochs=cfg.ppo_epochs, seed=seed):
+            for key, value in self.engine.train_step(mini, loss_fn, outputs=("values",)).items():
+                totals.setdefault(key, []).append(float(value))
+        return {(k if "/" in k else f"critic/{k}"): sum(v) / len(v) for k, v in totals.items()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        self.engine.save(os.path.join(path, "critic"))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        self.engine.load(os.path.join(path, "critic"))

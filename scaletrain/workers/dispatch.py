@@ -1,0 +1,27 @@
+"""Dispatch modes of the role workers (layer 2): route calls by the place each engine declares.
+
+After building its engine a role worker declares its place in mesh "engine" (DP rank, DP size, whether its
+output is kept: every rank for FSDP / ZeRO-3; TP rank 0 of the last PP stage for Megatron), and the rollout
+engine its place in mesh "rollout". The modes below split batches over those DP ranks, so one worker class
+serves every backend without knowing which it runs.
+"""
+
+from __future__ import annotations
+
+from scaletrain.controller import make_mesh_collect, make_mesh_dispatch, register_dispatch_mode
+
+ENGINE_PROTO = "ENGINE_COMPUTE_PROTO"      # DataProto in, DataProto out (log-probs, values)
+ENGINE_METRIC = "ENGINE_COMPUTE_METRIC"    # DataProto in, one metrics dict per kept rank out (updates)
+ROLLOUT_PROTO = "ROLLOUT_COMPUTE_PROTO"    # prompts in, sequences out
+
+register_dispatch_mode(ENGINE_PROTO, make_mesh_dispatch("engine", proto=True), make_mesh_collect("engine", proto=True))
+register_dispatch_mode(ENGINE_METRIC, make_mesh_dispatch("engine", proto=True), make_mesh_collect("engine", proto=False))
+register_dispatch_mode(
+    ROLLOUT_PROTO, make_mesh_dispatch("rollout", proto=True), make_mesh_collect("rollout", proto=True)
+)
+
+
+def reduce_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of each metric over the ranks that reported it."""
+    keys = {k for m in per_rank for k in m}
+    return {k: sum(m[k] for m in per_rank if k in m) / sum(1 for m in per_rank if k in m) for k in sorted(keys)}

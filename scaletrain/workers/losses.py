@@ -1,0 +1,74 @@
+"""Per-micro-batch losses the role workers hand to their TrainEngine (layer 2).
+
+Each builder returns ``loss_fn(outputs, micro_batch) -> (loss, metrics)`` as ``backends.base.LossFn`` expects;
+the pieces (policy loss, aggregation, KL, value loss) come from ``scaletrain.algos``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from backends.base import LossFn
+from scaletrain.algos import agg_loss, compute_value_loss, get_policy_loss, kl_penalty
+from scaletrain.protocol import DataProto
+from scaletrain.workers.config import ActorConfig, CriticConfig
+
+# batch fields the actor update reads besides the model inputs
+ACTOR_INPUTS = ("responses", "input_ids", "attention_mask", "position_ids", "response_mask", "old_log_probs",
+                "advantages")
+CRITIC_INPUTS = ("responses", "input_ids", "attention_mask", "position_ids", "response_mask", "values", "returns")
+
+
+def actor_loss_fn(config: ActorConfig) -> LossFn:
+    """PPO-family policy loss (registered ``policy_loss.loss_mode``) - entropy bonus + KL loss."""
+    policy_loss = get_policy_loss(config.policy_loss.loss_mode)
+    mode = config.loss_agg_mode
+
+    def loss_fn(outputs: dict[str, torch.Tensor], mb: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        log_prob = outputs["log_probs"]
+        mask = mb.batch["response_mask"]
+        extra = {k: mb.batch[k] for k in ("rollout_log_probs", "token_level_rewards", "rollout_is_weights")
+                 if k in mb.batch.keys()}
+        pg_loss, metrics = policy_loss(
+            mb.batch["old_log_probs"], log_prob, mb.batch["advantages"], mask, mode, config, **extra
+        )
+        loss = pg_loss
+        if config.entropy_coeff:
+            entropy = agg_loss(outputs["entropy"], mask, mode)
+            loss = loss - config.entropy_coeff * entropy
+            metrics["actor/entropy"] = entropy.item()
+        elif "entropy" in outputs:
+            metrics["actor/entropy"] = agg_loss(outputs["entropy"].detach(), mask, mode).item()
+        if config.use_kl_loss:
+            kl = agg_loss(kl_penalty(log_prob, mb.batch["ref_log_prob"], config.kl_loss_type), mask, mode)
+            loss = loss + config.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl.item()
+            metrics["actor/kl_coef"] = config.kl_loss_coef
+        return loss, metrics
+
+    return loss_fn
+
+
+def actor_outputs(config: ActorConfig) -> tuple[str, ...]:
+    return ("log_probs", "entropy") if config.entropy_coeff else ("log_probs",)
+
+
+def critic_loss_fn(config: CriticConfig) -> Callable:
+    """Clipped value loss against the returns."""
+
+    def loss_fn(outputs: dict[str, torch.Tensor], mb: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        vpreds = outputs["values"]
+        loss, clipfrac = compute_value_loss(
+            vpreds, mb.batch["returns"], mb.batch["values"], mb.batch["response_mask"],
+            config.cliprange_value, config.loss_agg_mode,
+        )
+        mask = mb.batch["response_mask"].bool()
+        return loss, {
+            "critic/vf_loss": loss.item(),
+            "critic/vf_clipfrac": float(clipfrac),
+            "critic/vpred_mean": vpreds.detach()[mask].mean().item() if mask.any() else 0.0,
+        }
+
+    return loss_fn

@@ -1,0 +1,360 @@
+"""The FSDP2 engine on 2 real gloo ranks against a single-process reference (plain HF model + torch AdamW).
+
+One 2-process launch (a launch costs ~15 s of imports) runs every check in ``run_rank``; each rank writes a JSON
+of {check: error or null} and the tests below report one check each. Reference = the same model, optimizer
+and loss on the whole batch in one process, with log-probs from a plain log_softmax; each rank gets half of the
+rows, so the FSDP step (gradients averaged over ranks) must equal the reference step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # a multi-process launch (setup.cfg: `pytest -m "not slow"` skips it)
+
+ROOT = Path(__file__).resolve().parents[2]
+WORLD = 2
+CHECKS = ("forward_logprobs", "train_step_matches_reference", "export_buckets", "dynamic_bsz", "remove_padding",
+          "dynamic_rmpad_checkpointing", "nonfinite_grad_skips_step", "mixed_precision_bf16", "value_model",
+          "reward_model", "resume_exact", "save_hf")
+TOL = 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ launcher
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from tests.backends.tiny import save_tiny_qwen2
+
+    work = tmp_path_factory.mktemp("fsdp_2rank")
+    save_tiny_qwen2(str(work / "model"), seed=0, initializer_range=0.1)
+    port = _free_port()
+    procs = []
+    for rank in range(WORLD):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        code = f"from tests.backends.test_fsdp_engine import run_rank; run_rank({str(work)!r})"
+        log = open(work / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=log, stderr=log))
+    try:
+        for p in procs:
+            p.wait(timeout=240)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = {}
+    for rank in range(WORLD):
+        path = work / f"results_rank{rank}.json"
+        if not path.exists():
+            pytest.fail(f"rank {rank} wrote no results; log:\n{(work / f'rank{rank}.log').read_text()[-4000:]}")
+        out[rank] = json.loads(path.read_text())
+    return out
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_two_rank(results, check):
+    for rank, res in results.items():
+        assert check in res, f"rank {rank} did not run {check}"
+        assert res[check] is None, f"rank {rank}: {res[check]}"
+
+
+# ------------------------------------------------------------------------------------------ per-rank checks
+def run_rank(work: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    results: dict[str, str | None] = {}
+    try:
+        _run_checks(work, rank, results)
+    finally:
+        Path(work, f"results_rank{rank}.json").write_text(json.dumps(results))
+
+
+def _check(results, name):
+    """Decorator running one check, recording None or the failure text (the run continues either way)."""
+    def wrap(fn):
+        try:
+            fn()
+            results[name] = None
+        except Exception:  # noqa: BLE001 - reported to the parent test
+            results[name] = traceback.format_exc()
+        return fn
+    return wrap
+
+
+def _close(a, b, what, tol=TOL):
+    import torch
+
+    diff = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+    if not (a.shape == b.shape and diff <= tol):
+        raise AssertionError(f"{what}: shapes {tuple(a.shape)} vs {tuple(b.shape)}, max diff {diff}")
+    assert torch.isfinite(a).all(), what
+
+
+def _run_checks(work: str, rank: int, results: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+        AutoTokenizer,
+    )
+
+    from backends.base import get_backend
+    from backends.config import EngineConfig, ModelConfig, OptimConfig
+    from tests.backends.tiny import make_batch
+
+    model_dir = os.path.join(work, "model")
+    FSDP = get_backend("fsdp")
+    # eps 1e-6: Adam's first step is ~lr * sign(grad), so with the default 1e-8 a gradient entry near 1e-9 whose
+    # float noise differs between layouts (packed vs padded attention) moves its weight by up to 2 * lr
+    optim = OptimConfig(lr=1e-3, eps=1e-6, weight_decay=0.01, grad_clip=1.0, lr_scheduler="cosine", total_steps=4)
+    batch = make_batch(8, 12, 10, seed=1)
+    rows = list(range(rank * 4, rank * 4 + 4))
+    share = batch.select_idxs(rows)
+
+    def actor_loss(out, mb):
+        m = mb.batch["response_mask"].float()
+        pg = (out["log_probs"] * mb.batch["advantages"] * m).sum(-1) / m.sum(-1)
+        ent = (out["entropy"] * m).sum(-1) / m.sum(-1)
+        loss = -(pg + 0.01 * ent).mean()
+        return loss, {"pg": float(pg.mean())}
+
+    def ref_outputs(model, data):
+        b = data.batch
+        R = b["responses"].shape[1]
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                       position_ids=b["position_ids"]).logits[:, -R - 1:-1].float()
+        logp = torch.log_softmax(logits, -1)
+        mask = b["attention_mask"][:, -R:]
+        return {"log_probs": logp.gather(-1, b["responses"][..., None])[..., 0] * mask,
+                "entropy": -(logp.exp() * logp).sum(-1) * mask}
+
+    def ref_step(model, data, loss_fn, outputs_fn):
+        opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, eps=optim.eps,
+                                weight_decay=optim.weight_decay)
+        loss, _ = loss_fn(outputs_fn(model, data), data)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
+        opt.step()
+        return float(loss), float(norm)
+
+    def exported(engine, bucket_bytes=1 << 30):
+        return {k: v for bucket in engine.export_weights(bucket_bytes) for k, v in bucket}
+
+    def mean_over_ranks(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t) / dist.get_world_size()
+
+    # ---- reference: one step on the whole batch in this process
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref_before = ref_outputs(ref, share)
+    ref_loss, ref_norm = ref_step(ref, batch, actor_loss, ref_outputs)
+    ref_sd = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+
+    def check_step(engine, what):
+        metrics = engine.train_step(share, actor_loss, ("log_probs", "entropy"))
+        _close(torch.tensor(mean_over_ranks(metrics["loss"])), torch.tensor(ref_loss), f"{what} loss")
+        _close(torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), f"{what} grad_norm")
+        assert metrics["lr"] == optim.lr and metrics["step_skipped"] == 0.0 and "pg" in metrics, metrics
+        weights = exported(engine)
+        assert list(weights) == list(ref_sd), f"{what}: names differ"
+        for k, v in weights.items():
+            _close(v, ref_sd[k], f"{what} weight {k}")
+
+    engine = FSDP(ModelConfig(path=model_dir), optim, EngineConfig(micro_batch_size_per_gpu=3))
+
+    @_check(results, "forward_logprobs")
+    def _():
+        out = engine.forward(share, ("log_probs", "entropy"))
+        _close(out.batch["log_probs"], ref_before["log_probs"], "log_probs")
+        _close(out.batch["entropy"], ref_before["entropy"], "entropy")
+        assert engine.dp_rank == rank and engine.dp_size == WORLD
+        frozen = FSDP(ModelConfig(path=model_dir, use_remove_padding=True), None,
+                      EngineConfig(use_dynamic_bsz=True, max_token_len_per_gpu=64))  # a reference policy
+        _close(frozen.forward(share, ("log_probs",)).batch["log_probs"], ref_before["log_probs"], "frozen log_probs")
+        assert not any(p.requires_grad for p in frozen.model.parameters())
+        try:
+            frozen.train_step(share, actor_loss)
+            raise AssertionError("train_step on a forward-only engine must fail")
+        except RuntimeError:
+            pass
+        frozen.save(os.path.join(work, "frozen_ckpt"))
+        frozen.load(os.path.join(work, "frozen_ckpt"))
+
+    @_check(results, "train_step_matches_reference")
+    def _():
+        check_step(engine, "fixed padded")
+
+    @_check(results, "export_buckets")
+    def _():
+        bucket_bytes = 40_000  # embedding 25,344 B, q_proj 16,384 B: buckets of 1-4 tensors
+        buckets = list(engine.export_weights(bucket_bytes))
+        assert len(buckets) > 3
+        for bucket in buckets:
+            size = sum(t.numel() * t.element_size() for _, t in bucket)
+            assert size <= bucket_bytes or len(bucket) == 1, (size, [n for n, _ in bucket])
+        names = [n for bucket in buckets for n, _ in bucket]
+        assert names == list(ref_sd), "bucketed names differ from the HF state_dict"
+        for bucket in buckets:
+            for k, v in bucket:
+                _close(v, ref_sd[k], f"bucket tensor {k}")
+
+    engines = {}
+    for name, cfg in (
+        ("dynamic_bsz", (ModelConfig(path=model_dir), EngineConfig(use_dynamic_bsz=True, max_token_len_per_gpu=40))),
+        ("remove_padding", (ModelConfig(path=model_dir, use_remove_padding=True),
+                            EngineConfig(micro_batch_size_per_gpu=3))),
+        ("dynamic_rmpad_checkpointing", (ModelConfig(path=model_dir, use_remove_padding=True,
+                                                     gradient_checkpointing=True),
+                                         EngineConfig(use_dynamic_bsz=True, max_token_len_per_gpu=30))),
+    ):
+        @_check(results, name)
+        def _():
+            other = FSDP(cfg[0], optim, cfg[1])
+            if cfg[1].use_dynamic_bsz:
+                from backends.batching import token_budget_partition
+                lengths = share.batch["attention_mask"].sum(-1).tolist()
+                local = len(token_budget_partition(lengths, cfg[1].max_token_len_per_gpu))
+                parts = other._partition(share)
+                counts = [0] * WORLD
+                dist.all_gather_object(counts, (local, len(parts)))
+                assert len(parts) > 1 and len({c[1] for c in counts}) == 1 and parts and \
+                    counts[0][1] == max(c[0] for c in counts), counts
+                for p in parts:
+                    assert len(p) == 1 or sum(lengths[i] for i in p) <= cfg[1].max_token_len_per_gpu
+            out = other.forward(share, ("log_probs", "entropy"))
+            _close(out.batch["log_probs"], ref_before["log_probs"], f"{name} forward log_probs")
+            check_step(other, name)
+            engines[name] = other
+
+    @_check(results, "nonfinite_grad_skips_step")
+    def _():
+        other = engines["dynamic_bsz"]
+        before = exported(other)
+        metrics = other.train_step(share, lambda o, mb: (actor_loss(o, mb)[0] * float("nan"), {}),
+                                   ("log_probs", "entropy"))
+        assert metrics["step_skipped"] == 1.0, metrics
+        for k, v in exported(other).items():
+            assert torch.equal(v, before[k]), k
+
+    @_check(results, "mixed_precision_bf16")
+    def _():
+        bf16 = FSDP(ModelConfig(path=model_dir), optim, EngineConfig(micro_batch_size_per_gpu=4,
+                                                                    mixed_precision="bfloat16"))
+        out = bf16.forward(share, ("log_probs",)).batch["log_probs"]
+        _close(out, ref_before["log_probs"], "bf16 log_probs", tol=0.1)
+        metrics = bf16.train_step(share, actor_loss, ("log_probs", "entropy"))
+        _close(torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), "bf16 grad_norm", tol=0.05 * ref_norm)
+        weights = exported(bf16)
+        assert all(v.dtype == torch.float32 for v in weights.values())  # parameters stay float32
+        assert max((v - ref_sd[k]).abs().max().item() for k, v in weights.items()) < 3 * optim.lr
+
+    @_check(results, "value_model")
+    def _():
+        def value_loss(out, mb):
+            m = mb.batch["response_mask"].float()
+            return (((out["values"] - mb.batch["advantages"]) ** 2 * m).sum(-1) / m.sum(-1)).mean(), {}
+
+        def ref_values(model, data):
+            b = data.batch
+            R = b["responses"].shape[1]
+            v = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                      position_ids=b["position_ids"]).logits[:, -R - 1:-1, 0]
+            return {"values": v * b["attention_mask"][:, -R:]}
+
+        torch.manual_seed(7)
+        config = AutoConfig.from_pretrained(model_dir, num_labels=1)
+        config.classifier_dropout = 0.0
+        critic_ref = AutoModelForTokenClassification.from_pretrained(model_dir, config=config)
+        with torch.no_grad():
+            before = ref_values(critic_ref, share)["values"]
+        loss, norm = ref_step(critic_ref, batch, value_loss, ref_values)
+        critic = FSDP(ModelConfig(path=model_dir, kind="value", use_remove_padding=True), optim,
+                      EngineConfig(micro_batch_size_per_gpu=3, seed=7))
+        _close(critic.forward(share, ("values",)).batch["values"], before, "values")
+        metrics = critic.train_step(share, value_loss, ("values",))
+        _close(torch.tensor(mean_over_ranks(metrics["loss"])), torch.tensor(loss), "value loss")
+        _close(torch.tensor(metrics["grad_norm"]), torch.tensor(norm), "value grad_norm")
+        for k, v in exported(critic).items():
+            _close(v, critic_ref.state_dict()[k], f"critic weight {k}")
+
+    @_check(results, "reward_model")
+    def _():
+        config = AutoConfig.from_pretrained(model_dir, num_labels=1)
+        torch.manual_seed(5)
+        rm_ref = AutoModelForSequenceClassification.from_pretrained(model_dir, config=config)
+        rm = FSDP(ModelConfig(path=model_dir, kind="reward", use_remove_padding=True), optim,
+                  EngineConfig(use_dynamic_bsz=True, max_token_len_per_gpu=40, seed=5))
+        scores = rm.forward(share, ("scores",)).batch["scores"]
+        b = share.batch
+        with torch.no_grad():  # each row alone, unpadded: the score at its last token
+            alone = torch.stack([rm_ref(input_ids=b["input_ids"][i][b["attention_mask"][i].bool()][None]).logits[0, 0]
+                                 for i in range(len(share))])
+        _close(scores, alone, "reward scores")
+
+    ckpt, hf_dir = os.path.join(work, "ckpt"), os.path.join(work, "hf")
+    later = [make_batch(8, 12, 10, seed=s).select_idxs(rows) for s in (2, 3)]
+
+    def steps_2_3(eng):
+        return [eng.train_step(b, actor_loss, ("log_probs", "entropy")) for b in later]
+
+    @_check(results, "resume_exact")
+    def _():
+        engine.save(ckpt)  # after step 1
+        draw = torch.rand(4)
+        engine.offload()
+        engine.onload()
+        first = steps_2_3(engine)
+        first_weights = exported(engine)
+        fresh = FSDP(ModelConfig(path=model_dir), optim,
+                     EngineConfig(micro_batch_size_per_gpu=3, param_offload=True, optimizer_offload=True))
+        fresh.load(ckpt)
+        assert torch.equal(torch.rand(4), draw), "RNG state not restored"
+        assert fresh.global_step == 1
+        second = steps_2_3(fresh)
+        for a, b in zip(first, second):
+            assert a == b, (a, b)  # bit-exact: losses, grad norms, learning rates
+        assert first[1]["lr"] < first[0]["lr"] < optim.lr, first  # the cosine schedule resumed
+        for k, v in exported(fresh).items():
+            assert torch.equal(v, first_weights[k]), k
+
+    @_check(results, "save_hf")
+    def _():
+        engine.save_hf(hf_dir)
+        out = engine.forward(share, ("log_probs",)).batch["log_probs"]
+        weights = exported(engine)
+        if rank == 0:
+            loaded = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+            assert loaded.config.architectures == ["Qwen2ForCausalLM"] and loaded.config.use_cache
+            for k, v in loaded.state_dict().items():
+                assert torch.equal(v, weights[k]), k
+            with torch.no_grad():
+                _close(ref_outputs(loaded, share)["log_probs"], out, "save_hf log_probs")
+            assert AutoTokenizer.from_pretrained(hf_dir)("1+1").input_ids
+            assert not any(f.startswith("model-") for f in os.listdir(hf_dir))  # one shard: model.safetensors
+        dist.barrier()
+
+    dist.barrier()
+    dist.destroy_process_group()
