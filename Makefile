@@ -10,7 +10,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 TORCH_VERSION ?= 2.13.0
-EXTRAS ?= test
+EXTRAS ?= test,loggers,vllm
 PIP_NOISE := is ignored: it is neither a file nor a directory
 ARGS ?=
 

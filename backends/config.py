@@ -45,4 +45,5 @@ class EngineConfig:
     optimizer_offload: bool = False
     entropy_chunk_size: int = 1024
     seed: int = 1
+    collective_timeout_s: float = 600.0         # a collective waiting longer (a peer died) fails
     extra: dict[str, Any] = field(default_factory=dict)

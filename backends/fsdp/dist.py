@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import timedelta
 import socket
 
 import torch
@@ -28,8 +29,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device: torch.device) -> None:
+def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     """Initialise the default process group unless the caller already did.
+
+    ``timeout_s`` bounds every collective: a rank whose peer died fails instead of waiting forever.
 
     From the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) when RANK and WORLD_SIZE are set; otherwise a
     one-process group on a free local port (notebooks, benchmarks). gloo on CPU; on CUDA nccl for CUDA tensors
@@ -38,10 +41,12 @@ def init_distributed(device: torch.device) -> None:
     if dist.is_initialized():
         return
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=timeout)
     else:
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                                timeout=timeout)
     logger.info("initialised torch.distributed: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend)
 
 

@@ -51,7 +51,7 @@ class FSDPEngine(TrainEngine):
         """``optim_config=None`` builds a forward-only engine (a frozen reference policy): no optimizer state."""
         self.model_config, self.optim_config, self.engine_config = model_config, optim_config, engine_config
         self.device = local_device()
-        init_distributed(self.device)
+        init_distributed(self.device, engine_config.collective_timeout_s)
         self.mesh = init_device_mesh(self.device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
         self.group = self.mesh.get_group()
 

@@ -79,7 +79,8 @@ def hf_weights(path: str, cls=AutoModelForCausalLM) -> dict[str, torch.Tensor]:
 def test_actor_rollout_ref_ppo_update_matches_reference(ray_cluster, tmp_path, rollout_name):
     if rollout_name == "vllm":
         pytest.importorskip("vllm")
-    path = save_tiny_qwen2(str(tmp_path / "model"), seed=3)
+    # head_dim 32: the smallest vLLM's CPU attention kernels take
+    path = save_tiny_qwen2(str(tmp_path / "model"), seed=3, num_attention_heads=2, num_key_value_heads=1)
     # a large eps keeps Adam smooth in near-zero gradients, whose float noise would otherwise move them by ~lr
     optim = OptimConfig(lr=5e-3, grad_clip=1.0, eps=1e-3)
     config = ActorRolloutRefConfig(

