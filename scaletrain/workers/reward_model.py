@@ -1,53 +1,49 @@
 """RewardModelWorker: a sequence-classification model that scores whole responses (layer 2).
 
-Forward only. Each rank scores its share of the rows with the HF model (one scalar per sequence, read at the
-last valid token) and places the score at the last valid response token, the layout reward managers use, as
-``rm_scores`` (B, R).
+Forward only: one TrainEngine of kind ``reward`` (no optimizer) built by the configured backend. Each rank scores
+its share of the rows (one scalar per sequence, read at its last valid token) and the worker places the score at
+the last valid response token, the layout reward managers use, as ``rm_scores`` (B, R).
 """
 
 from __future__ import annotations
 
-import torch
-from transformers import AutoModelForSequenceClassification
+from dataclasses import replace
 
+import torch
+
+from backends.base import get_backend
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
 from scaletrain.workers.config import RewardModelConfig
 from scaletrain.workers.dispatch import ENGINE_PROTO
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+def place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) sequence scores -> (B, R) token scores, each at its row's last valid response token."""
+    token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
+    valid = response_mask.sum(-1)
+    rows = torch.nonzero(valid > 0, as_tuple=True)[0]
+    token_scores[rows, valid[rows] - 1] = scores[rows].float()
+    return token_scores
 
 
 class RewardModelWorker(Worker):
     def __init__(self, config: RewardModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = None
+        self.engine = None
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            self.config.model.path, num_labels=1, torch_dtype=_DTYPES[self.config.model.dtype]
-        ).to(self.device).eval()
-        self.register_mesh("engine", self.rank, self.world_size, True)
-
-    @torch.no_grad()
-    def _score(self, mb: DataProto) -> torch.Tensor:
-        ids = mb.batch["input_ids"].to(self.device)
-        mask = mb.batch["attention_mask"].to(self.device)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=mb.batch["position_ids"].to(self.device)).logits
-        return logits.float().reshape(len(mb), -1)[:, 0].cpu()
+        cfg = self.config
+        model = replace(cfg.model, kind="reward")
+        engine_cfg = replace(cfg.engine, micro_batch_size_per_gpu=cfg.micro_batch_size_per_gpu)
+        self.engine = get_backend(cfg.backend)(model, None, engine_cfg)
+        self.register_mesh("engine", self.engine.dp_rank, self.engine.dp_size, self.engine.collects_output)
 
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:
-        size = self.config.micro_batch_size_per_gpu
-        scores = torch.cat([self._score(mb) for mb in data.split(size)]) if len(data) else torch.zeros(0)
-        responses = data.batch["responses"]
-        resp_len = responses.shape[1]
-        valid = data.batch["attention_mask"][:, -resp_len:].sum(-1)
-        token_scores = torch.zeros(responses.shape, dtype=torch.float32)
-        rows = torch.nonzero(valid > 0, as_tuple=True)[0]
-        token_scores[rows, valid[rows] - 1] = scores[rows]
-        return DataProto.from_dict({"rm_scores": token_scores})
+        resp_len = data.batch["responses"].shape[1]
+        scores = self.engine.forward(data, outputs=("scores",)).batch["scores"]
+        response_mask = data.batch["attention_mask"][:, -resp_len:]
+        return DataProto.from_dict({"rm_scores": place_at_last_token(scores, response_mask)})

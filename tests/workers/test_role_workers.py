@@ -180,3 +180,28 @@ def test_critic_update_matches_reference(ray_cluster, tmp_path):
         after = wg.compute_values(batch).batch["values"]
         with torch.no_grad():
             assert torch.allclose(after * mask, outputs(model, batch)["values"] * mask, atol=1e-5)
+
+
+def test_reward_model_scores_at_last_response_token(ray_cluster, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from scaletrain.workers import RewardModelConfig, RewardModelWorker
+
+    torch.manual_seed(1)
+    path = str(tmp_path / "rm")
+    AutoModelForSequenceClassification.from_config(tiny_qwen2_config(num_labels=1)).save_pretrained(path)
+    batch = make_batch(batch_size=6, prompt_len=PLEN, response_len=RESP, seed=9)
+    config = RewardModelConfig(model=ModelConfig(path=path, kind="reward"), micro_batch_size_per_gpu=2)
+    with started_group(ray_cluster, 2, RewardModelWorker, config, use_gpu=False, name_prefix="rm") as wg:
+        wg.init_model()
+        scores = wg.compute_rm_score(batch).batch["rm_scores"]
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    mask = batch.batch["response_mask"]
+    last = mask.sum(-1) - 1
+    with torch.no_grad():
+        for i in range(len(batch)):  # reference: one unpadded sequence at a time, score at its last token
+            valid = batch.batch["attention_mask"][i].bool()
+            ids = batch.batch["input_ids"][i][valid][None]
+            expected = model(input_ids=ids).logits[0, 0].item()
+            assert scores[i, last[i]].item() == pytest.approx(expected, abs=1e-4)
+            assert scores[i].abs().sum().item() == pytest.approx(abs(expected), abs=1e-4)  # nowhere else
