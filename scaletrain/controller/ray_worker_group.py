@@ -67,11 +67,13 @@ class RayWorkerGroup(WorkerGroup):
         call_timeout_s: float | None = None,
         init_timeout_s: float | None = None,
         poll_interval_s: float = 0.5,
+        death_grace_s: float = 5.0,
         _from_workers: tuple[list, list[dict], type, str] | None = None,
     ) -> None:
         self.call_timeout_s = call_timeout_s
         self.init_timeout_s = init_timeout_s
         self.poll_interval_s = poll_interval_s
+        self.death_grace_s = death_grace_s  # how long a failed call looks for a dead peer to blame
         if _from_workers is not None:  # a role view of colocated workers (see spawn)
             workers, infos, user_cls, prefix = _from_workers
             super().__init__(name_prefix or prefix.rstrip("_"), control_prefix=prefix)
@@ -155,7 +157,16 @@ class RayWorkerGroup(WorkerGroup):
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_interval_s)
             for ref in ready:
-                results[ref] = self._get_one(ref, rank_of[ref], remote_name)
+                try:
+                    results[ref] = self._get_one(ref, rank_of[ref], remote_name)
+                except WorkerDiedError:
+                    raise
+                except WorkerError as err:  # a peer's death often surfaces first as this rank's collective error
+                    others = [r for r in ready if r is not ref and r not in results] + pending
+                    dead = self._dead_peer(others, rank_of, remote_name)
+                    if dead is not None:
+                        raise dead from err
+                    raise
             if pending and deadline is not None and time.monotonic() > deadline:
                 late = sorted(rank_of[r] for r in pending)
                 raise TimeoutError(
@@ -163,6 +174,20 @@ class RayWorkerGroup(WorkerGroup):
                     f"{timeout_s}s"
                 )
         return [results[ref] for ref in handles]
+
+    def _dead_peer(self, pending: list[Any], rank_of: dict, remote_name: str) -> WorkerDiedError | None:
+        """A WorkerDiedError for a rank whose process died, if one shows within ``death_grace_s``."""
+        if not pending:
+            return None
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=self.death_grace_s)
+        for ref in ready:
+            try:
+                self._get_one(ref, rank_of[ref], remote_name)
+            except WorkerDiedError as died:
+                return died
+            except WorkerError:
+                continue
+        return None
 
     def _get_one(self, ref: Any, rank: int, remote_name: str) -> Any:
         try:
@@ -189,6 +214,7 @@ class RayWorkerGroup(WorkerGroup):
             groups[role] = RayWorkerGroup(
                 call_timeout_s=self.call_timeout_s,
                 poll_interval_s=self.poll_interval_s,
+                death_grace_s=self.death_grace_s,
                 _from_workers=(self._workers, self._infos, role_classes[role], f"{role}_"),
             )
         return groups

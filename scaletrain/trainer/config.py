@@ -1,0 +1,243 @@
+"""The PPO trainer's typed config (layer 4): configs/ppo_trainer.yaml mapped onto dataclasses, then validated.
+
+Key names follow verl's so a verl user's command ports. ``load_ppo_config(dict)`` builds the dataclasses
+strictly (unknown keys and wrong types fail naming the dotted key) and ``validate`` checks what types cannot:
+batch sizes that must divide, registered names (estimator, policy loss, backend, rollout engine, reward
+manager, loggers), files that must exist. Both run before Ray starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from scaletrain.utils.typed_config import ConfigError, build
+from scaletrain.workers.config import ActorConfig, RefConfig, RolloutWorkerConfig
+
+
+@dataclass
+class DataConfig:
+    train_files: Any = None                 # str | list[str]; null: the embedded default task
+    val_files: Any = None
+    train_batch_size: int = 32              # prompts per step
+    val_batch_size: int | None = None       # null: the whole validation set at once
+    max_prompt_length: int = 16
+    max_response_length: int = 8
+    filter_overlong_prompts: bool = True
+    truncation: str = "error"               # error | left | right (when not filtering)
+    shuffle: bool = True
+    seed: int = 1
+    prompt_key: str = "prompt"
+    max_samples: int | None = None
+    val_max_samples: int | None = None
+
+
+@dataclass
+class HFModelConfig:
+    path: str | None = None                 # null: the embedded default model
+    dtype: str = "float32"
+    use_remove_padding: bool = False
+    enable_gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+
+
+@dataclass
+class ActorRolloutRefSection:
+    model: HFModelConfig = field(default_factory=HFModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutWorkerConfig = field(default_factory=RolloutWorkerConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+
+
+@dataclass
+class CriticSection:
+    enable: bool | None = None              # null: on for estimators that need values (gae)
+    model: HFModelConfig = field(default_factory=HFModelConfig)   # path null: the actor's model
+    ppo_mini_batch_size: int | None = None  # null: the actor's
+    ppo_micro_batch_size_per_gpu: int = 4
+    ppo_epochs: int | None = None
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    optim: dict[str, Any] = field(default_factory=lambda: {"lr": 1e-5})
+
+
+@dataclass
+class RewardModelSection:
+    enable: bool = False                    # a model-based reward (RewardModelWorker) added to rule scores
+    model: HFModelConfig = field(default_factory=HFModelConfig)
+    micro_batch_size_per_gpu: int = 8
+    reward_manager: str = "naive"           # naive | prime | batch | dapo | multi
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 30.0
+    num_processes: int = 2
+
+
+@dataclass
+class CustomRewardFunction:
+    path: str | None = None
+    name: str = "compute_score"
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"                     # fixed | adaptive
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class BackendConfig:
+    name: str = "fsdp"                      # fsdp | deepspeed | megatron
+    mixed_precision: str | None = None
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainerSection:
+    project_name: str = "scaletrain"
+    experiment_name: str = "run"
+    total_epochs: int = 1
+    total_training_steps: int | None = None
+    n_gpus_per_node: int = 2
+    nnodes: int = 1
+    device: str = "auto"                    # auto | cpu | cuda
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
+    save_freq: int = -1                     # steps between checkpoints; -1: only at the end
+    test_freq: int = -1                     # steps between validations; -1: only at the end
+    val_before_train: bool = True
+    resume_mode: str = "auto"               # auto | disable | resume_path
+    resume_from_path: str | None = None
+    max_ckpt_to_keep: int | None = 2
+    save_hf_at_end: bool = True
+    plot_at_end: bool = True
+    collective_timeout_s: float = 600.0     # a step waiting longer on a dead rank fails, naming it
+    seed: int = 1
+
+
+@dataclass
+class RayInitConfig:
+    address: str | None = None              # null: start a local cluster
+    num_cpus: int | None = None
+    object_store_memory: int | None = None
+
+
+@dataclass
+class PPOConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefSection = field(default_factory=ActorRolloutRefSection)
+    critic: CriticSection = field(default_factory=CriticSection)
+    reward_model: RewardModelSection = field(default_factory=RewardModelSection)
+    custom_reward_function: CustomRewardFunction = field(default_factory=CustomRewardFunction)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+
+    @property
+    def use_critic(self) -> bool:
+        if self.critic.enable is not None:
+            return self.critic.enable
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.n_gpus_per_node * self.trainer.nnodes
+
+
+def load_ppo_config(data: dict[str, Any]) -> PPOConfig:
+    return build(PPOConfig, data)
+
+
+def _files(value: Any) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def validate(cfg: PPOConfig) -> PPOConfig:
+    """Checks across keys; raises ConfigError naming the key. Returns cfg for chaining."""
+    from backends.base import BACKENDS
+    from backends.rollout.base import ROLLOUTS
+    from scaletrain.algos import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+    from scaletrain.reward import REWARD_MANAGERS
+    from scaletrain.trainer.tracking import LOGGERS
+
+    arr, data, trainer = cfg.actor_rollout_ref, cfg.data, cfg.trainer
+    names = [
+        ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ADV_ESTIMATORS),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode", arr.actor.policy_loss.loss_mode, POLICY_LOSSES),
+        ("backend.name", cfg.backend.name, BACKENDS),
+        ("actor_rollout_ref.rollout.name", arr.rollout.name, ROLLOUTS),
+        ("reward_model.reward_manager", cfg.reward_model.reward_manager, REWARD_MANAGERS),
+    ]
+    for key, name, registry in names:
+        if name not in registry:
+            raise ConfigError(f"{key}: unknown {registry.kind} '{name}'; registered: {', '.join(registry.names())}")
+    for key, mode in (("actor_rollout_ref.actor.loss_agg_mode", arr.actor.loss_agg_mode),
+                      ("critic.loss_agg_mode", cfg.critic.loss_agg_mode)):
+        if mode not in LOSS_AGG_MODES:
+            raise ConfigError(f"{key}: unknown mode '{mode}'; one of {', '.join(LOSS_AGG_MODES)}")
+    for name in trainer.logger:
+        if name not in LOGGERS:
+            raise ConfigError(f"trainer.logger: unknown logger '{name}'; registered: {', '.join(LOGGERS.names())}")
+
+    world, n = cfg.world_size, arr.rollout.n
+    positive = {"data.train_batch_size": data.train_batch_size, "actor_rollout_ref.rollout.n": n,
+                "actor_rollout_ref.actor.ppo_mini_batch_size": arr.actor.ppo_mini_batch_size,
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": arr.actor.ppo_micro_batch_size_per_gpu,
+                "trainer.n_gpus_per_node": trainer.n_gpus_per_node, "trainer.nnodes": trainer.nnodes}
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    if data.train_batch_size % arr.actor.ppo_mini_batch_size:
+        raise ConfigError(f"actor_rollout_ref.actor.ppo_mini_batch_size ({arr.actor.ppo_mini_batch_size}) must "
+                          f"divide data.train_batch_size ({data.train_batch_size})")
+    if (arr.actor.ppo_mini_batch_size * n) % world:
+        raise ConfigError(f"actor_rollout_ref.actor.ppo_mini_batch_size x rollout.n = "
+                          f"{arr.actor.ppo_mini_batch_size * n} rows do not split over {world} ranks")
+    rows_per_rank = arr.actor.ppo_mini_batch_size * n // world
+    micro = arr.actor.ppo_micro_batch_size_per_gpu
+    if not arr.actor.use_dynamic_bsz and micro < rows_per_rank and rows_per_rank % micro:
+        raise ConfigError(f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu "
+                          f"({arr.actor.ppo_micro_batch_size_per_gpu}) must divide the {rows_per_rank} mini-batch "
+                          f"rows per rank")
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "grpo_passk", "opo", "reinforce_plus_plus_baseline") and n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of one prompt: "
+                          f"set actor_rollout_ref.rollout.n >= 2 (got {n})")
+    if arr.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
+        raise ConfigError("actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward both add a KL "
+                          "penalty; enable one")
+    if trainer.resume_mode not in ("auto", "disable", "resume_path"):
+        raise ConfigError(f"trainer.resume_mode must be auto | disable | resume_path, got '{trainer.resume_mode}'")
+    if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+    for key in ("data.train_files", "data.val_files"):
+        for path in _files(getattr(data, key.split(".")[1])):
+            if not os.path.exists(path):
+                raise ConfigError(f"{key}: file not found: {path}")
+    for key, path in (("actor_rollout_ref.model.path", arr.model.path), ("critic.model.path", cfg.critic.model.path),
+                      ("custom_reward_function.path", cfg.custom_reward_function.path)):
+        if path is not None and not os.path.exists(path):
+            raise ConfigError(f"{key}: not found: {path}")
+    if cfg.reward_model.enable and not cfg.reward_model.model.path:
+        raise ConfigError("reward_model.enable needs reward_model.model.path")
+    return cfg

@@ -1,0 +1,70 @@
+"""Entry point: ``python -m scaletrain.trainer.main_ppo [hydra overrides]`` (layer 4).
+
+Composes configs/ppo_trainer.yaml with the overrides, builds and validates the typed config before Ray starts,
+fills null model/data paths with the embedded default, then trains and writes the run's outputs (metrics,
+checkpoints, an HF export, curves).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from scaletrain.trainer.config import PPOConfig, load_ppo_config, validate
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(cfg: PPOConfig) -> PPOConfig:
+    import torch
+
+    if cfg.trainer.device == "auto":
+        cfg.trainer.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg
+
+
+def init_ray(cfg: PPOConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": "WARNING"}
+    if cfg.ray_init.address:
+        kwargs["address"] = cfg.ray_init.address
+    else:
+        world = cfg.world_size
+        kwargs["num_cpus"] = cfg.ray_init.num_cpus or max(world * 2, os.cpu_count() or 1)
+        if cfg.trainer.device == "cpu":
+            kwargs["num_gpus"] = 0
+        kwargs["object_store_memory"] = cfg.ray_init.object_store_memory or 1 << 30
+    ray.init(**kwargs)
+
+
+def run_ppo(raw: dict[str, Any]) -> dict[str, Any]:
+    """Train from a plain config dict (as Hydra composes it); returns a summary."""
+    from scaletrain.trainer.embedded_default import resolve_embedded_default
+    from scaletrain.trainer.run import train
+
+    cfg = resolve_device(load_ppo_config(raw))
+    validate(cfg)                                  # everything checkable is checked before any heavy work
+    cfg = resolve_embedded_default(cfg)
+    validate(cfg)
+    init_ray(cfg)
+    return train(cfg)
+
+
+@hydra.main(config_path="pkg://scaletrain.configs", config_name="ppo_trainer", version_base=None)
+def main(config: DictConfig) -> None:
+    summary = run_ppo(OmegaConf.to_container(config, resolve=True))
+    logger.info("done: %s", summary)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""The single controller (layer 4): ``RayPPOTrainer.fit()`` drives the worker groups step by step.
+
+Per step, as in the seed's outline: generate -> reward -> old log-prob -> ref log-prob -> values ->
+advantages -> critic update -> actor update -> weight sync -> validation -> checkpoint -> log. The trainer
+knows nothing about FSDP / DeepSpeed / Megatron: it only calls the role workers' registered methods.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from backends.config import EngineConfig, ModelConfig, OptimConfig
+from scaletrain.algos import build_kl_controller
+from scaletrain.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, create_colocated_worker_cls
+from scaletrain.data import StatefulDataLoader
+from scaletrain.protocol import DataProto
+from scaletrain.reward import build_reward_manager
+from scaletrain.trainer.advantage import apply_kl_penalty, compute_advantage
+from scaletrain.trainer.checkpoint import CheckpointManager
+from scaletrain.trainer.config import HFModelConfig, PPOConfig
+from scaletrain.trainer.metrics import data_metrics, device_peak_flops, throughput_metrics, timer, timing_metrics
+from scaletrain.trainer.tracking import Tracking
+from scaletrain.utils.typed_config import build, to_dict
+from scaletrain.workers import ActorRolloutRefConfig, ActorRolloutRefWorker, CriticConfig, CriticWorker, reduce_metrics
+
+logger = logging.getLogger(__name__)
+
+GEN_KEYS = ["input_ids", "attention_mask", "position_ids"]
+
+
+def _model_config(m: HFModelConfig, path: str, kind: str = "causal_lm") -> ModelConfig:
+    return ModelConfig(path=path, kind=kind, dtype=m.dtype, gradient_checkpointing=m.enable_gradient_checkpointing,
+                       use_remove_padding=m.use_remove_padding, trust_remote_code=m.trust_remote_code)
+
+
+class RayPPOTrainer:
+    def __init__(self, cfg: PPOConfig, tokenizer, train_dataset, val_dataset) -> None:
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.loader = StatefulDataLoader(train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+                                         seed=cfg.data.seed)
+        self.val_dataset = val_dataset
+        steps_per_epoch = len(self.loader)
+        self.total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
+        self.use_ref = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl.type, kl_coef=cfg.algorithm.kl_ctrl.kl_coef,
+                                           target_kl=cfg.algorithm.kl_ctrl.target_kl,
+                                           horizon=cfg.algorithm.kl_ctrl.horizon)
+        rm = cfg.reward_model
+        self.reward_fn = build_reward_manager(
+            tokenizer, rm.reward_manager, to_dict(cfg.custom_reward_function), timeout_s=rm.timeout_s,
+            num_processes=rm.num_processes, **rm.reward_kwargs,
+        )
+        self.checkpoints = CheckpointManager(cfg.trainer.default_local_dir, cfg.trainer.max_ckpt_to_keep)
+        self.global_step = 0
+        self.device = cfg.trainer.device
+
+    # ------------------------------------------------------------------------------------------------ workers
+    def _worker_configs(self) -> tuple[ActorRolloutRefConfig, CriticConfig | None]:
+        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        engine = EngineConfig(mixed_precision=cfg.backend.mixed_precision, param_offload=cfg.backend.param_offload,
+                              optimizer_offload=cfg.backend.optimizer_offload, seed=cfg.trainer.seed,
+                              collective_timeout_s=cfg.trainer.collective_timeout_s, extra=cfg.backend.extra)
+        minis = cfg.data.train_batch_size // arr.actor.ppo_mini_batch_size * arr.actor.ppo_epochs
+        actor = replace(arr.actor, optim=replace(arr.actor.optim, total_steps=self.total_steps * minis))
+        actor_cfg = ActorRolloutRefConfig(model=_model_config(arr.model, arr.model.path), backend=cfg.backend.name,
+                                          actor=actor, rollout=arr.rollout, ref=arr.ref, engine=engine)
+        if not cfg.use_critic:
+            return actor_cfg, None
+        c = cfg.critic
+        critic_cfg = CriticConfig(
+            model=_model_config(c.model, c.model.path or arr.model.path, kind="value"), backend=cfg.backend.name,
+            ppo_mini_batch_size=c.ppo_mini_batch_size or arr.actor.ppo_mini_batch_size,
+            ppo_micro_batch_size_per_gpu=c.ppo_micro_batch_size_per_gpu, ppo_epochs=c.ppo_epochs or arr.actor.ppo_epochs,
+            use_dynamic_bsz=c.use_dynamic_bsz, ppo_max_token_len_per_gpu=c.ppo_max_token_len_per_gpu,
+            cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode, rollout_n=arr.rollout.n,
+            optim=build(OptimConfig, c.optim, "critic.optim"), engine=engine,
+        )
+        return actor_cfg, critic_cfg
+
+    def init_workers(self) -> None:
+        """One process per device holding every role (colocated), spawned as one worker group per role."""
+        cfg = self.cfg
+        actor_cfg, critic_cfg = self._worker_configs()
+        role = "actor_rollout_ref" if self.use_ref else "actor_rollout"
+        roles = {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, actor_cfg, role)}
+        if critic_cfg is not None:
+            roles["critic"] = RayClassWithInitArgs(CriticWorker, critic_cfg)
+        self.pool = RayResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes,
+                                    use_gpu=self.device == "cuda")
+        self.wg_dict = RayWorkerGroup(self.pool, create_colocated_worker_cls(roles), name_prefix="colocated")
+        groups = self.wg_dict.spawn(prefix_set=list(roles))
+        self.actor_rollout_wg = groups["actor_rollout"]
+        self.critic_wg = groups.get("critic")
+        if self.critic_wg is not None:
+            self.critic_wg.init_model()
+        self.actor_rollout_wg.init_model()
+        self.actor_params = self._count_params(actor_cfg.model.path)
+        self.peak_flops = device_peak_flops(self.device)
+
+    @staticmethod
+    def _count_params(path: str) -> int:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        import torch
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        return sum(p.numel() for p in model.parameters())
+
+    # ---------------------------------------------------------------------------------------------------- fit
+    def fit(self, tracking: Tracking) -> dict[str, float]:
+        """Train for ``total_steps``; returns the last validation metrics."""
+        cfg = self.cfg
+        self._resume()
+        val_metrics: dict[str, float] = {}
+        if cfg.trainer.val_before_train and self.global_step == 0:
+            val_metrics = self.validate()
+            tracking.log(val_metrics, step=0)
+        while self.global_step < self.total_steps:
+            for batch in self.loader:
+                self.global_step += 1
+                metrics = self.train_step(batch)
+                last = self.global_step >= self.total_steps
+                if self._due(cfg.trainer.test_freq, last):
+                    val_metrics = self.validate()
+                    metrics.update(val_metrics)
+                if self._due(cfg.trainer.save_freq, last):
+                    self.save_checkpoint()
+                tracking.log(metrics, step=self.global_step)
+                if last:
+                    break
+        return val_metrics
+
+    def _due(self, freq: int, last: bool) -> bool:
+        return last or (freq > 0 and self.global_step % freq == 0)
+
+    def train_step(self, batch: DataProto) -> dict[str, float]:
+        cfg, metrics, timings = self.cfg, {}, {}
+        n = cfg.actor_rollout_ref.rollout.n
+        with timer("step", timings):
+            batch.non_tensor_batch["uid"] = np.array(
+                [f"{self.global_step}-{i}" for i in range(len(batch))], dtype=object)
+            gen_batch = batch.pop(batch_keys=GEN_KEYS)
+            gen_batch.meta_info["seed"] = cfg.trainer.seed * 100003 + self.global_step
+            with timer("gen", timings):
+                gen_out = self.actor_rollout_wg.generate_sequences(gen_batch)
+            batch = batch.repeat(n, interleave=True).union(gen_out)
+            batch.meta_info["temperature"] = cfg.actor_rollout_ref.rollout.temperature
+
+            with timer("reward", timings):
+                reward = self.reward_fn(batch, return_dict=True)
+                batch.batch["token_level_scores"] = reward["reward_tensor"]
+                metrics.update(reward["metrics"])
+            with timer("old_log_prob", timings):
+                old = self.actor_rollout_wg.compute_log_prob(batch)
+                entropy = old.batch["entropys"][batch.batch["response_mask"].bool()]
+                metrics["actor/entropy"] = entropy.mean().item()
+                batch = batch.union(old.select(batch_keys=["old_log_probs"]))
+            if self.use_ref:
+                with timer("ref", timings):
+                    batch = batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
+            if self.critic_wg is not None:
+                with timer("values", timings):
+                    batch = batch.union(self.critic_wg.compute_values(batch))
+
+            with timer("adv", timings):
+                if cfg.algorithm.use_kl_in_reward:
+                    metrics.update(apply_kl_penalty(batch, self.kl_ctrl, cfg.algorithm.kl_penalty))
+                else:
+                    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+                compute_advantage(batch, cfg.algorithm)
+
+            if self.critic_wg is not None:
+                with timer("update_critic", timings):
+                    metrics.update(reduce_metrics(self.critic_wg.update_critic(batch)))
+            with timer("update_actor", timings):
+                metrics.update(reduce_metrics(self.actor_rollout_wg.update_actor(batch)))
+            with timer("sync_weights", timings):
+                self.actor_rollout_wg.sync_rollout_weights()
+
+        metrics.update(data_metrics(batch))
+        metrics.update(timing_metrics(timings))
+        metrics.update(throughput_metrics(batch, timings, self.cfg.world_size, self.actor_params, self.peak_flops))
+        metrics["training/epoch"] = float(self.loader.epoch)
+        return metrics
+
+    # ----------------------------------------------------------------------------------------------- validate
+    def validate(self) -> dict[str, float]:
+        """Greedy (val_kwargs) generation on the validation set; ``val/<source>/acc`` = mean score per source."""
+        if self.val_dataset is None:
+            return {}
+        size = self.cfg.data.val_batch_size or len(self.val_dataset)
+        scores: dict[str, list[float]] = {}
+        lengths: list[float] = []
+        for start in range(0, len(self.val_dataset), size):
+            batch = self.val_dataset.get_batch(list(range(start, min(start + size, len(self.val_dataset)))))
+            gen_batch = batch.pop(batch_keys=GEN_KEYS)
+            gen_batch.meta_info.update(validate=True, seed=0)
+            out = self.actor_rollout_wg.generate_sequences(gen_batch)
+            repeat = len(out) // len(batch)
+            batch = batch.repeat(repeat, interleave=True).union(out)
+            rewards = self.reward_fn(batch, return_dict=True)["reward_tensor"].sum(-1).tolist()
+            for source, score in zip(batch.non_tensor_batch["data_source"], rewards):
+                scores.setdefault(str(source), []).append(score)
+            lengths += batch.batch["response_mask"].sum(-1).float().tolist()
+        metrics = {f"val/{source}/acc": float(np.mean(v)) for source, v in scores.items()}
+        metrics["val/response_length/mean"] = float(np.mean(lengths)) if lengths else 0.0
+        return metrics
+
+    # ---------------------------------------------------------------------------------------------- checkpoint
+    def save_checkpoint(self) -> str:
+        def save_workers(path: str) -> None:
+            self.actor_rollout_wg.save_checkpoint(path)
+            if self.critic_wg is not None:
+                self.critic_wg.save_checkpoint(path)
+
+        state = {"dataloader": self.loader.state_dict(), "kl_coef": self.kl_ctrl.value}
+        return self.checkpoints.save(self.global_step, save_workers, state)
+
+    def _resume(self) -> None:
+        mode = self.cfg.trainer.resume_mode
+        if mode == "disable":
+            return
+        path = self.cfg.trainer.resume_from_path if mode == "resume_path" else self.checkpoints.latest()
+        if path is None:
+            logger.info("no checkpoint under %s: starting from scratch", self.checkpoints.root)
+            return
+        state = self.checkpoints.load_state(path)
+        self.actor_rollout_wg.load_checkpoint(path)
+        if self.critic_wg is not None:
+            self.critic_wg.load_checkpoint(path)
+        self.loader.load_state_dict(state["dataloader"])
+        self.kl_ctrl.value = state["kl_coef"]
+        self.global_step = int(state["global_step"])
+        logger.info("resumed from %s at step %d", path, self.global_step)
+
+    def save_hf(self, path: str) -> str:
+        self.actor_rollout_wg.save_hf(path)
+        return path
+
+    def close(self) -> None:
+        close = getattr(self.reward_fn, "close", None)
+        if close is not None:
+            close()
+
+    def run_dir(self) -> str:
+        return os.path.abspath(self.cfg.trainer.default_local_dir)
+
+    @property
+    def describe(self) -> dict[str, Any]:
+        return {"total_steps": self.total_steps, "steps_per_epoch": len(self.loader), "use_critic": self.cfg.use_critic,
+                "use_ref": self.use_ref}

@@ -1,0 +1,57 @@
+"""One training run end to end (layer 4): datasets, workers, fit(), final export, curves and a summary."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from scaletrain.data import RLDataset
+from scaletrain.trainer.config import PPOConfig
+from scaletrain.trainer.ppo_trainer import RayPPOTrainer
+from scaletrain.trainer.tracking import Tracking
+from scaletrain.utils.typed_config import to_dict
+
+logger = logging.getLogger(__name__)
+
+
+def _dataset(files: Any, tokenizer, cfg: PPOConfig, max_samples: int | None) -> RLDataset | None:
+    if not files:
+        return None
+    return RLDataset(files, tokenizer, cfg.data.max_prompt_length, prompt_key=cfg.data.prompt_key,
+                     filter_overlong_prompts=cfg.data.filter_overlong_prompts, truncation=cfg.data.truncation,
+                     max_samples=max_samples)
+
+
+def train(cfg: PPOConfig) -> dict[str, Any]:
+    start = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
+    train_set = _dataset(cfg.data.train_files, tokenizer, cfg, cfg.data.max_samples)
+    val_set = _dataset(cfg.data.val_files, tokenizer, cfg, cfg.data.val_max_samples)
+    trainer = RayPPOTrainer(cfg, tokenizer, train_set, val_set)
+    run_dir = trainer.run_dir()
+    os.makedirs(run_dir, exist_ok=True)
+    trainer.init_workers()
+    resume_step = None
+    latest = trainer.checkpoints.latest() if cfg.trainer.resume_mode == "auto" else None
+    if latest is not None:
+        resume_step = int(os.path.basename(latest).rsplit("_", 1)[1]) + 1
+    tracking = Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, run_dir,
+                        config=to_dict(cfg), total_steps=trainer.total_steps, resume_step=resume_step)
+    try:
+        with tracking:
+            val_metrics = trainer.fit(tracking)
+        summary: dict[str, Any] = {"steps": trainer.global_step, "run_dir": run_dir, **val_metrics}
+        if cfg.trainer.save_hf_at_end:
+            summary["hf_checkpoint"] = trainer.save_hf(os.path.join(run_dir, "hf"))
+        if cfg.trainer.plot_at_end and "jsonl" in cfg.trainer.logger:
+            from scaletrain.plot import plot_run
+
+            summary["plots"] = [str(p) for p in plot_run(run_dir)]
+    finally:
+        trainer.close()
+    summary["wall_s"] = round(time.monotonic() - start, 1)
+    return summary
