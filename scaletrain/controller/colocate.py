@@ -12,7 +12,7 @@ import functools
 from typing import Any, Callable
 
 from scaletrain.controller.decorator import REGISTERED_ATTR, get_registration
-from scaletrain.controller.ray_worker_group import RayClassWithInitArgs, unwrap_actor_class
+from scaletrain.controller.ray_worker_group import RayClassWithInitArgs
 from scaletrain.controller.worker import Worker
 
 

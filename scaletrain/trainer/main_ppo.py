@@ -54,9 +54,8 @@ def run_ppo(raw: dict[str, Any]) -> dict[str, Any]:
 
     cfg = resolve_device(load_ppo_config(raw))
     validate(cfg)                                  # everything checkable is checked before any heavy work
-    cfg = resolve_embedded_default(cfg)
-    validate(cfg)
     init_ray(cfg)
+    cfg = validate(resolve_embedded_default(cfg))  # may run the embedded SFT warm-up on this Ray cluster
     return train(cfg)
 
 

@@ -1,0 +1,33 @@
+"""``python -m scaletrain.trainer.main_sft [key=value ...]``: the SFT trainer's command line (Hydra).
+
+    python -m scaletrain.trainer.main_sft                                   # warm up the embedded default
+    python -m scaletrain.trainer.main_sft data.train_files=sft.parquet data.val_files=sft_val.parquet \\
+        model.path=/models/qwen optim.lr=1e-5 trainer.total_epochs=2 trainer.n_gpus_per_node=8
+
+configs/sft_trainer.yaml holds every key with its default. The YAML is turned into typed dataclasses and
+validated (unknown keys, wrong types, batch sizes, files) before Ray starts; see scaletrain/trainer/sft_trainer.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from scaletrain.trainer.sft_trainer import load_sft_config, run_sft
+
+logger = logging.getLogger(__name__)
+
+
+@hydra.main(config_path="pkg://scaletrain.configs", config_name="sft_trainer", version_base=None)
+def main(config: DictConfig) -> dict:
+    cfg = load_sft_config(OmegaConf.to_container(config, resolve=True))
+    summary = run_sft(cfg)
+    logger.info("SFT finished at step %d (val acc %s); HF checkpoint: %s", summary["step"], summary["val_acc"],
+                summary["hf_path"])
+    return summary
+
+
+if __name__ == "__main__":
+    main()

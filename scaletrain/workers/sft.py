@@ -1,0 +1,144 @@
+"""SFTWorker: supervised fine-tuning on the same training engines, plus greedy generation for accuracy (layer 2).
+
+One instance per rank. It owns a TrainEngine (any registered backend) trained with the token-mean negative
+log-likelihood of the response tokens, and a RolloutEngine (``hf`` by default) on the same model path used only
+to measure greedy accuracy. The rollout engine is refreshed from the training engine (HF-named tensors streamed
+in buckets, a collective every rank takes part in) at the start of the first ``generate`` after a training step,
+so generation always sees the current weights.
+
+Call path from the SFT trainer: ``sft_wg.train_batch(batch)`` -> this worker's ``train_batch`` ->
+``engine.train_step`` of the backend with ``sft_loss_fn``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoTokenizer
+
+from backends.base import TrainEngine, get_backend
+from backends.config import EngineConfig, ModelConfig, OptimConfig
+from backends.rollout.base import RolloutConfig, RolloutEngine, SamplingConfig, get_rollout
+from scaletrain.algos import agg_loss
+from scaletrain.controller import Dispatch, Worker, register
+from scaletrain.protocol import DataProto
+from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO
+
+logger = logging.getLogger(__name__)
+
+# batch fields the SFT update reads
+SFT_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+
+
+@dataclass
+class GreedyRolloutConfig:
+    """The rollout engine that measures greedy accuracy (named as in ``actor_rollout_ref.rollout``)."""
+
+    name: str = "hf"                         # hf | vllm
+    dtype: str = "float32"
+    tensor_model_parallel_size: int = 1
+    kv_cache_bytes: int = 64 << 20
+    weight_bucket_bytes: int = 256 << 20
+    seed: int = 0
+
+
+@dataclass
+class SFTWorkerConfig:
+    model: ModelConfig
+    backend: str = "fsdp"
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)   # micro_batch_size_per_gpu etc.
+    rollout: GreedyRolloutConfig | None = field(default_factory=GreedyRolloutConfig)  # None: no generation
+    max_prompt_length: int = 16
+    max_response_length: int = 8             # also the greedy generation's max_new_tokens
+
+
+def sft_loss_fn(outputs: dict[str, torch.Tensor], mb: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-mean NLL over the response tokens of one micro-batch (the engine reports it as ``loss``)."""
+    return agg_loss(-outputs["log_probs"], mb.batch["response_mask"], "token-mean"), {}
+
+
+class SFTWorker(Worker):
+    def __init__(self, config: SFTWorkerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.engine: TrainEngine | None = None
+        self.rollout: RolloutEngine | None = None
+        self._rollout_stale = True
+
+    # ------------------------------------------------------------------------------------------------- build
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        cfg = self.config
+        self.engine = get_backend(cfg.backend)(cfg.model, cfg.optim, cfg.engine)
+        self.register_mesh("engine", self.engine.dp_rank, self.engine.dp_size, self.engine.collects_output)
+        if cfg.rollout is not None:
+            rc = cfg.rollout
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+            rollout_cfg = RolloutConfig(
+                model_path=cfg.model.path, dtype=rc.dtype, tensor_parallel_size=rc.tensor_model_parallel_size,
+                max_model_len=cfg.max_prompt_length + cfg.max_response_length, kv_cache_bytes=rc.kv_cache_bytes,
+                seed=rc.seed + self.rank,
+            )
+            self.rollout = get_rollout(rc.name)(rollout_cfg, tokenizer)
+            tp = rc.tensor_model_parallel_size
+            self.register_mesh("rollout", self.rank // tp, self.world_size // tp, self.rank % tp == 0)
+            self._rollout_stale = True  # the engine may have loaded other weights than the path (e.g. a resume)
+
+    def _need_engine(self) -> TrainEngine:
+        if self.engine is None:
+            raise RuntimeError("SFTWorker: call init_model first")
+        return self.engine
+
+    # -------------------------------------------------------------------------------------------- training
+    @register(dispatch_mode=ENGINE_METRIC)
+    def train_batch(self, data: DataProto) -> dict[str, float]:
+        """One optimizer step on this rank's share of the batch; metrics ``sft/loss``, ``sft/grad_norm``, ``sft/lr``."""
+        engine = self._need_engine()
+        batch = data.select(batch_keys=list(SFT_INPUTS), non_tensor_batch_keys=[])
+        metrics = engine.train_step(batch, sft_loss_fn, outputs=("log_probs",))
+        self._rollout_stale = True
+        return {(k if "/" in k else f"sft/{k}"): float(v) for k, v in metrics.items()}
+
+    @register(dispatch_mode=ENGINE_PROTO)
+    def eval_loss(self, data: DataProto) -> DataProto:
+        """No-grad NLL per row: ``nll_sum`` (summed over response tokens) and ``num_tokens``, both (B,) float."""
+        batch = data.select(batch_keys=list(SFT_INPUTS), non_tensor_batch_keys=[])
+        log_probs = self._need_engine().forward(batch, outputs=("log_probs",)).batch["log_probs"]
+        mask = batch.batch["response_mask"].float()
+        return DataProto.from_dict({"nll_sum": -(log_probs * mask).sum(-1), "num_tokens": mask.sum(-1)})
+
+    # ---------------------------------------------------------------------------------------------- rollout
+    @register(dispatch_mode=ROLLOUT_PROTO)
+    def generate(self, prompts: DataProto) -> DataProto:
+        """Greedy responses (one per prompt, at most ``max_response_length`` tokens) from the current weights."""
+        if self.rollout is None:
+            raise RuntimeError("SFTWorker: no rollout engine (config.rollout is None); call init_model first")
+        if self._rollout_stale:  # every rank trained, so every rank takes part in this collective export
+            self.rollout.update_weights(self._need_engine().export_weights(self.config.rollout.weight_bucket_bytes))
+            self._rollout_stale = False
+        sampling = SamplingConfig(n=1, temperature=0.0, max_new_tokens=self.config.max_response_length, seed=None)
+        self.rollout.wake_up()
+        try:
+            return self.rollout.generate(prompts, sampling)
+        finally:
+            self.rollout.sleep()
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+    @register(Dispatch.ONE_TO_ALL)
+    def save_hf(self, path: str) -> None:
+        """An HF checkpoint (config, safetensors, the source model's tokenizer files), written by rank 0."""
+        self._need_engine().save_hf(path)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded model + optimizer + LR schedule + RNG under ``path/model`` (collective)."""
+        self._need_engine().save(os.path.join(path, "model"))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        self._need_engine().load(os.path.join(path, "model"))
+        self._rollout_stale = True
