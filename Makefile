@@ -27,8 +27,10 @@ $(VENV)/.installed-$(EXTRAS): setup.py Makefile
 
 install: $(VENV)/.installed-$(EXTRAS)
 
+# The embedded default: tiny Qwen2 + synthetic addition, SFT warm-up, then GRPO (Ray, 2 FSDP ranks, vLLM).
+# Any Hydra override works: make run ARGS="backend=fsdp trainer.total_training_steps=100 rollout=hf"
 run: install
-	@echo "make run: not yet - the trainer (python -m scaletrain.trainer.main_ppo) arrives with the trainer issue."
+	OMP_NUM_THREADS=1 $(PY) -m scaletrain.trainer.main_ppo $(ARGS)
 
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(ARGS)

@@ -190,8 +190,9 @@ class VLLMRolloutEngine(RolloutEngine):
 
 
 def _as_lists(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Each bucket's tensors as private contiguous copies: vLLM never holds memory the trainer reuses."""
     for bucket in buckets:
-        yield [(name, tensor.detach()) for name, tensor in bucket]
+        yield [(name, tensor.detach().clone(memory_format=torch.contiguous_format)) for name, tensor in bucket]
 
 
 def _write_buckets(buckets: Iterable[list[tuple[str, torch.Tensor]]], folder: str) -> list[str]:

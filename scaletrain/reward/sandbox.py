@@ -26,7 +26,6 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -148,15 +147,11 @@ def _close_live_pools() -> None:
 
 
 def _forkserver_preload() -> list[str]:
-    """Modules the fork server imports once (a hint, used if it is not running yet): this module (so
-    scaletrain.reward, torch, math-verify) and, for ``python -m pkg.main``, the main module under its real name.
-    multiprocessing re-runs the main module in every worker; with its imports already loaded that is cheap.
-    (A main started as a script file is re-run with all its imports in each worker: slower starts only.)"""
-    modules = ["__main__", __name__]
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if spec is not None and spec.name and not spec.name.endswith("__main__"):
-        modules.append(spec.name)
-    return modules
+    """Modules the fork server imports once (a hint, used if it is not running yet): the main module and this
+    module (so scaletrain.reward, torch, math-verify). multiprocessing re-runs the main module in every worker;
+    with its imports already loaded that is cheap. (Preloading ``python -m pkg.main`` under its real name as well
+    made runpy warn that the module was imported twice.)"""
+    return ["__main__", __name__]
 
 
 def _default_context() -> str:

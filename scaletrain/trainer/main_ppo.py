@@ -59,10 +59,31 @@ def run_ppo(raw: dict[str, Any]) -> dict[str, Any]:
     return train(cfg)
 
 
+def print_summary(summary: dict[str, Any]) -> None:
+    """The user-facing end-of-run table: held-out accuracy before and after, where the outputs are."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"scaletrain: {summary['steps']} steps in {summary['wall_s']} s")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        if key.endswith("/acc") and f"{key}@start" in summary:
+            start = summary[f"{key}@start"]
+            table.add_row(f"{key} (start -> end)", f"{start:.3f} -> {value:.3f} ({100 * (value - start):+.1f} points)")
+    for key in ("run_dir", "hf_checkpoint"):
+        if key in summary:
+            table.add_row(key, str(summary[key]))
+    if summary.get("plots"):
+        table.add_row("curves", os.path.dirname(summary["plots"][0]))
+    Console().print(table)
+
+
 @hydra.main(config_path="pkg://scaletrain.configs", config_name="ppo_trainer", version_base=None)
 def main(config: DictConfig) -> None:
     summary = run_ppo(OmegaConf.to_container(config, resolve=True))
-    logger.info("done: %s", summary)
+    logger.info("summary: %s", summary)
+    print_summary(summary)
 
 
 if __name__ == "__main__":

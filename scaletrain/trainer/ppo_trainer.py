@@ -58,6 +58,7 @@ class RayPPOTrainer:
         self.checkpoints = CheckpointManager(cfg.trainer.default_local_dir, cfg.trainer.max_ckpt_to_keep)
         self.global_step = 0
         self.device = cfg.trainer.device
+        self.initial_val_metrics: dict[str, float] = {}  # validation before the first step
 
     # ------------------------------------------------------------------------------------------------ workers
     def _worker_configs(self) -> tuple[ActorRolloutRefConfig, CriticConfig | None]:
@@ -119,8 +120,11 @@ class RayPPOTrainer:
         self._resume()
         val_metrics: dict[str, float] = {}
         if cfg.trainer.val_before_train and self.global_step == 0:
-            val_metrics = self.validate()
+            val_metrics = self.initial_val_metrics = self.validate()
             tracking.log(val_metrics, step=0)
+        if self.global_step >= self.total_steps:
+            logger.info("the run already reached step %d of %d; nothing to train", self.global_step, self.total_steps)
+            return self.validate()
         while self.global_step < self.total_steps:
             for batch in self.loader:
                 self.global_step += 1

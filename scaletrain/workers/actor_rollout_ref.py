@@ -15,15 +15,14 @@ import logging
 import os
 from dataclasses import replace
 
-from transformers import AutoTokenizer
-
 from backends.base import TrainEngine, get_backend
-from backends.rollout.base import RolloutConfig, RolloutEngine, SamplingConfig, get_rollout
+from backends.rollout.base import RolloutEngine, SamplingConfig
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
 from scaletrain.workers.config import ActorRolloutRefConfig
 from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO
 from scaletrain.workers.losses import ACTOR_INPUTS, actor_loss_fn, actor_outputs
+from scaletrain.workers.rollout_setup import build_rollout
 
 logger = logging.getLogger(__name__)
 
@@ -74,16 +73,12 @@ class ActorRolloutRefWorker(Worker):
             if self.actor is None:
                 self._declare_engine_mesh(self.ref)
         if "rollout" in self.parts:
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
             rc = cfg.rollout
-            rollout_cfg = RolloutConfig(
-                model_path=cfg.model.path, dtype=rc.dtype, tensor_parallel_size=rc.tensor_model_parallel_size,
-                max_model_len=rc.prompt_length + rc.response_length, kv_cache_bytes=rc.kv_cache_bytes,
-                seed=rc.seed + self.rank,
+            self.rollout, self.tokenizer = build_rollout(
+                self, rc.name, cfg.model.path, dtype=rc.dtype, tensor_parallel_size=rc.tensor_model_parallel_size,
+                max_model_len=rc.prompt_length + rc.response_length, kv_cache_bytes=rc.kv_cache_bytes, seed=rc.seed,
+                trust_remote_code=cfg.model.trust_remote_code,
             )
-            self.rollout = get_rollout(rc.name)(rollout_cfg, self.tokenizer)
-            tp = rc.tensor_model_parallel_size
-            self.register_mesh("rollout", self.rank // tp, self.world_size // tp, self.rank % tp == 0)
 
     def _declare_engine_mesh(self, engine: TrainEngine) -> None:
         self.register_mesh("engine", engine.dp_rank, engine.dp_size, engine.collects_output)

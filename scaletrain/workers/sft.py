@@ -17,15 +17,15 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoTokenizer
 
 from backends.base import TrainEngine, get_backend
 from backends.config import EngineConfig, ModelConfig, OptimConfig
-from backends.rollout.base import RolloutConfig, RolloutEngine, SamplingConfig, get_rollout
+from backends.rollout.base import RolloutEngine, SamplingConfig
 from scaletrain.algos import agg_loss
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
 from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO
+from scaletrain.workers.rollout_setup import build_rollout
 
 logger = logging.getLogger(__name__)
 
@@ -77,15 +77,11 @@ class SFTWorker(Worker):
         self.register_mesh("engine", self.engine.dp_rank, self.engine.dp_size, self.engine.collects_output)
         if cfg.rollout is not None:
             rc = cfg.rollout
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-            rollout_cfg = RolloutConfig(
-                model_path=cfg.model.path, dtype=rc.dtype, tensor_parallel_size=rc.tensor_model_parallel_size,
+            self.rollout, _ = build_rollout(
+                self, rc.name, cfg.model.path, dtype=rc.dtype, tensor_parallel_size=rc.tensor_model_parallel_size,
                 max_model_len=cfg.max_prompt_length + cfg.max_response_length, kv_cache_bytes=rc.kv_cache_bytes,
-                seed=rc.seed + self.rank,
+                seed=rc.seed, trust_remote_code=cfg.model.trust_remote_code,
             )
-            self.rollout = get_rollout(rc.name)(rollout_cfg, tokenizer)
-            tp = rc.tensor_model_parallel_size
-            self.register_mesh("rollout", self.rank // tp, self.world_size // tp, self.rank % tp == 0)
             self._rollout_stale = True  # the engine may have loaded other weights than the path (e.g. a resume)
 
     def _need_engine(self) -> TrainEngine:

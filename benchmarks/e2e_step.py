@@ -1,0 +1,90 @@
+"""Tokens/s of a full GRPO step (64 prompts x 8 samples x 128 response tokens) through the whole stack, split by
+phase, and the share of the step spent outside generation and training (controller overhead).
+
+    python benchmarks/e2e_step.py [--quick] [--rollout vllm|hf] [--steps N]
+
+The model is a tiny random Qwen2 (head_dim 32, 256 positions) with the embedded character tokenizer, so responses
+run to the full 128 tokens; every phase (vLLM generation, reward, log-probs, FSDP update on 2 ranks, weight sync)
+does its real work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+WORKER_PHASES = ("gen", "old_log_prob", "ref", "values", "update_critic", "update_actor", "sync_weights")
+
+
+def build_model(root: Path) -> str:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from scaletrain.data.tokenizer import build_arithmetic_tokenizer
+
+    tok = build_arithmetic_tokenizer()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                      bos_token_id=tok.bos_token_id)
+    path = str(root / "model")
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="16 prompts x 4 samples x 32 tokens")
+    parser.add_argument("--rollout", default="vllm")
+    parser.add_argument("--steps", type=int, default=4, help="measured steps (after 2 warm-up steps)")
+    args = parser.parse_args()
+    prompts, n, resp = (16, 4, 32) if args.quick else (64, 8, 128)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    from scaletrain.data.embedded import write_arithmetic_task
+    from scaletrain.trainer.main_ppo import run_ppo
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = build_model(root)
+        data = write_arithmetic_task(root / "data", seed=0, n_train=prompts * (args.steps + 2), n_val=8, n_test=8)
+        total = args.steps + 2
+        summary = run_ppo({
+            "data": {"train_files": data["train"], "val_files": None, "train_batch_size": prompts,
+                     "max_prompt_length": 8, "max_response_length": resp},
+            "actor_rollout_ref": {"model": {"path": model},
+                                  "actor": {"ppo_mini_batch_size": prompts, "ppo_micro_batch_size_per_gpu": 64},
+                                  "rollout": {"name": args.rollout, "n": n, "response_length": resp,
+                                              "prompt_length": 8}},
+            "trainer": {"total_training_steps": total, "default_local_dir": str(root / "run"),
+                        "logger": ["jsonl"], "val_before_train": False, "save_freq": -1, "test_freq": -1,
+                        "save_hf_at_end": False, "plot_at_end": False, "resume_mode": "disable"},
+        })
+        rows = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines() if line]
+    measured = [r for r in rows if r["step"] > 2]
+    mean = {k: sum(r.get(k, 0.0) for r in measured) / len(measured) for k in measured[0]}
+    step_s = mean["timing_s/step"]
+    tokens = mean["perf/total_num_tokens"]
+    print(f"\nGRPO step: {prompts} prompts x {n} samples x {resp} response tokens, {args.rollout} rollout, "
+          f"2 FSDP ranks, {len(measured)} steps measured (run took {summary['wall_s']} s)")
+    print(f"{'phase':<16}{'s':>9}{'share':>9}")
+    for key in sorted(k for k in mean if k.startswith("timing_s/") and k != "timing_s/step"):
+        print(f"{key.split('/', 1)[1]:<16}{mean[key]:>9.3f}{mean[key] / step_s:>8.1%}")
+    print(f"{'step':<16}{step_s:>9.3f}")
+    print(f"tokens/s (whole step, all ranks): {tokens / step_s:,.0f}")
+    gen_train = mean.get("timing_s/gen", 0) + mean.get("timing_s/update_actor", 0)
+    workers = sum(mean.get(f"timing_s/{p}", 0) for p in WORKER_PHASES)
+    print(f"share outside generation and training: {1 - gen_train / step_s:.1%}")
+    print(f"controller overhead (driver work + transport, outside every worker call): {1 - workers / step_s:.1%}")
+
+
+if __name__ == "__main__":
+    main()
