@@ -192,6 +192,10 @@ def validate(cfg: PPOConfig) -> PPOConfig:
     for key, name, registry in names:
         if name not in registry:
             raise ConfigError(f"{key}: unknown {registry.kind} '{name}'; registered: {', '.join(registry.names())}")
+    try:
+        BACKENDS.get(cfg.backend.name)  # imports a lazily registered backend: a missing package fails here
+    except ImportError as exc:
+        raise ConfigError(f"backend.name: {exc}") from exc
     for key, mode in (("actor_rollout_ref.actor.loss_agg_mode", arr.actor.loss_agg_mode),
                       ("critic.loss_agg_mode", cfg.critic.loss_agg_mode)):
         if mode not in LOSS_AGG_MODES:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 
@@ -226,11 +225,15 @@ class RayPPOTrainer:
         state = {"dataloader": self.loader.state_dict(), "kl_coef": self.kl_ctrl.value}
         return self.checkpoints.save(self.global_step, save_workers, state)
 
-    def _resume(self) -> None:
+    def resume_path(self) -> str | None:
+        """The checkpoint this run continues from (``trainer.resume_mode``), or None."""
         mode = self.cfg.trainer.resume_mode
         if mode == "disable":
-            return
-        path = self.cfg.trainer.resume_from_path if mode == "resume_path" else self.checkpoints.latest()
+            return None
+        return self.cfg.trainer.resume_from_path if mode == "resume_path" else self.checkpoints.latest()
+
+    def _resume(self) -> None:
+        path = self.resume_path()
         if path is None:
             logger.info("no checkpoint under %s: starting from scratch", self.checkpoints.root)
             return
@@ -248,14 +251,7 @@ class RayPPOTrainer:
         return path
 
     def close(self) -> None:
-        close = getattr(self.reward_fn, "close", None)
-        if close is not None:
-            close()
+        self.reward_fn.close()  # stops the scoring processes
 
     def run_dir(self) -> str:
         return os.path.abspath(self.cfg.trainer.default_local_dir)
-
-    @property
-    def describe(self) -> dict[str, Any]:
-        return {"total_steps": self.total_steps, "steps_per_epoch": len(self.loader), "use_critic": self.cfg.use_critic,
-                "use_ref": self.use_ref}

@@ -36,9 +36,9 @@ def train(cfg: PPOConfig) -> dict[str, Any]:
     os.makedirs(run_dir, exist_ok=True)
     trainer.init_workers()
     resume_step = None
-    latest = trainer.checkpoints.latest() if cfg.trainer.resume_mode == "auto" else None
-    if latest is not None:
-        resume_step = int(os.path.basename(latest).rsplit("_", 1)[1]) + 1
+    latest = trainer.resume_path()
+    if latest is not None:  # the jsonl log drops lines from steps the resumed run will redo
+        resume_step = int(os.path.basename(os.path.normpath(latest)).rsplit("_", 1)[1]) + 1
     tracking = Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, run_dir,
                         config=to_dict(cfg), total_steps=trainer.total_steps, resume_step=resume_step)
     try:

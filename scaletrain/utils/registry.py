@@ -59,7 +59,10 @@ class Registry:
         """The object registered under ``name``; ValueError listing the registered names if there is none."""
         key = _key(name)
         if key not in self._entries and key in self._lazy:
-            importlib.import_module(self._lazy[key])
+            try:
+                importlib.import_module(self._lazy[key])
+            except ImportError as exc:
+                raise ImportError(f"{self.kind} '{key}' is not available: importing {self._lazy[key]} failed: {exc}") from exc
         try:
             return self._entries[key]
         except KeyError:
