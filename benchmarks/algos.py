@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import emit_results  # noqa: E402
 from scaletrain.algos import get_adv_estimator, get_policy_loss, masked_whiten  # noqa: E402
 
 
@@ -145,10 +146,13 @@ def main():
     print(f"scaletrain.algos benchmark: ({B}, {T}) tensors, groups of {group}, device={device}, "
           f"torch threads={torch.get_num_threads()}, median of {repeats}")
     print(f"{'case':<18}{'vectorised ms':>15}{'loop ms':>12}{'speed-up':>10}")
+    rows = []
     for name, fast, slow in cases:
         fast_ms = median_ms(fast, repeats, device)
         slow_ms = median_ms(slow, repeats, device)
         print(f"{name:<18}{fast_ms:>15.2f}{slow_ms:>12.2f}{slow_ms / fast_ms:>9.1f}x")
+        rows.append((f"algos {name}", fast_ms, slow_ms, "python loop"))
+    emit_results(rows)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from typing import Callable
@@ -47,3 +48,22 @@ def print_table(title: str, rows: list[tuple[str, float, float | None, str]]) ->
             print(f"{name:<34}{ours:>10.2f}{'':>13}  {'':>7}")
         else:
             print(f"{name:<34}{ours:>10.2f}{base:>13.2f}  {ours / base:>6.2f}x  {base_name}")
+
+
+def emit_results(rows: list, unit: str = "ms") -> None:
+    """Print one ``BENCH_JSON {...}`` line for ``benchmarks/run_all.py`` to collect.
+
+    rows: ``print_table`` tuples (measure, ours, baseline or None, baseline name) or dicts with those keys.
+    ratio = ours / baseline (None without a baseline).
+    """
+    out = []
+    for row in rows:
+        if isinstance(row, dict):
+            row = (row["measure"], row["ours"], row.get("baseline"), row.get("baseline_name", ""), row.get("unit"))
+        name, ours, base, base_name, *rest = row
+        ours = None if ours is None else float(ours)
+        base = None if base is None else float(base)
+        out.append({"measure": name.strip(), "ours": ours, "baseline": base, "baseline_name": base_name,
+                    "ratio": ours / base if ours is not None and base else None,
+                    "unit": (rest[0] if rest and rest[0] else unit)})
+    print("BENCH_JSON " + json.dumps({"rows": out}), flush=True)

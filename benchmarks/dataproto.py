@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import batch_bytes, make_batch, median_ms, print_table  # noqa: E402
+from benchmarks.common import batch_bytes, emit_results, make_batch, median_ms, print_table  # noqa: E402
 from scaletrain.protocol import DataProto, padded_shares  # noqa: E402
 
 
@@ -65,6 +65,7 @@ def main() -> None:
 
     results += _ray_rows(data, reps, copy_ms)
     print_table(f"DataProto, {rows} x {seq}, {mib:.0f} MiB of tensors + a string column", results)
+    emit_results([(f"DataProto {r[0]}", *r[1:]) for r in results])
 
 
 def _pickle_round_trip(data: DataProto) -> DataProto:
@@ -77,7 +78,7 @@ def _ray_rows(data: DataProto, reps: int, copy_ms: float) -> list:
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=1500 * 2**20, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=1500 * 2**20, logging_level="ERROR")
 
     @ray.remote
     class Echo:

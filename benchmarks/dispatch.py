@@ -21,7 +21,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import batch_bytes, make_batch, median_ms, print_table  # noqa: E402
+from benchmarks.common import batch_bytes, emit_results, make_batch, median_ms, print_table  # noqa: E402
 from scaletrain.controller import Dispatch, RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, Worker, register  # noqa: E402
 from scaletrain.protocol import DataProto  # noqa: E402
 
@@ -51,7 +51,7 @@ def main() -> None:
     reps = 5 if args.quick else 9
     n = args.workers
     data = make_batch(rows, seq).select(["input_ids", "attention_mask", "responses", "advantages"])
-    ray.init(num_cpus=max(2, n), include_dashboard=False, object_store_memory=1500 * 2**20, logging_level="ERROR")
+    ray.init(address="local", num_cpus=max(2, n), include_dashboard=False, object_store_memory=1500 * 2**20, logging_level="ERROR")
 
     pool = RayResourcePool([n], use_gpu=False)
     group = RayWorkerGroup(pool, RayClassWithInitArgs(LogProbWorker))
@@ -77,6 +77,7 @@ def main() -> None:
         [("DP_COMPUTE_PROTO group call", ours_ms, base_ms, "raw Ray calls on pre-split data")],
     )
     print(f"target <= 1.10x: {'met' if ours_ms / base_ms <= 1.10 else 'NOT met'}")
+    emit_results([("dispatch DP_COMPUTE_PROTO group call", ours_ms, base_ms, "raw Ray calls on pre-split data")])
     ray.shutdown()
 
 

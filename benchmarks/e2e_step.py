@@ -19,6 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import emit_results  # noqa: E402
+
 WORKER_PHASES = ("gen", "old_log_prob", "ref", "values", "update_critic", "update_actor", "sync_weights")
 
 
@@ -84,6 +86,9 @@ def main() -> None:
     workers = sum(mean.get(f"timing_s/{p}", 0) for p in WORKER_PHASES)
     print(f"share outside generation and training: {1 - gen_train / step_s:.1%}")
     print(f"controller overhead (driver work + transport, outside every worker call): {1 - workers / step_s:.1%}")
+    emit_results([("e2e GRPO step", step_s * 1e3, None, ""),
+                  ("e2e tokens/s", tokens / step_s, None, "", "tok/s"),
+                  ("e2e controller overhead share", (1 - workers / step_s) * 100, None, "", "%")])
 
 
 if __name__ == "__main__":

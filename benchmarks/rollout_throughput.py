@@ -26,7 +26,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 
 from backends.rollout.base import RolloutConfig, SamplingConfig  # noqa: E402
-from benchmarks.common import print_table  # noqa: E402
+from benchmarks.common import emit_results, print_table  # noqa: E402
 from scaletrain.protocol import DataProto  # noqa: E402
 from tests.backends.tiny import make_tokenizer, save_tiny_qwen2  # noqa: E402
 
@@ -103,6 +103,7 @@ def main() -> None:
     print(f"\n{'engine':<8}{'tokens':>8}{'ours tok/s':>12}{'raw tok/s':>12}")
     for name, ours_ms, raw_ms in rates:
         print(f"{name:<8}{tokens[name]:>8}{tokens[name] / ours_ms * 1e3:>12.0f}{tokens[name] / raw_ms * 1e3:>12.0f}")
+    emit_results(rows)
 
 
 if __name__ == "__main__":

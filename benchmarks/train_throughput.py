@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import median_ms, print_table  # noqa: E402
+from benchmarks.common import emit_results, median_ms, print_table  # noqa: E402
 
 SIZES = {
     "quick": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, rows=16, prompt=32, response=32),
@@ -158,15 +158,17 @@ def main() -> None:
     cfg = AutoConfig.from_pretrained(model_dir)
     print(f"\nmodel: Qwen2 hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}; "
           f"batch {size['rows']} rows x ({size['prompt']} + {size['response']}), {tokens} valid tokens/step")
-    print_table("train step (median ms; ratio = ours / baseline, lower is better)", [
+    table = [
         ("fsdp 1 proc, padded", fsdp1, plain1, "plain loop 1 thread"),
         ("fsdp 1 proc, remove-padding", fsdp1_rmpad, plain1, "plain loop 1 thread"),
         ("fsdp 2 ranks x 1 thread", fsdp2, plain2, "plain loop 2 threads"),
         ("fsdp 2 ranks x 1 thread ", fsdp2, plain1, "plain loop 1 thread"),
-    ])
+    ]
+    print_table("train step (median ms; ratio = ours / baseline, lower is better)", table)
     print("\ntokens/s: " + ", ".join(f"{name} {tokens / ms * 1e3:,.0f}" for name, ms in (
         ("plain-1t", plain1), ("plain-2t", plain2), ("fsdp-1p", fsdp1), ("fsdp-1p-rmpad", fsdp1_rmpad),
         ("fsdp-2r", fsdp2))))
+    emit_results([(f"train {n.strip()} vs {b}", o, p, b) for n, o, p, b in table])
 
 
 if __name__ == "__main__":

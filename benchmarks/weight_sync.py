@@ -25,7 +25,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 
 from backends.rollout.base import RolloutConfig  # noqa: E402
-from benchmarks.common import median_ms, print_table  # noqa: E402
+from benchmarks.common import emit_results, median_ms, print_table  # noqa: E402
 from tests.backends.tiny import make_tokenizer, save_tiny_qwen2  # noqa: E402
 
 QUICK = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
@@ -88,13 +88,15 @@ def main() -> None:
     params = sum(p.numel() for p in trainer.model.parameters())
     print(f"\n{params / 1e6:.1f}M params, {total / 2**20:.1f} MiB sent in {len(buckets)} buckets "
           f"of <= {args.bucket_mib:g} MiB, 1 thread")
-    print_table(f"update_weights (median of {reps})", [
+    table = [
         ("in-memory copy of the same bytes", copy_ms, None, ""),
         ("vllm update_weights", vllm_ms, copy_ms, "memcpy"),
         ("hf update_weights", hf_ms, copy_ms, "memcpy"),
-    ])
+    ]
+    print_table(f"update_weights (median of {reps})", table)
     for name, ms in [("memcpy", copy_ms), ("vllm", vllm_ms), ("hf", hf_ms)]:
         print(f"{name:<8}{total / 2**30 / (ms / 1e3):>8.2f} GiB/s")
+    emit_results([(f"weight sync {r[0]}", *r[1:]) for r in table])
 
 
 if __name__ == "__main__":

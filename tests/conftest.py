@@ -17,6 +17,7 @@ def ray_cluster():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",  # a private cluster, never a stale or foreign one
             num_cpus=16,
             num_gpus=8,
             include_dashboard=False,

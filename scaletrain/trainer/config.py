@@ -135,7 +135,7 @@ class TrainerSection:
 
 @dataclass
 class RayInitConfig:
-    address: str | None = None              # null: start a local cluster
+    address: str | None = None              # null: start a private local cluster; "auto": join a running one
     num_cpus: int | None = None
     object_store_memory: int | None = None
 

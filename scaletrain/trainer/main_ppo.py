@@ -38,7 +38,8 @@ def init_ray(cfg: PPOConfig) -> None:
     kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": "WARNING"}
     if cfg.ray_init.address:
         kwargs["address"] = cfg.ray_init.address
-    else:
+    else:  # a private local cluster: never attach to a stale or foreign one by accident ("auto" does that)
+        kwargs["address"] = "local"
         world = cfg.world_size
         kwargs["num_cpus"] = cfg.ray_init.num_cpus or max(world * 2, os.cpu_count() or 1)
         if cfg.trainer.device == "cpu":

@@ -317,7 +317,7 @@ def run_sft(config: SFTConfig | Mapping[str, Any]) -> dict[str, Any]:
 
     started_ray, ri = not ray.is_initialized(), cfg.ray_init
     if started_ray:
-        ray.init(address=ri.address, num_cpus=ri.num_cpus, object_store_memory=ri.object_store_memory,
+        ray.init(address=ri.address or "local", num_cpus=ri.num_cpus, object_store_memory=ri.object_store_memory,
                  include_dashboard=False)
     use_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
     pool = RayResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes, use_gpu=use_gpu, name_prefix="sft")

@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# Multi-node scaletrain run on SLURM: one Ray cluster over the allocated nodes, then the PPO trainer on it.
+#
+#   sbatch launch/run.sh algorithm.adv_estimator=grpo actor_rollout_ref.model.path=/models/qwen ...
+#   salloc -N 2 --gpus-per-node=8 bash launch/run.sh trainer.total_training_steps=100 ...
+#
+# Arguments are Hydra overrides for `python -m scaletrain.trainer.main_ppo`; this script adds
+# trainer.nnodes, trainer.n_gpus_per_node and ray_init.address for you.
+#
+# Edit the #SBATCH lines below (partition, nodes, GPUs, time). Options from the environment
+# (export them before sbatch; sbatch passes the environment on by default):
+#   GPUS_PER_NODE           GPUs (or, on CPU nodes, ranks) per node    default: $SLURM_GPUS_ON_NODE, else nvidia-smi, else 2
+#   CONTAINER               command prefix for every Ray/Python process, e.g. "apptainer exec --nv img.sif"  default: none
+#   PYTHON                  Python inside the environment/container    default: python
+#   RAY_PORT                Ray head (GCS) port                        default: 6379
+#   RAY_OBJECT_STORE_BYTES  object store size per node, in bytes       default: 4000000000
+#   RAY_NUM_CPUS            CPUs Ray may use per node                  default: $SLURM_CPUS_ON_NODE, else Ray's count
+#   RAY_WAIT_S              seconds to wait for all nodes to join      default: 300
+#   SLURM_CMD_TIMEOUT_S     limit for each short slurm client call     default: 60
+# Exit status: the trainer's. Ray is stopped on every node on exit, error, scancel or Ctrl-C.
+#
+#SBATCH --job-name=scaletrain
+#SBATCH --partition=gpu
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=32
+#SBATCH --exclusive
+#SBATCH --time=24:00:00
+#SBATCH --output=scaletrain-%j.out
+
+set -euo pipefail
+
+export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+
+if [[ -z "${SLURM_JOB_ID:-}" || -z "${SLURM_JOB_NODELIST:-}" ]]; then
+  echo "run.sh: not inside a SLURM allocation (submit with sbatch, or run under salloc); on one machine use launch/local.sh" >&2
+  exit 2
+fi
+
+PYTHON=${PYTHON:-python}
+RAY_PORT=${RAY_PORT:-6379}
+RAY_OBJECT_STORE_BYTES=${RAY_OBJECT_STORE_BYTES:-4000000000}
+RAY_WAIT_S=${RAY_WAIT_S:-300}
+RAY_NUM_CPUS=${RAY_NUM_CPUS:-${SLURM_CPUS_ON_NODE:-}}
+SLURM_CMD_TIMEOUT_S=${SLURM_CMD_TIMEOUT_S:-60}
+read -r -a CONTAINER_CMD <<< "${CONTAINER:-}"
+if [[ -z "${GPUS_PER_NODE:-}" ]]; then
+  if [[ -n "${SLURM_GPUS_ON_NODE:-}" ]]; then
+    GPUS_PER_NODE=$SLURM_GPUS_ON_NODE
+  elif command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; then
+    GPUS_PER_NODE=$(nvidia-smi -L | wc -l)
+  else
+    GPUS_PER_NODE=2
+  fi
+fi
+
+mapfile -t NODES < <(timeout "$SLURM_CMD_TIMEOUT_S" scontrol show hostnames "$SLURM_JOB_NODELIST")
+NNODES=${#NODES[@]}
+if (( NNODES == 0 )); then
+  echo "run.sh: scontrol returned no hostnames for '$SLURM_JOB_NODELIST'" >&2
+  exit 2
+fi
+HEAD=${NODES[0]}
+HEAD_IP=$(timeout "$SLURM_CMD_TIMEOUT_S" srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" hostname -I | awk '{print $1}')
+HEAD_IP=${HEAD_IP:-$HEAD}
+ADDRESS="$HEAD_IP:$RAY_PORT"
+echo "run.sh: job $SLURM_JOB_ID, $NNODES node(s): ${NODES[*]}; Ray head $ADDRESS; $GPUS_PER_NODE GPU(s)/ranks per node"
+
+RAY_ARGS=(--block --disable-usage-stats --object-store-memory="$RAY_OBJECT_STORE_BYTES")
+[[ -n "$RAY_NUM_CPUS" ]] && RAY_ARGS+=(--num-cpus="$RAY_NUM_CPUS")
+
+SRUN_PIDS=()
+# shellcheck disable=SC2317  # called through the EXIT trap
+cleanup() {
+  local status=$?
+  trap - EXIT INT TERM
+  echo "run.sh: stopping Ray on ${NODES[*]}" >&2
+  for node in "${NODES[@]}"; do
+    timeout "$SLURM_CMD_TIMEOUT_S" srun --overlap --nodes=1 --ntasks=1 -w "$node" \
+      "${CONTAINER_CMD[@]}" ray stop --force > /dev/null 2>&1 &
+  done
+  wait "${SRUN_PIDS[@]}" 2> /dev/null || true  # the `ray start --block` steps end once their node stops
+  wait || true
+  exit "$status"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" "${CONTAINER_CMD[@]}" \
+  ray start --head --node-ip-address="$HEAD_IP" --port="$RAY_PORT" --include-dashboard=false "${RAY_ARGS[@]}" &
+SRUN_PIDS+=($!)
+for node in "${NODES[@]:1}"; do
+  srun --overlap --nodes=1 --ntasks=1 -w "$node" "${CONTAINER_CMD[@]}" \
+    ray start --address="$ADDRESS" "${RAY_ARGS[@]}" &
+  SRUN_PIDS+=($!)
+done
+
+# wait until every node is alive in the cluster (the head may take a few seconds to accept connections)
+deadline=$((SECONDS + RAY_WAIT_S))
+alive=0
+while (( SECONDS < deadline )); do
+  alive=$(timeout 90 srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" "${CONTAINER_CMD[@]}" "$PYTHON" -c "
+import ray
+ray.init(address='$ADDRESS', logging_level='ERROR', include_dashboard=False)
+print(sum(1 for n in ray.nodes() if n['Alive']))
+" 2> /dev/null | tail -n 1) || alive=0
+  [[ "$alive" =~ ^[0-9]+$ ]] || alive=0
+  (( alive >= NNODES )) && break
+  sleep 3
+done
+if (( alive < NNODES )); then
+  echo "run.sh: only $alive of $NNODES Ray node(s) alive at $ADDRESS after RAY_WAIT_S=${RAY_WAIT_S}s;" \
+       "see the srun output above (port $RAY_PORT in use? firewall between nodes? wrong CONTAINER?)" >&2
+  exit 3
+fi
+echo "run.sh: Ray cluster up, $alive node(s)"
+
+# the driver runs on the head node (it needs a local raylet), also when this script runs on a salloc login node
+set +e
+srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" "${CONTAINER_CMD[@]}" "$PYTHON" -m scaletrain.trainer.main_ppo \
+  trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$GPUS_PER_NODE" ray_init.address="$ADDRESS" "$@"
+rc=$?
+set -e
+echo "run.sh: trainer exited with $rc"
+exit "$rc"

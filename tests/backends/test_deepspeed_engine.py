@@ -1,0 +1,227 @@
+"""The DeepSpeed ZeRO-3 engine on 2 real gloo ranks against a single-process reference (plain HF model + AdamW).
+
+One 2-process launch (~30 s: imports and ``deepspeed.initialize``) runs every check in ``run_rank``; each rank
+writes a JSON of {check: error or null} and the tests below report one check each. Each rank gets half of the
+rows, so the ZeRO-3 step (gradients averaged over ranks) must equal the reference step on the whole batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.backends.test_fsdp_engine import _check, _close, _free_port
+
+pytestmark = pytest.mark.slow  # a multi-process launch (setup.cfg: `pytest -m "not slow"` skips it)
+
+ROOT = Path(__file__).resolve().parents[2]
+WORLD = 2
+CHECKS = ("partitioned", "forward_logprobs", "train_step_matches_reference", "export_buckets", "forward_only",
+          "resume_exact", "save_hf")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    from tests.backends.tiny import save_tiny_qwen2
+
+    work = tmp_path_factory.mktemp("deepspeed_2rank")
+    save_tiny_qwen2(str(work / "model"), seed=0, initializer_range=0.1)
+    port = _free_port()
+    procs = []
+    for rank in range(WORLD):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        code = f"from tests.backends.test_deepspeed_engine import run_rank; run_rank({str(work)!r})"
+        log = open(work / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=log, stderr=log))
+    try:
+        for p in procs:
+            p.wait(timeout=300)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = {}
+    for rank in range(WORLD):
+        path = work / f"results_rank{rank}.json"
+        if not path.exists():
+            pytest.fail(f"rank {rank} wrote no results; log:\n{(work / f'rank{rank}.log').read_text()[-4000:]}")
+        out[rank] = json.loads(path.read_text())
+    return out
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_two_rank(results, check):
+    for rank, res in results.items():
+        assert check in res, f"rank {rank} did not run {check}"
+        assert res[check] is None, f"rank {rank}: {res[check]}"
+
+
+# ------------------------------------------------------------------------------------------ per-rank checks
+def run_rank(work: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    results: dict[str, str | None] = {}
+    try:
+        _run_checks(work, rank, results)
+    finally:
+        Path(work, f"results_rank{rank}.json").write_text(json.dumps(results))
+
+
+def _run_checks(work: str, rank: int, results: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from backends.base import get_backend
+    from backends.config import EngineConfig, ModelConfig, OptimConfig
+    from tests.backends.tiny import make_batch
+
+    model_dir = os.path.join(work, "model")
+    DS = get_backend("deepspeed")
+    # eps 1e-3: Adam's first step is ~lr * sign(grad); a larger eps keeps float noise on near-zero gradients
+    # (different reduction order across ranks) from being amplified into weight differences
+    optim = OptimConfig(lr=1e-3, eps=1e-3, weight_decay=0.01, grad_clip=1.0, lr_scheduler="cosine", total_steps=4)
+    batch = make_batch(8, 12, 10, seed=1)
+    rows = list(range(rank * 4, rank * 4 + 4))
+    share = batch.select_idxs(rows)
+
+    def actor_loss(out, mb):
+        m = mb.batch["response_mask"].float()
+        pg = (out["log_probs"] * mb.batch["advantages"] * m).sum(-1) / m.sum(-1)
+        ent = (out["entropy"] * m).sum(-1) / m.sum(-1)
+        return -(pg + 0.01 * ent).mean(), {"pg": float(pg.mean())}
+
+    def ref_outputs(model, data):
+        b = data.batch
+        R = b["responses"].shape[1]
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                       position_ids=b["position_ids"]).logits[:, -R - 1:-1].float()
+        logp = torch.log_softmax(logits, -1)
+        mask = b["attention_mask"][:, -R:]
+        return {"log_probs": logp.gather(-1, b["responses"][..., None])[..., 0] * mask,
+                "entropy": -(logp.exp() * logp).sum(-1) * mask}
+
+    def exported(engine, bucket_bytes=1 << 30):
+        return {k: v for bucket in engine.export_weights(bucket_bytes) for k, v in bucket}
+
+    def mean_over_ranks(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t) / dist.get_world_size()
+
+    # ---- reference: one step on the whole batch in this process
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref_before = ref_outputs(ref, share)
+    opt = torch.optim.AdamW(ref.parameters(), lr=optim.lr, eps=optim.eps, weight_decay=optim.weight_decay)
+    loss = actor_loss(ref_outputs(ref, batch), batch)[0]
+    loss.backward()
+    ref_loss, ref_norm = float(loss), float(torch.nn.utils.clip_grad_norm_(ref.parameters(), optim.grad_clip))
+    opt.step()
+    ref_sd = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+
+    engine = DS(ModelConfig(path=model_dir), optim, EngineConfig(micro_batch_size_per_gpu=3))
+
+    @_check(results, "partitioned")
+    def _():
+        assert engine.dp_rank == rank and engine.dp_size == WORLD
+        for name, p in engine.model.named_parameters():
+            assert p.numel() == 0 and 0 < p.ds_tensor.numel() < p.ds_numel, (name, p.ds_tensor.numel(), p.ds_numel)
+
+    @_check(results, "forward_logprobs")
+    def _():
+        out = engine.forward(share, ("log_probs", "entropy"))
+        _close(out.batch["log_probs"], ref_before["log_probs"], "log_probs")
+        _close(out.batch["entropy"], ref_before["entropy"], "entropy")
+
+    @_check(results, "train_step_matches_reference")
+    def _():
+        metrics = engine.train_step(share, actor_loss, ("log_probs", "entropy"))  # 2 micro-batches: 3 + 1 rows
+        _close(torch.tensor(mean_over_ranks(metrics["loss"])), torch.tensor(ref_loss), "loss")
+        _close(torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), "grad_norm")
+        assert ref_norm > optim.grad_clip, "the reference step must exercise clipping"
+        assert metrics["lr"] == optim.lr and metrics["step_skipped"] == 0.0 and "pg" in metrics, metrics
+        weights = exported(engine)
+        assert list(weights) == list(ref_sd), "names differ from the HF state_dict"
+        for k, v in weights.items():
+            _close(v, ref_sd[k], f"weight {k}")
+
+    @_check(results, "export_buckets")
+    def _():
+        bucket_bytes = 40_000  # embedding 25,344 B, q_proj 16,384 B: buckets of 1-4 tensors
+        buckets = list(engine.export_weights(bucket_bytes))
+        assert len(buckets) > 3
+        for bucket in buckets:
+            size = sum(t.numel() * t.element_size() for _, t in bucket)
+            assert size <= bucket_bytes or len(bucket) == 1, (size, [n for n, _ in bucket])
+        assert [n for bucket in buckets for n, _ in bucket] == list(ref_sd)
+        for name, p in engine.model.named_parameters():
+            assert p.numel() == 0, f"{name} stayed gathered after export"
+
+    @_check(results, "forward_only")
+    def _():
+        frozen = DS(ModelConfig(path=model_dir, use_remove_padding=True), None,
+                    EngineConfig(use_dynamic_bsz=True, max_token_len_per_gpu=64))
+        _close(frozen.forward(share, ("log_probs",)).batch["log_probs"], ref_before["log_probs"], "frozen")
+        assert not any(p.requires_grad for p in frozen.model.parameters())
+        try:
+            frozen.train_step(share, actor_loss)
+            raise AssertionError("train_step on a forward-only engine must fail")
+        except RuntimeError:
+            pass
+        frozen.save(os.path.join(work, "frozen_ckpt"))
+        with torch.no_grad():
+            for p in frozen.model.parameters():
+                p.ds_tensor.zero_()
+        frozen.load(os.path.join(work, "frozen_ckpt"))
+        _close(frozen.forward(share, ("log_probs",)).batch["log_probs"], ref_before["log_probs"], "frozen reload")
+
+    ckpt, hf_dir = os.path.join(work, "ckpt"), os.path.join(work, "hf")
+    later = [make_batch(8, 12, 10, seed=s).select_idxs(rows) for s in (2, 3)]
+
+    def steps_2_3(eng):
+        return [eng.train_step(b, actor_loss, ("log_probs", "entropy")) for b in later]
+
+    @_check(results, "resume_exact")
+    def _():
+        engine.save(ckpt)  # after step 1
+        draw = torch.rand(4)
+        engine.offload()
+        engine.onload()
+        first = steps_2_3(engine)
+        first_weights = exported(engine)
+        fresh = DS(ModelConfig(path=model_dir), optim, EngineConfig(micro_batch_size_per_gpu=3))
+        fresh.load(ckpt)
+        assert torch.equal(torch.rand(4), draw), "RNG state not restored"
+        assert fresh.global_step == 1
+        second = steps_2_3(fresh)
+        for a, b in zip(first, second):
+            assert a == b, (a, b)  # bit-exact: losses, grad norms, learning rates
+        assert first[1]["lr"] < first[0]["lr"] < optim.lr, first  # the cosine schedule resumed
+        for k, v in exported(fresh).items():
+            assert torch.equal(v, first_weights[k]), k
+
+    @_check(results, "save_hf")
+    def _():
+        engine.save_hf(hf_dir)
+        weights = exported(engine)
+        if rank == 0:
+            loaded = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+            assert loaded.config.architectures == ["Qwen2ForCausalLM"]
+            for k, v in loaded.state_dict().items():
+                assert torch.equal(v, weights[k]), k
+        dist.barrier()
+
+    dist.barrier()
+    dist.destroy_process_group()
