@@ -120,3 +120,19 @@ def test_dead_rank_fails_the_step_naming_it_and_checkpoint_stays_loadable(task, 
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {last}" in resumed.stdout + resumed.stderr
     assert sorted(metrics(run))[-1] == last + 1
+
+
+def test_gae_path_with_critic_and_kl_in_reward(task, tmp_path):
+    run = tmp_path / "gae"
+    out = subprocess.run(
+        command(task, run, 2, ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1",
+                               "algorithm.use_kl_in_reward=true", "trainer.val_before_train=false"]),
+        env=env(), timeout=400, cwd=ROOT, capture_output=True, text=True,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = metrics(run)
+    assert sorted(rows) == [1, 2]
+    for key in ("critic/vf_loss", "critic/values/mean", "actor/reward_kl_penalty", "actor/pg_loss",
+                "timing_s/values", "timing_s/ref", "timing_s/update_critic", "perf/mfu/actor"):
+        assert key in rows[2], key
+    assert (run / "global_step_2" / "critic").is_dir()
