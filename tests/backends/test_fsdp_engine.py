@@ -8,19 +8,15 @@ rows, so the FSDP step (gradients averaged over ranks) must equal the reference 
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
-import sys
 import traceback
-from pathlib import Path
 
 import pytest
 
+from tests.backends.multirank import launch, run_checks
+
 pytestmark = pytest.mark.slow  # a multi-process launch (setup.cfg: `pytest -m "not slow"` skips it)
 
-ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
 CHECKS = ("forward_logprobs", "train_step_matches_reference", "export_buckets", "dynamic_bsz", "remove_padding",
           "dynamic_rmpad_checkpointing", "nonfinite_grad_skips_step", "mixed_precision_bf16", "value_model",
@@ -29,42 +25,13 @@ TOL = 1e-5
 
 
 # ------------------------------------------------------------------------------------------------ launcher
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from tests.backends.tiny import save_tiny_qwen2
 
     work = tmp_path_factory.mktemp("fsdp_2rank")
     save_tiny_qwen2(str(work / "model"), seed=0, initializer_range=0.1)
-    port = _free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        code = f"from tests.backends.test_fsdp_engine import run_rank; run_rank({str(work)!r})"
-        log = open(work / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=log, stderr=log))
-    try:
-        for p in procs:
-            p.wait(timeout=240)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    out = {}
-    for rank in range(WORLD):
-        path = work / f"results_rank{rank}.json"
-        if not path.exists():
-            pytest.fail(f"rank {rank} wrote no results; log:\n{(work / f'rank{rank}.log').read_text()[-4000:]}")
-        out[rank] = json.loads(path.read_text())
-    return out
+    return launch("tests.backends.test_fsdp_engine", work, WORLD, timeout_s=240)
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -76,15 +43,7 @@ def test_two_rank(results, check):
 
 # ------------------------------------------------------------------------------------------ per-rank checks
 def run_rank(work: str) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    results: dict[str, str | None] = {}
-    try:
-        _run_checks(work, rank, results)
-    finally:
-        Path(work, f"results_rank{rank}.json").write_text(json.dumps(results))
+    run_checks(work, _run_checks)
 
 
 def _check(results, name):
