@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 
 from backends.base import Buckets, LossFn, TrainEngine, register_backend
-from backends.batching import Partition, fixed_partition, grad_scales, restore_order, token_budget_partition
+from backends.batching import Partition, grad_scales, restore_order
 from backends.config import EngineConfig, ModelConfig, OptimConfig
 from backends.fsdp.checkpoint import rng_state, set_rng_state
-from backends.fsdp.dist import _free_port, local_device, max_over_ranks
+from backends.fsdp.dist import _free_port, agreed_partition, local_device
 from backends.fsdp.engine import MODEL_INPUTS, _tied_duplicate_names
 from backends.hf_checkpoint import write_hf_checkpoint
 from backends.hf_model import KIND_OUTPUTS, build_model, forward_micro_batch
@@ -134,27 +134,7 @@ class DeepSpeedEngine(TrainEngine):
 
     # --------------------------------------------------------------------------------------- micro-batching
     def _partition(self, batch: DataProto) -> Partition:
-        """Micro-batches of ``batch``, with the same count on every rank (else the parameter gathers deadlock)."""
-        cfg, n = self.engine_config, len(batch)
-        if not cfg.use_dynamic_bsz:
-            parts = fixed_partition(n, cfg.micro_batch_size_per_gpu)
-            most, neg_least = max_over_ranks([len(parts), -len(parts)], self.device)
-            if most != -neg_least:
-                raise ValueError(f"ranks got different numbers of micro-batches ({-neg_least}..{most}): every DP "
-                                 "rank needs the same number of rows (pad the batch to a multiple of dp_size)")
-            return parts
-        lengths = batch.batch["attention_mask"].sum(-1).tolist()
-        parts = token_budget_partition(lengths, cfg.max_token_len_per_gpu)
-        target, neg_rows = max_over_ranks([len(parts), -n], self.device)
-        while True:
-            if target > -neg_rows:
-                raise ValueError(f"a rank needs {target} micro-batches but another has only {-neg_rows} rows")
-            if len(parts) < target:
-                parts = token_budget_partition(lengths, cfg.max_token_len_per_gpu, min_parts=target)
-            (agreed,) = max_over_ranks([len(parts)], self.device)
-            if agreed == target:
-                return parts
-            target = agreed
+        return agreed_partition(batch, self.engine_config, self.device)
 
     def _forward(self, micro: DataProto, outputs: tuple[str, ...], temperature: float) -> dict[str, torch.Tensor]:
         inputs = {k: micro.batch[k].to(self.device) for k in MODEL_INPUTS if k in micro.batch.keys()}

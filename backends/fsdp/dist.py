@@ -57,3 +57,30 @@ def max_over_ranks(values: list[int], device: torch.device, group=None) -> list[
     t = torch.tensor(values, dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return [int(x) for x in t.tolist()]
+
+
+def agreed_partition(batch, cfg, device: torch.device, group=None):
+    """Micro-batches of ``batch`` (fixed size or token budget, per ``cfg``), with the same count on every rank of
+    ``group``: a rank with fewer micro-batches would leave the others waiting in a parameter gather forever."""
+    from backends.batching import fixed_partition, token_budget_partition
+
+    n = len(batch)
+    if not cfg.use_dynamic_bsz:
+        parts = fixed_partition(n, cfg.micro_batch_size_per_gpu)
+        most, neg_least = max_over_ranks([len(parts), -len(parts)], device, group)
+        if most != -neg_least:
+            raise ValueError(f"ranks got different numbers of micro-batches ({-neg_least}..{most}): every DP "
+                             "rank needs the same number of rows (pad the batch to a multiple of dp_size)")
+        return parts
+    lengths = batch.batch["attention_mask"].sum(-1).tolist()
+    parts = token_budget_partition(lengths, cfg.max_token_len_per_gpu)
+    target, neg_rows = max_over_ranks([len(parts), -n], device, group)
+    while True:
+        if target > -neg_rows:
+            raise ValueError(f"a rank needs {target} micro-batches but another has only {-neg_rows} rows")
+        if len(parts) < target:
+            parts = token_budget_partition(lengths, cfg.max_token_len_per_gpu, min_parts=target)
+        (agreed,) = max_over_ranks([len(parts)], device, group)
+        if agreed == target:  # every rank sees the same values, so all leave together
+            return parts
+        target = agreed

@@ -29,10 +29,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from backends.base import Buckets, LossFn, TrainEngine, register_backend
-from backends.batching import Partition, fixed_partition, grad_scales, restore_order, token_budget_partition
+from backends.batching import Partition, grad_scales, restore_order
 from backends.config import EngineConfig, ModelConfig, OptimConfig
 from backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
-from backends.fsdp.dist import init_distributed, local_device, max_over_ranks
+from backends.fsdp.dist import agreed_partition, init_distributed, local_device
 from backends.hf_checkpoint import write_hf_checkpoint
 from backends.hf_model import KIND_OUTPUTS, build_model, decoder_layers, forward_micro_batch, torch_dtype
 from backends.optim import build_lr_scheduler, build_optimizer
@@ -88,27 +88,7 @@ class FSDPEngine(TrainEngine):
 
     # --------------------------------------------------------------------------------------- micro-batching
     def _partition(self, batch: DataProto) -> Partition:
-        """Micro-batches of ``batch``, with the same count on every rank (else the parameter gathers deadlock)."""
-        cfg, n = self.engine_config, len(batch)
-        if not cfg.use_dynamic_bsz:
-            parts = fixed_partition(n, cfg.micro_batch_size_per_gpu)
-            most, neg_least = max_over_ranks([len(parts), -len(parts)], self.device, self.group)
-            if most != -neg_least:
-                raise ValueError(f"ranks got different numbers of micro-batches ({-neg_least}..{most}): every DP "
-                                 "rank needs the same number of rows (pad the batch to a multiple of dp_size)")
-            return parts
-        lengths = batch.batch["attention_mask"].sum(-1).tolist()
-        parts = token_budget_partition(lengths, cfg.max_token_len_per_gpu)
-        target, neg_rows = max_over_ranks([len(parts), -n], self.device, self.group)
-        while True:
-            if target > -neg_rows:
-                raise ValueError(f"a rank needs {target} micro-batches but another has only {-neg_rows} rows")
-            if len(parts) < target:
-                parts = token_budget_partition(lengths, cfg.max_token_len_per_gpu, min_parts=target)
-            (agreed,) = max_over_ranks([len(parts)], self.device, self.group)
-            if agreed == target:  # every rank sees the same values, so all leave together
-                return parts
-            target = agreed
+        return agreed_partition(batch, self.engine_config, self.device, self.group)
 
     def _micro_inputs(self, micro: DataProto) -> dict[str, torch.Tensor]:
         return {k: micro.batch[k].to(self.device) for k in MODEL_INPUTS if k in micro.batch.keys()}
