@@ -10,9 +10,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 TORCH_VERSION ?= 2.13.0
-EXTRAS ?= test,loggers,vllm,deepspeed
+EXTRAS ?= test,loggers,vllm,deepspeed,megatron
 PIP_NOISE := is ignored: it is neither a file nor a directory
 ARGS ?=
+# `make run backend=megatron rollout=hf`: these Hydra config groups pass straight through to the trainer
+GROUP_ARGS := $(if $(backend),backend=$(backend)) $(if $(rollout),rollout=$(rollout))
 
 .PHONY: install run test test-fast clean
 
@@ -28,9 +30,9 @@ $(VENV)/.installed-$(EXTRAS): setup.py Makefile
 install: $(VENV)/.installed-$(EXTRAS)
 
 # The embedded default: tiny Qwen2 + synthetic addition, SFT warm-up, then GRPO (Ray, 2 FSDP ranks, vLLM).
-# Any Hydra override works: make run ARGS="backend=fsdp trainer.total_training_steps=100 rollout=hf"
+# Any Hydra override works: make run backend=deepspeed ARGS="trainer.total_training_steps=100 rollout=hf"
 run: install
-	OMP_NUM_THREADS=1 $(PY) -m scaletrain.trainer.main_ppo $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m scaletrain.trainer.main_ppo $(GROUP_ARGS) $(ARGS)
 
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(ARGS)
