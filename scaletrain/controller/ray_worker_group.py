@@ -8,6 +8,7 @@ blocked (e.g. in a collective waiting for it); ``call_timeout_s`` bounds a call 
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from typing import Any
@@ -21,6 +22,7 @@ from scaletrain.controller.worker_group import WorkerDiedError, WorkerError, Wor
 from scaletrain.protocol import DataProto
 
 
+logger = logging.getLogger(__name__)
 _CALL_TIMEOUT = object()  # _wait's default: the group's call_timeout_s
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -110,6 +112,10 @@ class RayWorkerGroup(WorkerGroup):
                 rank += 1
         refs = [getattr(w, "worker_info").remote() for w in self._workers]
         self._infos = self._wait("__init__", list(range(world)), refs, timeout_s=self.init_timeout_s)
+        logger.info("worker group '%s': %d worker(s) on %d node(s): %s", self.name, world,
+                    len({i.get("ip") for i in self._infos}),
+                    ", ".join(f"rank {i.get('rank')} {i.get('host')} ({i.get('ip')}) pid {i.get('pid')}"
+                              for i in self._infos))
 
     def _control_on(self, rank: int, name: str) -> Any:
         ref = getattr(self._workers[rank], name).remote()

@@ -55,9 +55,11 @@ class RayResourcePool:
     def get_placement_groups(self) -> list[PlacementGroup]:
         if self._pgs is None:
             tag = f"{self.name_prefix or 'pool'}_{uuid.uuid4().hex[:8]}"
+            targets = _distinct_nodes(self.process_on_nodes, self.bundle)
             pgs = [
-                placement_group([self.bundle] * n, strategy="STRICT_PACK", name=f"{tag}_node{i}")
-                for i, n in enumerate(self.process_on_nodes)
+                placement_group([self.bundle] * n, strategy="STRICT_PACK", name=f"{tag}_node{i}",
+                                bundle_label_selector=None if node is None else [{"ray.io/node-id": node}] * n)
+                for i, (n, node) in enumerate(zip(self.process_on_nodes, targets))
             ]
             ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=self.ready_timeout_s)
             if len(ready) < len(pgs):
@@ -82,6 +84,41 @@ class RayResourcePool:
         self._pgs = None
 
 
+def _distinct_nodes(process_on_nodes: list[int], bundle: dict[str, float]) -> list[str | None]:
+    """One distinct node ID per placement group, or all None (Ray places them) on a cluster with too few nodes.
+
+    ``process_on_nodes`` means one entry per node, but STRICT_PACK groups are independent: Ray may pack two of them
+    onto one node with room for both. On a cluster with enough alive nodes that can each hold a group (by total
+    resources), each group is pinned to its own node (largest groups first, nodes in IP order). With fewer such
+    nodes, e.g. a single-node cluster declaring fake GPUs for a [4, 4] pool, Ray places the groups as before.
+    """
+    if len(process_on_nodes) < 2:
+        return [None] * len(process_on_nodes)
+    try:  # prefer nodes with room now over nodes that are full (e.g. held by another pool)
+        available = ray._private.state.available_resources_per_node()
+    except Exception:  # noqa: BLE001 - a private API: without it, IP order alone
+        available = {}
+    free = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: _ip_key(n.get("NodeManagerAddress", "")))
+    targets: list[str | None] = [None] * len(process_on_nodes)
+    for i in sorted(range(len(process_on_nodes)), key=lambda i: -process_on_nodes[i]):
+        need = {k: v * process_on_nodes[i] for k, v in bundle.items()}
+        fits = [n for n in free if all(n["Resources"].get(k, 0.0) >= v for k, v in need.items())]
+        room = [n for n in fits if all(available.get(n["NodeID"], {}).get(k, 0.0) >= v for k, v in need.items())]
+        node = (room or fits or [None])[0]
+        if node is None:
+            return [None] * len(process_on_nodes)
+        free.remove(node)
+        targets[i] = node["NodeID"]
+    return targets
+
+
+def _ip_key(ip: str) -> Any:
+    try:
+        return ipaddress.ip_address(ip)
+    except ValueError:
+        return ipaddress.ip_address("0.0.0.0")
+
+
 def _sort_by_node_ip(pgs: list[PlacementGroup]) -> list[PlacementGroup]:
     ip_of = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
 
@@ -89,9 +126,6 @@ def _sort_by_node_ip(pgs: list[PlacementGroup]) -> list[PlacementGroup]:
         i, pg = item
         node_ids = placement_group_table(pg).get("bundles_to_node_id", {})
         ip = ip_of.get(node_ids.get(0) if isinstance(node_ids, dict) else None, "")
-        try:
-            return (ipaddress.ip_address(ip), i)
-        except ValueError:
-            return (ipaddress.ip_address("0.0.0.0"), i)
+        return (_ip_key(ip), i)
 
     return [pg for _, pg in sorted(enumerate(pgs), key=key)]

@@ -9,11 +9,11 @@ manager, loggers), files that must exist. Both run before Ray starts.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from scaletrain.utils.typed_config import ConfigError, build
-from scaletrain.workers.config import ActorConfig, RefConfig, RolloutWorkerConfig
+from scaletrain.workers.config import ActorConfig, MegatronConfig, RefConfig, RolloutWorkerConfig
 
 
 @dataclass
@@ -62,6 +62,7 @@ class CriticSection:
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
     optim: dict[str, Any] = field(default_factory=lambda: {"lr": 1e-5})
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # backend=megatron: the critic's layout
 
 
 @dataclass
@@ -230,6 +231,9 @@ def validate(cfg: PPOConfig) -> PPOConfig:
     if arr.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
         raise ConfigError("actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward both add a KL "
                           "penalty; enable one")
+    _validate_multi_turn(arr.rollout)
+    if cfg.backend.name == "megatron":
+        _validate_megatron(cfg, world)
     if trainer.resume_mode not in ("auto", "disable", "resume_path"):
         raise ConfigError(f"trainer.resume_mode must be auto | disable | resume_path, got '{trainer.resume_mode}'")
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
@@ -245,3 +249,68 @@ def validate(cfg: PPOConfig) -> PPOConfig:
     if cfg.reward_model.enable and not cfg.reward_model.model.path:
         raise ConfigError("reward_model.enable needs reward_model.model.path")
     return cfg
+
+
+def _validate_multi_turn(rollout) -> None:
+    """The agent-loop settings (``actor_rollout_ref.rollout.mode`` / ``multi_turn``)."""
+    from scaletrain.agent.base import AGENT_LOOPS
+    from scaletrain.agent.tool_parser import TOOL_PARSERS
+
+    key = "actor_rollout_ref.rollout"
+    mt = rollout.multi_turn
+    if rollout.mode not in ("sync", "async"):
+        raise ConfigError(f"{key}.mode must be sync | async, got '{rollout.mode}'")
+    if mt.format not in TOOL_PARSERS:
+        raise ConfigError(f"{key}.multi_turn.format: unknown tool parser '{mt.format}'; "
+                          f"registered: {', '.join(TOOL_PARSERS.names())}")
+    if mt.default_agent_loop is not None and mt.default_agent_loop not in AGENT_LOOPS:
+        raise ConfigError(f"{key}.multi_turn.default_agent_loop: unknown agent loop '{mt.default_agent_loop}'; "
+                          f"registered: {', '.join(AGENT_LOOPS.names())}")
+    if mt.tool_response_truncate_side not in ("left", "right", "middle"):
+        raise ConfigError(f"{key}.multi_turn.tool_response_truncate_side must be left | right | middle, "
+                          f"got '{mt.tool_response_truncate_side}'")
+    for name in ("max_user_turns", "max_assistant_turns"):
+        value = getattr(mt, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key}.multi_turn.{name} must be positive or null, got {value}")
+    for name in ("max_parallel_calls", "max_tool_response_length"):
+        if getattr(mt, name) <= 0:
+            raise ConfigError(f"{key}.multi_turn.{name} must be positive, got {getattr(mt, name)}")
+    for name in ("tools_config_file", "interaction_config_file"):
+        path = getattr(mt, name)
+        if path is not None and not os.path.exists(path):
+            raise ConfigError(f"{key}.multi_turn.{name}: not found: {path}")
+
+
+def _validate_megatron(cfg: PPOConfig, world: int) -> None:
+    """The actor's (and ref's) and the critic's Megatron layouts fit the world (and the model, when on disk).
+
+    The roles are colocated in one process per device and megatron's parallel state is per process, so they share
+    one layout: it is resolved here (actor section over ``backend.extra.megatron``, critic section over that) and
+    written back into ``backend.extra["megatron"]``, which every role's engine config starts from."""
+    from backends.megatron.parallel import MegatronParallelConfig
+
+    arr = cfg.actor_rollout_ref
+    sections = [("actor_rollout_ref.actor.megatron", arr.actor.megatron, arr.model.path)]
+    if cfg.use_critic:
+        sections.append(("critic.megatron", cfg.critic.megatron, cfg.critic.model.path or arr.model.path))
+    layouts = []
+    for key, section, path in sections:
+        hf_config = None
+        if path and os.path.isfile(os.path.join(path, "config.json")):
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=arr.model.trust_remote_code)
+        # the critic's unset keys follow the actor's layout (they must match anyway)
+        base = {"megatron": asdict(layouts[0][1])} if layouts else cfg.backend.extra
+        try:
+            layout = MegatronParallelConfig.from_extra({"megatron": section.merged(base)})
+            layout.validate(world, hf_config)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{key}: {exc} (trainer.n_gpus_per_node x trainer.nnodes = {world} ranks)") from exc
+        layouts.append((key, layout))
+    for key, layout in layouts[1:]:
+        if layout != layouts[0][1]:
+            raise ConfigError(f"{key} ({layout}) differs from {layouts[0][0]} ({layouts[0][1]}): the roles share "
+                              "one process per device and megatron's parallel state, so they need the same layout")
+    cfg.backend.extra = {**cfg.backend.extra, "megatron": asdict(layouts[0][1])}

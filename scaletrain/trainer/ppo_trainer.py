@@ -58,6 +58,7 @@ class RayPPOTrainer:
         self.global_step = 0
         self.device = cfg.trainer.device
         self.initial_val_metrics: dict[str, float] = {}  # validation before the first step
+        self.agent_manager = None                          # the multi-turn rollout path (init_workers)
 
     # ------------------------------------------------------------------------------------------------ workers
     def _worker_configs(self) -> tuple[ActorRolloutRefConfig, CriticConfig | None]:
@@ -99,8 +100,36 @@ class RayPPOTrainer:
         if self.critic_wg is not None:
             self.critic_wg.init_model()
         self.actor_rollout_wg.init_model()
+        if cfg.actor_rollout_ref.rollout.use_agent_loop:
+            self.agent_manager = self._build_agent_manager()
         self.actor_params = self._count_params(actor_cfg.model.path)
         self.peak_flops = device_peak_flops(self.device)
+
+    def _build_agent_manager(self):
+        from scaletrain.agent.manager import AgentLoopManager
+        from scaletrain.agent.server import AsyncServerManager, WorkerGroupBackend
+
+        rc = self.cfg.actor_rollout_ref.rollout
+        server = AsyncServerManager(WorkerGroupBackend(self.actor_rollout_wg), rc.multi_turn.max_batch_wait_ms)
+        return AgentLoopManager(rc.multi_turn, server, self.tokenizer, prompt_length=rc.prompt_length,
+                                response_length=rc.response_length)
+
+    def _generate(self, batch: DataProto, gen_batch: DataProto, tag: str) -> tuple[DataProto, dict[str, float]]:
+        """Rollout of one batch: the sync path (one batched generate) or the agent loops (multi_turn.enable /
+        mode=async); returns (B * n rows, rollout metrics)."""
+        if self.agent_manager is None:
+            return self.actor_rollout_wg.generate_sequences(gen_batch), {}
+        rc = self.cfg.actor_rollout_ref.rollout
+        sampling = {"temperature": rc.temperature, "top_p": rc.top_p, "top_k": rc.top_k,
+                    "seed": gen_batch.meta_info.get("seed")}
+        n = rc.n
+        if gen_batch.meta_info.get("validate"):
+            sampling.update({k: v for k, v in rc.val_kwargs.items() if k in sampling})
+            n = int(rc.val_kwargs.get("n", 1))
+        rows = DataProto.from_dict(non_tensors=dict(batch.non_tensor_batch))
+        out = self.agent_manager.generate_sequences(rows, sampling, n=n, tag=tag)
+        metrics = out.meta_info.pop("metrics", {})
+        return out, metrics
 
     @staticmethod
     def _count_params(path: str) -> int:
@@ -151,7 +180,8 @@ class RayPPOTrainer:
             gen_batch = batch.pop(batch_keys=GEN_KEYS)
             gen_batch.meta_info["seed"] = cfg.trainer.seed * 100003 + self.global_step
             with timer("gen", timings):
-                gen_out = self.actor_rollout_wg.generate_sequences(gen_batch)
+                gen_out, gen_metrics = self._generate(batch, gen_batch, tag=f"step{self.global_step}")
+                metrics.update(gen_metrics)
             batch = batch.repeat(n, interleave=True).union(gen_out)
             batch.meta_info["temperature"] = cfg.actor_rollout_ref.rollout.temperature
 
@@ -204,7 +234,7 @@ class RayPPOTrainer:
             batch = self.val_dataset.get_batch(list(range(start, min(start + size, len(self.val_dataset)))))
             gen_batch = batch.pop(batch_keys=GEN_KEYS)
             gen_batch.meta_info.update(validate=True, seed=0)
-            out = self.actor_rollout_wg.generate_sequences(gen_batch)
+            out, _ = self._generate(batch, gen_batch, tag=f"val{start}")
             repeat = len(out) // len(batch)
             batch = batch.repeat(repeat, interleave=True).union(out)
             rewards = self.reward_fn(batch, return_dict=True)["reward_tensor"].sum(-1).tolist()

@@ -16,11 +16,11 @@ import os
 from dataclasses import replace
 
 from backends.base import TrainEngine, get_backend
-from backends.rollout.base import RolloutEngine, SamplingConfig
+from backends.rollout.base import RolloutEngine, SamplingConfig, TokenOutput, TokenRequest
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
 from scaletrain.workers.config import ActorRolloutRefConfig
-from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO
+from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO, ROLLOUT_TOKENS
 from scaletrain.workers.losses import ACTOR_INPUTS, actor_loss_fn, actor_outputs
 from scaletrain.workers.rollout_setup import build_rollout
 
@@ -101,20 +101,29 @@ class ActorRolloutRefWorker(Worker):
             overrides["seed"] = int(overrides["seed"]) * 1000 + self.rank
         return replace(sampling, **overrides)
 
-    @register(dispatch_mode=ROLLOUT_PROTO)
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
+    def _with_rollout(self, fn):
         rollout = self._need("rollout")
         offload = self.config.rollout.offload_train_during_rollout and self.actor is not None
         if offload:
             self.actor.offload()
         rollout.wake_up()
         try:
-            out = rollout.generate(prompts, self._sampling(prompts.meta_info))
+            return fn(rollout)
         finally:
             rollout.sleep()
             if offload:
                 self.actor.onload()
-        return out
+
+    @register(dispatch_mode=ROLLOUT_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        return self._with_rollout(lambda rollout: rollout.generate(prompts, self._sampling(prompts.meta_info)))
+
+    @register(dispatch_mode=ROLLOUT_TOKENS)
+    def generate_tokens(self, requests: list[TokenRequest]) -> list[TokenOutput]:
+        """Token-level generation for the agent loops: this rollout DP rank's requests (sampling per request)."""
+        if not requests:
+            return []
+        return self._with_rollout(lambda rollout: rollout.generate_tokens(requests))
 
     @register(Dispatch.ONE_TO_ALL)
     def sync_rollout_weights(self) -> None:

@@ -6,7 +6,7 @@ dataclasses; the workers turn them into the engines' own settings (``backends.co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from backends.config import EngineConfig, ModelConfig, OptimConfig
@@ -24,6 +24,32 @@ class PolicyLossConfig:
     ppo_kl_coef: float | None = None
     tau_pos: float | None = None
     tau_neg: float | None = None
+
+
+@dataclass
+class MegatronConfig:
+    """``actor_rollout_ref.actor.megatron.*`` / ``critic.megatron.*``: the Megatron layout of that role's engine
+    (backend=megatron; ignored by the other backends). Unset (null) keys fall back to ``backend.extra.megatron``
+    (the critic's to the actor's layout: colocated roles share megatron's per-process parallel state; the trainer
+    resolves the one layout before Ray starts), then to the engine's defaults (1, 1, false, false)."""
+
+    tensor_model_parallel_size: int | None = None
+    pipeline_model_parallel_size: int | None = None
+    sequence_parallel: bool | None = None
+    use_distributed_optimizer: bool | None = None
+
+    def merged(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """``extra["megatron"]`` with this section's set keys on top."""
+        out = dict(extra.get("megatron") or {})
+        out.update({f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None})
+        return out
+
+
+def with_megatron(engine: EngineConfig, backend: str, section: MegatronConfig) -> EngineConfig:
+    """A copy of ``engine`` whose ``extra["megatron"]`` holds the role's layout (only for backend=megatron)."""
+    if backend != "megatron":
+        return engine
+    return replace(engine, extra={**engine.extra, "megatron": section.merged(engine.extra)})
 
 
 @dataclass
@@ -46,11 +72,31 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     optim: OptimConfig = field(default_factory=OptimConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # also the ref policy's layout
+
+
+@dataclass
+class MultiTurnConfig:
+    """``actor_rollout_ref.rollout.multi_turn``: the agent-loop rollout path (scaletrain/agent)."""
+
+    enable: bool = False                     # true: rollouts go through the agent loops (as does rollout.mode=async)
+    format: str = "hermes"                   # registered ToolParser
+    default_agent_loop: str | None = None    # rows without agent_name; null: tool_agent if enable, else single_turn
+    max_user_turns: int | None = None        # tool results and interaction replies count as user turns
+    max_assistant_turns: int | None = None
+    max_parallel_calls: int = 1              # tool calls run per assistant turn (the rest are dropped and counted)
+    max_tool_response_length: int = 256      # characters of a tool's answer shown to the model
+    tool_response_truncate_side: str = "middle"  # left (keep the start) | right (keep the end) | middle
+    tool_timeout_s: float = 30.0
+    tools_config_file: str | None = None
+    interaction_config_file: str | None = None
+    max_batch_wait_ms: float = 5.0           # a generate batch waits at most this long for more requests
 
 
 @dataclass
 class RolloutWorkerConfig:
     name: str = "vllm"                       # vllm | hf
+    mode: str = "sync"                       # sync: one batched generate | async: agent loops (see multi_turn)
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -65,6 +111,11 @@ class RolloutWorkerConfig:
     weight_bucket_bytes: int = 256 << 20
     offload_train_during_rollout: bool = False
     val_kwargs: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.0, "n": 1})
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+
+    @property
+    def use_agent_loop(self) -> bool:
+        return self.multi_turn.enable or self.mode == "async"
 
 
 @dataclass
@@ -80,6 +131,9 @@ class ActorRolloutRefConfig:
     rollout: RolloutWorkerConfig = field(default_factory=RolloutWorkerConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self):
+        self.engine = with_megatron(self.engine, self.backend, self.actor.megatron)
 
 
 @dataclass
@@ -98,6 +152,10 @@ class CriticConfig:
     rollout_n: int = 1                       # rows per prompt, to turn ppo_mini_batch_size into rows
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+    def __post_init__(self):
+        self.engine = with_megatron(self.engine, self.backend, self.megatron)
 
 
 @dataclass

@@ -50,6 +50,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
 
     from backends.base import get_backend
     from backends.config import EngineConfig, ModelConfig, OptimConfig
+    from tests.backends import reference
     from tests.backends.tiny import make_batch
 
     model_dir = os.path.join(work, "model")
@@ -61,21 +62,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
     rows = list(range(rank * 4, rank * 4 + 4))
     share = batch.select_idxs(rows)
 
-    def actor_loss(out, mb):
-        m = mb.batch["response_mask"].float()
-        pg = (out["log_probs"] * mb.batch["advantages"] * m).sum(-1) / m.sum(-1)
-        ent = (out["entropy"] * m).sum(-1) / m.sum(-1)
-        return -(pg + 0.01 * ent).mean(), {"pg": float(pg.mean())}
-
-    def ref_outputs(model, data):
-        b = data.batch
-        R = b["responses"].shape[1]
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                       position_ids=b["position_ids"]).logits[:, -R - 1:-1].float()
-        logp = torch.log_softmax(logits, -1)
-        mask = b["attention_mask"][:, -R:]
-        return {"log_probs": logp.gather(-1, b["responses"][..., None])[..., 0] * mask,
-                "entropy": -(logp.exp() * logp).sum(-1) * mask}
+    actor_loss, ref_outputs = reference.actor_loss, reference.ref_outputs  # the shared single-process reference
 
     def exported(engine, bucket_bytes=1 << 30):
         return {k: v for bucket in engine.export_weights(bucket_bytes) for k, v in bucket}

@@ -80,6 +80,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
 
     from backends.base import get_backend
     from backends.config import EngineConfig, ModelConfig, OptimConfig
+    from tests.backends import reference
     from tests.backends.tiny import make_batch
 
     model_dir = os.path.join(work, "model")
@@ -91,31 +92,11 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
     rows = list(range(rank * 4, rank * 4 + 4))
     share = batch.select_idxs(rows)
 
-    def actor_loss(out, mb):
-        m = mb.batch["response_mask"].float()
-        pg = (out["log_probs"] * mb.batch["advantages"] * m).sum(-1) / m.sum(-1)
-        ent = (out["entropy"] * m).sum(-1) / m.sum(-1)
-        loss = -(pg + 0.01 * ent).mean()
-        return loss, {"pg": float(pg.mean())}
-
-    def ref_outputs(model, data):
-        b = data.batch
-        R = b["responses"].shape[1]
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                       position_ids=b["position_ids"]).logits[:, -R - 1:-1].float()
-        logp = torch.log_softmax(logits, -1)
-        mask = b["attention_mask"][:, -R:]
-        return {"log_probs": logp.gather(-1, b["responses"][..., None])[..., 0] * mask,
-                "entropy": -(logp.exp() * logp).sum(-1) * mask}
+    # the single-process reference (shared with the DeepSpeed and Megatron engine tests)
+    actor_loss, ref_outputs = reference.actor_loss, reference.ref_outputs
 
     def ref_step(model, data, loss_fn, outputs_fn):
-        opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, eps=optim.eps,
-                                weight_decay=optim.weight_decay)
-        loss, _ = loss_fn(outputs_fn(model, data), data)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
-        opt.step()
-        return float(loss), float(norm)
+        return reference.ref_step(model, data, loss_fn, outputs_fn, optim)
 
     def exported(engine, bucket_bytes=1 << 30):
         return {k: v for bucket in engine.export_weights(bucket_bytes) for k, v in bucket}
@@ -232,16 +213,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
 
     @_check(results, "value_model")
     def _():
-        def value_loss(out, mb):
-            m = mb.batch["response_mask"].float()
-            return (((out["values"] - mb.batch["advantages"]) ** 2 * m).sum(-1) / m.sum(-1)).mean(), {}
-
-        def ref_values(model, data):
-            b = data.batch
-            R = b["responses"].shape[1]
-            v = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                      position_ids=b["position_ids"]).logits[:, -R - 1:-1, 0]
-            return {"values": v * b["attention_mask"][:, -R:]}
+        value_loss, ref_values = reference.value_loss, reference.ref_values
 
         torch.manual_seed(7)
         config = AutoConfig.from_pretrained(model_dir, num_labels=1)

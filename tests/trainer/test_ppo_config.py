@@ -45,3 +45,39 @@ def test_bad_configs_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as info:
         validate(load_ppo_config(composed(*overrides)))
     assert message in str(info.value)
+
+
+def test_megatron_layout_keys_reach_the_engine_config():
+    from dataclasses import replace
+
+    from backends.config import EngineConfig, ModelConfig
+    from scaletrain.workers.config import ActorRolloutRefConfig, CriticConfig
+
+    cfg = validate(load_ppo_config(composed(
+        "backend=megatron", "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", "critic.megatron.sequence_parallel=true",
+        "critic.megatron.tensor_model_parallel_size=2")))
+    arr, base = cfg.actor_rollout_ref, EngineConfig(extra=cfg.backend.extra)
+    actor = ActorRolloutRefConfig(model=ModelConfig(path="m"), backend="megatron", actor=arr.actor, engine=base)
+    assert actor.engine.extra["megatron"] == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                                              "sequence_parallel": False, "use_distributed_optimizer": False}
+    critic = CriticConfig(model=ModelConfig(path="m"), backend="megatron", megatron=cfg.critic.megatron, engine=base)
+    assert critic.engine.extra["megatron"]["sequence_parallel"] is True
+    assert critic.engine.extra["megatron"]["pipeline_model_parallel_size"] == 2  # resolved from the actor's
+    assert base.extra["megatron"]["sequence_parallel"] is False  # the shared engine config is not mutated
+    fsdp = ActorRolloutRefConfig(model=ModelConfig(path="m"), backend="fsdp", actor=arr.actor, engine=replace(base))
+    assert fsdp.engine.extra == base.extra
+    with pytest.raises(ConfigError, match="actor_rollout_ref.actor.megatron: world size 2 is not divisible"):
+        validate(load_ppo_config(composed("backend=megatron",
+                                          "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4")))
+    with pytest.raises(ConfigError, match="critic.megatron"):
+        validate(load_ppo_config(composed("backend=megatron", "algorithm.adv_estimator=gae",
+                                          "critic.megatron.pipeline_model_parallel_size=3")))
+    # colocated roles share megatron's per-process parallel state: one layout, resolved into backend.extra
+    with pytest.raises(ConfigError, match="need the same layout"):
+        validate(load_ppo_config(composed("backend=megatron", "algorithm.adv_estimator=gae",
+                                          "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                                          "critic.megatron.tensor_model_parallel_size=1")))
+    gae = validate(load_ppo_config(composed(  # the critic's unset keys follow the actor's layout
+        "backend=megatron", "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")))
+    assert gae.backend.extra["megatron"]["tensor_model_parallel_size"] == 2

@@ -1,0 +1,289 @@
+"""The Megatron-core training engine: an HF Qwen2/Llama checkpoint mapped onto megatron's GPTModel, split by
+tensor parallelism (TP), pipeline parallelism (PP, 1F1B) and data parallelism (megatron DDP), trained with
+megatron's optimizer (torch AdamW underneath on CPU) under the LR schedule of backends/optim.py.
+
+Same contract as the FSDP/DeepSpeed engines (every public method is collective; see backends/base.py). Layout from
+``engine_config.extra["megatron"]`` (backends/megatron/parallel.py). Every rank of one DP group gets the same rows
+(dispatch "MEGATRON_COMPUTE_PROTO"; the workers' mesh is (dp_rank, dp_size, collects_output)). Micro-batches are
+the other engines' (backends/batching.py, agreed over the DP group); with PP > 1 they are padded to equal rows.
+Micro-batch i backpropagates ``loss_i * rows_i / rows`` (megatron divides by the micro-batch count, undone here) and
+DDP averages over DP, so the gradient equals the other engines'. forward() and train_step() results are computed
+on the last PP stage and broadcast to the other stages (small: (B, R) tensors and a metrics dict), so every rank
+returns the same; the controller keeps TP rank 0 of the last stage (``collects_output``).
+
+Weights are read from the HF checkpoint on every rank (each keeps its shards; backends/megatron/hf_mapping.py).
+Checkpoints: one ``rank{R}.pt`` per rank (parameters, inner optimizer state, step, RNG): exact resume with the same
+layout. CPU: backends/megatron/cpu_shim.py is applied before megatron-core is first used.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import defaultdict
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from backends.base import Buckets, LossFn, TrainEngine, register_backend
+from backends.batching import grad_scales, restore_order
+from backends.config import EngineConfig, ModelConfig, OptimConfig
+from backends.fsdp.checkpoint import rng_state, set_rng_state
+from backends.fsdp.dist import agreed_partition, init_distributed, local_device
+from backends.fsdp.engine import MODEL_INPUTS
+from backends.hf_checkpoint import write_hf_checkpoint
+from backends.hf_model import KIND_OUTPUTS, build_model, torch_dtype
+from backends.megatron.export import export_groups, gather_hf_buckets
+from backends.megatron.hf_mapping import layout_from_hf
+from backends.megatron.model import build_gpt_model, load_hf_weights, transformer_config
+from backends.megatron.ops import prepare_micro_batch, response_outputs
+from backends.megatron.parallel import MegatronParallelConfig, init_model_parallel
+from backends.optim import SCHEDULES, lr_multiplier
+from scaletrain.protocol import DataProto
+
+logger = logging.getLogger(__name__)
+
+
+@register_backend("megatron")
+class MegatronEngine(TrainEngine):
+    dispatch = "MEGATRON_COMPUTE_PROTO"
+
+    def __init__(self, model_config: ModelConfig, optim_config: OptimConfig | None, engine_config: EngineConfig):
+        """``optim_config=None`` builds a forward-only engine (a frozen reference policy)."""
+        if model_config.kind not in ("causal_lm", "value"):
+            raise ValueError(f"the megatron backend trains causal_lm and value models, not '{model_config.kind}'")
+        if optim_config is not None and optim_config.lr_scheduler not in SCHEDULES:
+            raise ValueError(f"unknown lr_scheduler '{optim_config.lr_scheduler}'; known: {list(SCHEDULES)}")
+        self.model_config, self.optim_config, self.engine_config = model_config, optim_config, engine_config
+        self.parallel = MegatronParallelConfig.from_extra(engine_config.extra)
+        self.device = local_device()
+        init_distributed(self.device, engine_config.collective_timeout_s)
+        if self.device.type == "cpu":
+            from backends.megatron.cpu_shim import apply_cpu_shim
+
+            apply_cpu_shim()
+        from megatron.core import parallel_state as ps
+
+        torch.manual_seed(engine_config.seed)  # same fresh value head on every rank (as the other engines)
+        hf_model = build_model(model_config)
+        self.hf_config, self.architecture = hf_model.config, type(hf_model).__name__
+        self.generation_config = getattr(hf_model, "generation_config", None)
+        hf_state = {k: v.detach() for k, v in hf_model.state_dict().items()}
+        del hf_model
+        self.parallel.validate(dist.get_world_size(), self.hf_config)
+        init_model_parallel(self.parallel, engine_config.seed, engine_config.collective_timeout_s)
+        self.ps = ps
+        self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        self.tp_group, self.pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+        self.layout = layout_from_hf(self.hf_config, self.parallel.tensor_model_parallel_size,
+                                     self.parallel.pipeline_model_parallel_size, model_config.kind)
+        self.tf_config = transformer_config(
+            self.hf_config, self.layout.tp, self.layout.pp, self.parallel.sequence_parallel,
+            torch_dtype(model_config.dtype),
+            torch_dtype(engine_config.mixed_precision) if engine_config.mixed_precision else None,
+            model_config.gradient_checkpointing)
+        model = build_gpt_model(self.hf_config, self.tf_config, self.layout, "score.bias" in hf_state)
+        load_hf_weights(model, hf_state, self.layout, self.tp_rank, self.pp_rank)
+        self.hf_meta = {k: (tuple(v.shape), v.dtype) for k, v in hf_state.items()}
+        self.groups = export_groups(self.layout, list(hf_state))
+        del hf_state
+        if self.device.type == "cuda":
+            model.cuda(self.device)
+        self.module = model  # the unwrapped GPTModel
+        if self.tf_config.bf16 and torch_dtype(model_config.dtype) != torch.bfloat16:
+            from megatron.core.transformer.module import Float16Module
+
+            # bf16 compute: megatron casts the model to bf16 and keeps fp32 main weights in its optimizer
+            model = Float16Module(self.tf_config, model)
+        self.model = model
+        self.optimizer = None
+        if optim_config is None:
+            model.requires_grad_(False)
+        else:
+            self._build_optimizer(optim_config)
+        self.global_step = 0
+
+    def _build_optimizer(self, optim: OptimConfig) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=self.parallel.use_distributed_optimizer)
+        self.model = DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=self.model)
+        config = OptimizerConfig(
+            optimizer="adam", lr=optim.lr, min_lr=0.0, weight_decay=optim.weight_decay,
+            adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
+            clip_grad=optim.grad_clip if optim.grad_clip > 0 else 0.0, bf16=self.tf_config.bf16,
+            params_dtype=self.tf_config.params_dtype,
+            use_distributed_optimizer=self.parallel.use_distributed_optimizer)
+        # config_overrides={}: weight decay on every parameter, like torch AdamW in the other engines
+        self.optimizer = get_megatron_optimizer(config, [self.model], config_overrides={})
+        self.tf_config.no_sync_func = self.model.no_sync
+        self.tf_config.finalize_model_grads_func = finalize_model_grads
+        self.tf_config.grad_scale_func = self.optimizer.scale_loss
+
+    # ------------------------------------------------------------------------------------------ properties
+    @property
+    def dp_rank(self) -> int:
+        return self.ps.get_data_parallel_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.ps.get_data_parallel_world_size()
+
+    @property
+    def collects_output(self) -> bool:
+        return self.tp_rank == 0 and self.ps.is_pipeline_last_stage()
+
+    # -------------------------------------------------------------------------------------------- compute
+    def _run(self, batch: DataProto, outputs: tuple[str, ...], loss_fn: LossFn | None):
+        """Forward (and backward when ``loss_fn``) over the micro-batches of ``batch``; returns (partition, the
+        per-micro-batch results of the last stage: (outputs, metrics) dicts; [] on other stages)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        temperature = float(batch.meta_info.get("temperature", 1.0))
+        parts = agreed_partition(batch, self.engine_config, self.device, self.ps.get_data_parallel_group())
+        scales = grad_scales(parts)
+        rows = max(len(p) for p in parts) if self.layout.pp > 1 else 0
+        seq_multiple = self.layout.tp if self.parallel.sequence_parallel else 1
+        keys = [k for k in MODEL_INPUTS if k in batch.batch.keys()]
+        micros = []
+        for part, scale in zip(parts, scales):
+            micro = batch.select_idxs(part)
+            micro.meta_info["grad_scale"] = scale
+            prepared = prepare_micro_batch({k: micro.batch[k] for k in keys}, max(rows, len(part)), seq_multiple,
+                                           pad_id=getattr(self.hf_config, "pad_token_id", None) or 0)
+            micros.append((micro, prepared))
+        n = len(micros)
+
+        def loss_func(micro, prepared, output):
+            out = response_outputs(output, prepared, outputs, self.model_config.kind, temperature,
+                                   self.layout.vocab_size, self.tp_rank, self.tp_group)
+            if loss_fn is None:
+                return output.sum() * 0.0, ({k: v.detach() for k, v in out.items()}, {})
+            loss, metrics = loss_fn(out, micro)
+            scale = micro.meta_info["grad_scale"]
+            # megatron divides by the micro-batch count; the gradient-accumulation weight is the row share
+            return loss * scale * n, (None, {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}})
+
+        def forward_step(data_iterator, model):
+            micro, prepared = next(data_iterator)
+            output = model(input_ids=prepared["input_ids"].to(self.device),
+                           position_ids=prepared["position_ids"].to(self.device), attention_mask=None)
+            return output, partial(loss_func, micro, prepared)
+
+        seq = micros[0][1]["input_ids"].shape[1]
+        results = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micros), model=[self.model], num_microbatches=n,
+            seq_length=seq, micro_batch_size=micros[0][1]["input_ids"].shape[0], forward_only=loss_fn is None)
+        return parts, scales, results
+
+    def _from_last_stage(self, obj):
+        """``obj`` of the last PP stage, on every stage of this rank's pipeline."""
+        if self.layout.pp == 1:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=self.ps.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
+        return holder[0]
+
+    def forward(self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",)) -> DataProto:
+        outputs = self._check_outputs(outputs)
+        self.model.eval()
+        with torch.no_grad():
+            parts, _, results = self._run(batch, outputs, None)
+        tensors = None
+        if self.ps.is_pipeline_last_stage():
+            order = restore_order(parts)
+            tensors = {k: torch.cat([r[0][k].float().cpu() for r in results])[order] for k in outputs}
+        return DataProto.from_dict(self._from_last_stage(tensors))
+
+    def train_step(self, mini_batch: DataProto, loss_fn: LossFn, outputs: tuple[str, ...] = ("log_probs",)) -> dict:
+        """Metrics like the FSDP engine's: loss_fn's metrics and ``loss`` weighted by micro-batch rows (this DP
+        rank's), the global ``grad_norm`` (before clipping), the ``lr`` of this step and ``step_skipped``."""
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a forward-only engine (built with optim_config=None)")
+        outputs = self._check_outputs(outputs)
+        optim = self.optim_config
+        lr = optim.lr * lr_multiplier(self.global_step, optim.warmup_steps, optim.total_steps, optim.lr_scheduler,
+                                      optim.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        _, scales, results = self._run(mini_batch, outputs, loss_fn)
+        sums: dict[str, float] = defaultdict(float)
+        for (_, metrics), scale in zip(results, scales):
+            for key, value in metrics.items():
+                sums[key] += value * scale
+        sums = self._from_last_stage(dict(sums))
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            logger.warning("non-finite grad norm %s at step %d: optimizer step skipped", grad_norm, self.global_step)
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.model.zero_grad_buffer()
+        self.global_step += 1
+        return {**sums, "grad_norm": grad_norm, "lr": lr, "step_skipped": float(skipped)}
+
+    def _check_outputs(self, outputs) -> tuple[str, ...]:
+        outputs = (outputs,) if isinstance(outputs, str) else tuple(outputs)
+        allowed = KIND_OUTPUTS[self.model_config.kind]
+        if not outputs or any(o not in allowed for o in outputs):
+            raise ValueError(f"a {self.model_config.kind} model gives {list(allowed)}, asked for {list(outputs)}")
+        return outputs
+
+    # -------------------------------------------------------------------------------------------- weights
+    def export_weights(self, bucket_bytes: int = 256 << 20) -> Buckets:
+        return gather_hf_buckets(self, bucket_bytes, skip=())
+
+    def save_hf(self, path: str, shard_bytes: int = 1 << 30) -> None:
+        skip = ("lm_head.weight",) if self.layout.tie_embeddings and self.layout.kind == "causal_lm" else ()
+        write_hf_checkpoint(path, gather_hf_buckets(self, shard_bytes, skip=skip), self.hf_config, self.architecture,
+                            is_writer=dist.get_rank() == 0, generation_config=self.generation_config,
+                            tokenizer_dir=self.model_config.path)
+        dist.barrier()
+
+    # -------------------------------------------------------------------------------------------- checkpoint
+    def _state(self) -> dict:
+        state = {"params": {k: v.detach().clone() for k, v in self.module.named_parameters()},
+                 "global_step": self.global_step, "rng": rng_state()}
+        if self.optimizer is not None:
+            inner = [opt.optimizer for opt in _inner_optimizers(self.optimizer)]
+            state["optimizer"] = [opt.state_dict() for opt in inner]
+            # the optimizer's own (main) parameters: views of the model's in fp32, separate fp32 copies under bf16
+            state["main_params"] = [[p.detach().clone() for g in opt.param_groups for p in g["params"]]
+                                    for opt in inner]
+        return state
+
+    def save(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+        torch.save(self._state(), os.path.join(path, f"rank{dist.get_rank()}.pt"))
+        dist.barrier()
+
+    def load(self, path: str) -> None:
+        state = torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"), weights_only=False)
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                p.copy_(state["params"][name])
+        if self.optimizer is not None:
+            inner = [opt.optimizer for opt in _inner_optimizers(self.optimizer)]
+            for opt, opt_state, mains in zip(inner, state["optimizer"], state["main_params"]):
+                opt.load_state_dict(opt_state)
+                with torch.no_grad():
+                    for p, value in zip([p for g in opt.param_groups for p in g["params"]], mains):
+                        p.copy_(value)
+        self.global_step = int(state["global_step"])
+        set_rng_state(state["rng"])
+        dist.barrier()
+
+
+def _inner_optimizers(optimizer) -> list:
+    """The megatron optimizers of a (possibly chained) megatron optimizer, each with a torch ``.optimizer``."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])

@@ -1,0 +1,103 @@
+"""Streaming the Megatron engine's weights out as full HF tensors, bucketed, on every rank.
+
+The HF state dict is walked in its own order as groups (the embedding, each decoder layer, the final norm, the
+head). For each group the owning PP stage all-gathers the TP shards of the group's Megatron parameters and maps
+them to HF tensors (backends/megatron/hf_mapping.py); each tensor is then broadcast over the pipeline group, so
+every rank holds at most one group (one layer) plus the current bucket, never the whole model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from backends.megatron.hf_mapping import Layout, is_tensor_parallel, megatron_to_hf, stage_parameter_names
+
+
+@dataclass(frozen=True)
+class ExportGroup:
+    stage: int                  # PP stage owning the Megatron parameters
+    megatron: tuple[str, ...]   # their names (local layer indices)
+    hf: tuple[str, ...]         # the HF names produced, in HF state-dict order
+
+
+def export_groups(lo: Layout, hf_names: list[str]) -> list[ExportGroup]:
+    """Groups covering exactly ``hf_names`` (checked), in their order."""
+    groups = []
+    stage_names = {s: stage_parameter_names(lo, s, hf_names) for s in range(lo.pp)}
+    embed = ("embedding.word_embeddings.weight",)
+    groups.append(ExportGroup(0, embed, ("model.embed_tokens.weight",)))
+    for layer in range(lo.num_layers):
+        stage, local = divmod(layer, lo.layers_per_stage)
+        names = tuple(n for n in stage_names[stage] if n.startswith(f"decoder.layers.{local}."))
+        groups.append(ExportGroup(stage, names, tuple(n for n in hf_names if n.startswith(f"model.layers.{layer}."))))
+    last = lo.pp - 1
+    groups.append(ExportGroup(last, ("decoder.final_layernorm.weight",), ("model.norm.weight",)))
+    if lo.kind == "value":
+        head = tuple(n for n in stage_names[last] if n.startswith("value_head."))
+        groups.append(ExportGroup(last, head, tuple("score." + n.split(".", 1)[1] for n in head)))
+    elif "lm_head.weight" in hf_names:
+        groups.append(ExportGroup(0, embed, ("lm_head.weight",)) if lo.tie_embeddings
+                      else ExportGroup(last, ("output_layer.weight",), ("lm_head.weight",)))
+    covered = [n for g in groups for n in g.hf]
+    if covered != list(hf_names):
+        missing, extra = sorted(set(hf_names) - set(covered)), sorted(set(covered) - set(hf_names))
+        raise ValueError(f"HF <-> megatron mapping does not cover the checkpoint: missing {missing}, extra {extra}")
+    return groups
+
+
+def _param(engine, name: str) -> torch.Tensor:
+    if name.startswith("value_head."):
+        name = "output_layer." + name.split(".", 1)[1]
+    return engine.module.get_parameter(name).detach()
+
+
+def _gather_group(engine, group: ExportGroup) -> dict[str, torch.Tensor]:
+    """HF tensors of ``group`` on its owning stage (TP all-gather per parameter)."""
+    out = {}
+    for name in group.megatron:
+        local = _param(engine, name).contiguous()
+        if is_tensor_parallel(name) and engine.layout.tp > 1:
+            shards = [torch.empty_like(local) for _ in range(engine.layout.tp)]
+            dist.all_gather(shards, local, group=engine.tp_group)
+        else:
+            shards = [local]
+        out.update(megatron_to_hf(name, shards, engine.layout, group.stage))
+    return out
+
+
+def gather_hf_buckets(engine, bucket_bytes: int, skip=()):
+    """Buckets of (HF name, full tensor) of at most ``bucket_bytes`` (a larger tensor is a bucket alone)."""
+    pp, stage = engine.layout.pp, engine.pp_rank
+    bucket, size = [], 0
+    for group in engine.groups:
+        tensors = _gather_group(engine, group) if group.stage == stage else {}
+        for name in group.hf:
+            shape, dtype = engine.hf_meta[name]
+            if group.stage == stage:
+                t = tensors[name].to(dtype).contiguous()  # the HF dtype (parameters may be bf16 under bf16 compute)
+            else:
+                t = torch.empty(shape, dtype=dtype, device=engine.device)
+            if pp > 1:
+                dist.broadcast(t, src=_stage_rank(group.stage), group=engine.pp_group)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"exported {name} has shape {tuple(t.shape)}, the HF model {shape}")
+            if name in skip:
+                continue
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, t))
+            size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _stage_rank(stage: int) -> int:
+    """Global rank of ``stage`` in this rank's pipeline group."""
+    from megatron.core import parallel_state as ps
+
+    return dist.get_global_rank(ps.get_pipeline_model_parallel_group(), stage)

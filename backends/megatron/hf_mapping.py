@@ -1,0 +1,208 @@
+"""HF Qwen2/Llama tensors <-> Megatron-core GPTModel parameters (local layer spec), per TP rank and PP stage.
+
+Pure tensor functions (no process groups), so the mapping is testable in one process for any (tp, pp) layout.
+
+Megatron parameter names (local spec, layer index local to the PP stage) and their HF sources:
+  embedding.word_embeddings.weight            model.embed_tokens.weight       rows padded to the vocab, split by TP
+  decoder.layers.i.input_layernorm.weight     model.layers.L.input_layernorm.weight            replicated
+  decoder.layers.i.self_attention.linear_qkv  q/k/v_proj (weight, bias)   fused per query group, groups split by TP
+  decoder.layers.i.self_attention.linear_proj o_proj.weight                                     columns split by TP
+  decoder.layers.i.pre_mlp_layernorm.weight   post_attention_layernorm.weight                  replicated
+  decoder.layers.i.mlp.linear_fc1.weight      gate_proj + up_proj: TP shard t = [gate_t; up_t]
+  decoder.layers.i.mlp.linear_fc2.weight      down_proj.weight                                  columns split by TP
+  decoder.final_layernorm.weight              model.norm.weight                                 replicated
+  output_layer.weight                         lm_head.weight (embed_tokens when tied)   padded rows, split by TP
+  value_head.weight / value_head.bias         score.weight / score.bias (value models)          replicated
+where L = layer_offset + i. The fused QKV of query group g is [q heads of g; k_g; v_g] (GQA interleave); TP rank t
+holds groups t*G/tp .. (t+1)*G/tp - 1. Megatron needs the vocabulary divisible by TP: the embedding and output
+rows are zero-padded to ``padded_vocab_size`` (the engine masks the padded logits) and cut off again on export.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the mapping needs from the HF config and the parallel layout of one rank."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_embeddings: bool
+    tp: int = 1
+    pp: int = 1
+    kind: str = "causal_lm"  # causal_lm | value
+
+    @property
+    def padded_vocab(self) -> int:
+        return padded_vocab_size(self.vocab_size, self.tp)
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.num_layers // self.pp
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    return -(-vocab_size // tp) * tp
+
+
+def layout_from_hf(hf_config, tp: int = 1, pp: int = 1, kind: str = "causal_lm") -> Layout:
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return Layout(num_layers=hf_config.num_hidden_layers, num_heads=heads,
+                  num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+                  vocab_size=hf_config.vocab_size, tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+                  tp=tp, pp=pp, kind=kind)
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LAYER_HF = {  # megatron suffix -> HF suffix (for the 1:1 parameters)
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")  # split along columns (dim 1)
+
+
+def _split(t: torch.Tensor, tp: int, rank: int, dim: int = 0) -> torch.Tensor:
+    return t.chunk(tp, dim=dim)[rank].clone()
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def _fuse_qkv(q, k, v, lo: Layout) -> torch.Tensor:
+    """(q, k, v) HF weights or biases -> Megatron's group-interleaved fused tensor."""
+    groups, per_group = lo.num_kv_heads, lo.num_heads // lo.num_kv_heads
+    rest = q.shape[1:]
+    parts = [q.reshape(groups, per_group * lo.head_dim, *rest), k.reshape(groups, lo.head_dim, *rest),
+             v.reshape(groups, lo.head_dim, *rest)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def _unfuse_qkv(fused, lo: Layout):
+    groups, per_group = lo.num_kv_heads, lo.num_heads // lo.num_kv_heads
+    rest = fused.shape[1:]
+    g = fused.reshape(groups, (per_group + 2) * lo.head_dim, *rest)
+    q, k, v = g.split([per_group * lo.head_dim, lo.head_dim, lo.head_dim], dim=1)
+    return (q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(), v.reshape(-1, *rest).contiguous())
+
+
+# ------------------------------------------------------------------------------------------ HF -> megatron
+def hf_to_megatron(name: str, hf: dict[str, torch.Tensor], lo: Layout, tp_rank: int, pp_rank: int) -> torch.Tensor:
+    """This rank's shard of Megatron parameter ``name`` (local layer index) from the full HF tensors ``hf``."""
+    tp = lo.tp
+    if name == "embedding.word_embeddings.weight":
+        return _split(_pad_rows(hf["model.embed_tokens.weight"], lo.padded_vocab), tp, tp_rank)
+    if name == "output_layer.weight":
+        src = hf["model.embed_tokens.weight"] if lo.tie_embeddings else hf["lm_head.weight"]
+        return _split(_pad_rows(src, lo.padded_vocab), tp, tp_rank)
+    if name == "decoder.final_layernorm.weight":
+        return hf["model.norm.weight"].clone()
+    if name in ("value_head.weight", "value_head.bias"):
+        return hf["score." + name.split(".")[1]].clone()
+    m = _LAYER.match(name)
+    if not m:
+        raise KeyError(f"no HF source for megatron parameter '{name}'")
+    layer = int(m.group(1)) + pp_rank * lo.layers_per_stage
+    suffix, prefix = m.group(2), f"model.layers.{layer}."
+    if suffix in _LAYER_HF:
+        full = hf[prefix + _LAYER_HF[suffix]]
+        if suffix in _ROW_PARALLEL:
+            return _split(full, tp, tp_rank, dim=1)
+        return full.clone()
+    if suffix.startswith("self_attention.linear_qkv."):
+        kind = suffix.rsplit(".", 1)[1]  # weight | bias
+        q, k, v = (hf[f"{prefix}self_attn.{p}_proj.{kind}"] for p in "qkv")
+        return _split(_fuse_qkv(q, k, v, lo), tp, tp_rank)
+    if suffix == "mlp.linear_fc1.weight":
+        gate, up = hf[prefix + "mlp.gate_proj.weight"], hf[prefix + "mlp.up_proj.weight"]
+        return torch.cat([_split(gate, tp, tp_rank), _split(up, tp, tp_rank)])
+    raise KeyError(f"no HF source for megatron parameter '{name}'")
+
+
+# ------------------------------------------------------------------------------------------ megatron -> HF
+def megatron_to_hf(name: str, shards: list[torch.Tensor], lo: Layout, pp_rank: int) -> list[tuple[str, torch.Tensor]]:
+    """Full HF tensors from the TP shards (in TP-rank order) of Megatron parameter ``name`` of stage ``pp_rank``.
+
+    The output layer of a tied model maps to nothing (the embedding is exported as both names)."""
+    if name == "embedding.word_embeddings.weight":
+        full = torch.cat(shards)[: lo.vocab_size]
+        out = [("model.embed_tokens.weight", full)]
+        return out + ([("lm_head.weight", full)] if lo.tie_embeddings and lo.kind == "causal_lm" else [])
+    if name == "output_layer.weight":
+        return [] if lo.tie_embeddings else [("lm_head.weight", torch.cat(shards)[: lo.vocab_size])]
+    if name == "decoder.final_layernorm.weight":
+        return [("model.norm.weight", shards[0])]
+    if name in ("value_head.weight", "value_head.bias"):
+        return [("score." + name.split(".")[1], shards[0])]
+    m = _LAYER.match(name)
+    if not m:
+        raise KeyError(f"no HF name for megatron parameter '{name}'")
+    layer = int(m.group(1)) + pp_rank * lo.layers_per_stage
+    suffix, prefix = m.group(2), f"model.layers.{layer}."
+    if suffix in _LAYER_HF:
+        full = torch.cat(shards, dim=1) if suffix in _ROW_PARALLEL else shards[0]
+        return [(prefix + _LAYER_HF[suffix], full)]
+    if suffix.startswith("self_attention.linear_qkv."):
+        kind = suffix.rsplit(".", 1)[1]
+        q, k, v = _unfuse_qkv(torch.cat(shards), lo)
+        return [(f"{prefix}self_attn.q_proj.{kind}", q), (f"{prefix}self_attn.k_proj.{kind}", k),
+                (f"{prefix}self_attn.v_proj.{kind}", v)]
+    if suffix == "mlp.linear_fc1.weight":
+        halves = [s.chunk(2) for s in shards]
+        return [(prefix + "mlp.gate_proj.weight", torch.cat([h[0] for h in halves])),
+                (prefix + "mlp.up_proj.weight", torch.cat([h[1] for h in halves]))]
+    raise KeyError(f"no HF name for megatron parameter '{name}'")
+
+
+def is_tensor_parallel(name: str) -> bool:
+    """Whether the parameter is sharded over TP (else every TP rank holds the same full tensor)."""
+    return (name in ("embedding.word_embeddings.weight", "output_layer.weight")
+            or ".linear_qkv." in name or name.endswith(_ROW_PARALLEL) or name.endswith("linear_fc1.weight"))
+
+
+def stage_parameter_names(lo: Layout, pp_rank: int, hf_names: list[str]) -> list[str]:
+    """The Megatron parameter names stage ``pp_rank`` owns (local layer indices), in forward order."""
+    first, last = pp_rank == 0, pp_rank == lo.pp - 1
+    names = ["embedding.word_embeddings.weight"] if first else []
+    has_bias = "model.layers.0.self_attn.q_proj.bias" in hf_names
+    for i in range(lo.layers_per_stage):
+        p = f"decoder.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight"]
+        names += [p + "self_attention.linear_qkv.bias"] if has_bias else []
+        names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight",
+                  p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+    if last:
+        names.append("decoder.final_layernorm.weight")
+        if lo.kind == "value":
+            names += ["value_head.weight"] + (["value_head.bias"] if "score.bias" in hf_names else [])
+        elif not lo.tie_embeddings or lo.pp > 1:
+            names.append("output_layer.weight")
+    return names
+
+
+def hf_to_rank(hf: dict[str, torch.Tensor], lo: Layout, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
+    """All of one rank's Megatron parameters from full HF tensors."""
+    return {n: hf_to_megatron(n, hf, lo, tp_rank, pp_rank) for n in stage_parameter_names(lo, pp_rank, list(hf))}
+
+
+def ranks_to_hf(shards: dict[tuple[int, int], dict[str, torch.Tensor]], lo: Layout) -> dict[str, torch.Tensor]:
+    """Full HF tensors from every rank's parameters ``shards[(tp_rank, pp_rank)]`` (the inverse of hf_to_rank)."""
+    out = {}
+    for pp_rank in range(lo.pp):
+        for name in shards[(0, pp_rank)]:
+            per_tp = [shards[(t, pp_rank)][name] for t in range(lo.tp)]
+            out.update(megatron_to_hf(name, per_tp, lo, pp_rank))
+    return out

@@ -1,0 +1,143 @@
+"""Building the Megatron-core model of an HF Qwen2/Llama checkpoint: TransformerConfig + GPTModel (local layer
+spec: torch RMSNorm, SwiGLU, RoPE with the HF theta, QKV bias for Qwen2, tied or untied embeddings) for this
+rank's TP rank and PP stage, and the 1-output value head that replaces the LM head for value models (critic).
+
+Call ``apply_cpu_shim`` (backends/megatron/cpu_shim.py) and initialise megatron's parallel state first.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backends.megatron.hf_mapping import Layout
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED = ("qwen2", "llama")
+
+
+def transformer_config(hf_config, tp: int, pp: int, sequence_parallel: bool, params_dtype: torch.dtype,
+                       compute_dtype: torch.dtype | None, recompute: bool):
+    from megatron.core.transformer import TransformerConfig
+
+    model_type = getattr(hf_config, "model_type", "")
+    if model_type not in SUPPORTED:
+        raise ValueError(f"the megatron backend maps {list(SUPPORTED)} models, not '{model_type}'")
+    if getattr(hf_config, "mlp_bias", False):
+        raise ValueError("the megatron backend does not map mlp_bias=True")
+    if getattr(hf_config, "rope_scaling", None) and hf_config.rope_scaling.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_scaling {hf_config.rope_scaling} is not mapped to megatron")
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    qkv_bias = model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+    bf16 = compute_dtype == torch.bfloat16 or params_dtype == torch.bfloat16
+    kwargs = {}
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+        kv_channels=head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        bf16=bf16,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # weights come from the HF checkpoint
+        batch_p2p_comm=False,
+        variable_seq_lengths=False,
+        **kwargs,
+    )
+
+
+class ValueHead(nn.Module):
+    """HF's token-classification ``score`` (hidden -> 1), replicated on every TP rank, in the LM head's place.
+
+    Called like ColumnParallelLinear by GPTModel. Under sequence parallelism its input is gathered from the
+    sequence-parallel region with a split (not a reduce-scatter) backward: every TP rank computes the same loss."""
+
+    def __init__(self, hidden: int, bias: bool, dtype: torch.dtype, sequence_parallel: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core import tensor_parallel
+
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return F.linear(hidden, self.weight, self.bias), None
+
+
+def build_gpt_model(hf_config, tf_config, lo: Layout, value_bias: bool):
+    """This rank's GPTModel chunk (weights zero until loaded)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    tied = lo.tie_embeddings and lo.kind == "causal_lm"
+    model = GPTModel(
+        config=tf_config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=lo.padded_vocab,
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=pre,
+        post_process=post,
+        parallel_output=True,
+        share_embeddings_and_output_weights=tied,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(getattr(hf_config, "rope_theta", None) or hf_config.rope_parameters["rope_theta"]),
+    )
+    if lo.kind == "value" and post:
+        model.output_layer = ValueHead(hf_config.hidden_size, value_bias, tf_config.params_dtype,
+                                       tf_config.sequence_parallel)
+    return model
+
+
+def load_hf_weights(model, hf: dict[str, torch.Tensor], lo: Layout, tp_rank: int, pp_rank: int) -> None:
+    """Copy this rank's shards of the full HF tensors ``hf`` into ``model`` (a GPTModel, unwrapped)."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    from backends.megatron.hf_mapping import hf_to_megatron, is_tensor_parallel
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            if name.startswith("output_layer.") and lo.kind == "value":
+                name = "value_head." + name.split(".", 1)[1]
+            value = hf_to_megatron(name, hf, lo, tp_rank, pp_rank)
+            if value.shape != p.shape:
+                raise ValueError(f"{name}: megatron shape {tuple(p.shape)}, mapped HF shape {tuple(value.shape)}")
+            p.copy_(value)
+            # megatron sets these only when it initialises the weights itself (perform_initialization=False
+            # here); the grad norm and the distributed optimizer need them
+            if is_tensor_parallel(name) and not getattr(p, "tensor_model_parallel", False):
+                row_parallel = name.endswith(("linear_proj.weight", "linear_fc2.weight"))
+                set_tensor_model_parallel_attributes(p, True, 1 if row_parallel else 0, 1)

@@ -1,0 +1,104 @@
+"""Per-token outputs of the Megatron model without gathering the vocabulary: vocab-parallel log-probs (megatron's
+``vocab_parallel_cross_entropy``) and entropy (all-reduce of max / sum-exp / sum p*logit over the TP group), both
+differentiable, plus the micro-batch layout the Megatron model is fed.
+
+Layout. Megatron's RoPE uses positions 0..S-1 of the sequence it is given, so each row is rolled left until its
+first valid token sits in column 0: valid tokens then have exactly the HF position ids (0, 1, ...), and the
+left-padding moved behind them is never attended to (the mask is causal). Response token j of row i, at column
+T-R+j, is predicted at rolled column T-R+j-1-first_i. Rows and columns may be padded (equal shapes for pipeline
+parallelism, a sequence divisible by TP for sequence parallelism); padded rows are dropped before the loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+PADDED_LOGIT = -1e30  # logits of vocabulary padding rows: zero probability, no NaN in p * logit
+
+
+class _VocabParallelEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, group) -> torch.Tensor:
+        logits = logits.float()
+        m = logits.max(dim=-1, keepdim=True).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        e = torch.exp(logits - m)
+        s = e.sum(-1, keepdim=True)
+        dist.all_reduce(s, group=group)
+        p = e / s
+        pl = (p * logits).sum(-1, keepdim=True)
+        dist.all_reduce(pl, group=group)
+        ctx.save_for_backward(p, logits, pl)
+        return (torch.log(s) + m - pl).squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        p, logits, pl = ctx.saved_tensors
+        # dH/dl_k = p_k * (E_p[l] - l_k); each TP rank holds its own vocabulary slice of the gradient
+        return grad.unsqueeze(-1) * p * (pl - logits), None
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, group) -> torch.Tensor:
+    return _VocabParallelEntropy.apply(logits, group)
+
+
+def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    # megatron's cross entropy works in place on its input: give it a copy
+    return -vocab_parallel_cross_entropy(logits.float().clone(), labels)
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
+    """Logits of this rank's vocabulary slice with the padding rows (ids >= vocab_size) set to PADDED_LOGIT."""
+    shard = logits.shape[-1]
+    start = tp_rank * shard
+    if start + shard <= vocab_size:
+        return logits
+    ids = torch.arange(start, start + shard, device=logits.device)
+    return logits.masked_fill(ids >= vocab_size, PADDED_LOGIT)
+
+
+def prepare_micro_batch(tensors: dict[str, torch.Tensor], rows: int, seq_multiple: int, pad_id: int = 0) -> dict:
+    """Model inputs (rolled, padded to ``rows`` rows and a length divisible by ``seq_multiple``) and the gather
+    index of the positions predicting each response token; see the module docstring."""
+    ids, mask, pos = tensors["input_ids"], tensors["attention_mask"].long(), tensors["position_ids"]
+    b, T = ids.shape
+    R = tensors["responses"].shape[1] if "responses" in tensors else 0
+    first = mask.argmax(-1)                                          # first valid column of each row
+    index = (torch.arange(T)[None, :] + first[:, None]) % T
+    rolled_ids, rolled_mask = ids.gather(1, index), mask.gather(1, index)
+    rolled_pos = pos.gather(1, index)
+    expected = torch.arange(T)[None, :].expand(b, T)
+    if bool(((rolled_pos != expected) & rolled_mask.bool()).any()):
+        raise ValueError("the megatron backend needs each row's valid position ids to be 0, 1, 2, ... "
+                         "(left-padded prompt + right-padded response)")
+    S = -(-T // seq_multiple) * seq_multiple
+    model_ids = torch.full((rows, S), pad_id, dtype=ids.dtype)
+    model_ids[:b, :T] = rolled_ids
+    predict_at = (torch.arange(R)[None, :] + (T - R - 1) - first[:, None]).clamp(min=0)
+    return {"input_ids": model_ids, "position_ids": torch.arange(S)[None, :].expand(rows, S).contiguous(),
+            "predict_at": predict_at, "resp_valid": mask[:, T - R:].bool(), "rows": b,
+            "responses": tensors["responses"] if R else None}
+
+
+def response_outputs(output: torch.Tensor, prepared: dict, outputs: tuple[str, ...], kind: str, temperature: float,
+                     vocab_size: int, tp_rank: int, tp_group) -> dict[str, torch.Tensor]:
+    """(b, R) log_probs / entropy (causal_lm) or values (value) from the model output (rows, S, V/tp or 1)."""
+    b, predict_at, valid = prepared["rows"], prepared["predict_at"], prepared["resp_valid"]
+    rows = torch.arange(b)[:, None]
+    picked = output[:b][rows, predict_at]                            # (b, R, V/tp) or (b, R, 1)
+    valid_f = valid.to(torch.float32)
+    if kind == "value":
+        return {"values": picked[..., 0].float() * valid_f}
+    logits = picked.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logits = mask_padded_vocab(logits, vocab_size, tp_rank)
+    result = {}
+    if "log_probs" in outputs:
+        result["log_probs"] = vocab_parallel_log_probs(logits, prepared["responses"]) * valid_f
+    if "entropy" in outputs:
+        result["entropy"] = vocab_parallel_entropy(logits, tp_group) * valid_f
+    return result

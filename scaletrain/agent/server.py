@@ -1,0 +1,171 @@
+"""The async rollout path's client side: many agent loops share the rollout engines through one batcher.
+
+``AsyncServerManager.generate(request_id, prompt_ids, sampling_params)`` is what agent loops await. Requests
+pending at the same time are gathered into one batch and sent as one token-level generate call to the engines
+(``EngineBackend.generate``: one request list per rollout DP rank in, one output list per rank out), run in a
+thread so tools keep running on the event loop meanwhile. A batch is flushed when every live trajectory is
+waiting for tokens (none is running a tool or a simulated user), or ``max_wait_ms`` after its first request.
+
+Routing is sticky: a trajectory's ``request_id`` is bound to one DP rank (the least loaded one) when first seen
+and keeps it until ``release(request_id)``, so every turn of a trajectory lands on the same engine (its prefix
+cache).
+
+Backends: ``WorkerGroupBackend`` (the ActorRolloutRefWorker group's ``generate_tokens``, one Ray call per batch
+covering every rank) and ``LocalEngineBackend`` (RolloutEngine objects in this process: tests, benchmarks).
+vLLM's AsyncLLM is not used: the engines already live in the role workers (where weights are synced), and a
+batched call per flush keeps them full; see README "Agent loops".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any, Protocol
+
+from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
+
+logger = logging.getLogger(__name__)
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
+
+
+class EngineBackend(Protocol):
+    dp_size: int
+
+    def generate(self, per_rank: list[list[TokenRequest]]) -> list[list[TokenOutput]]: ...
+
+
+class LocalEngineBackend:
+    """In-process engines, one per "DP rank" (called one after the other)."""
+
+    def __init__(self, engines: list) -> None:
+        self.engines = list(engines)
+        self.dp_size = len(self.engines)
+
+    def generate(self, per_rank: list[list[TokenRequest]]) -> list[list[TokenOutput]]:
+        return [engine.generate_tokens(reqs) if reqs else [] for engine, reqs in zip(self.engines, per_rank)]
+
+
+class WorkerGroupBackend:
+    """The rollout worker group: ``generate_tokens`` dispatched per rollout DP rank (ROLLOUT_TOKENS mode)."""
+
+    def __init__(self, worker_group) -> None:
+        self.wg = worker_group
+        self.dp_size = worker_group.mesh_places("rollout")[0].dp_size
+
+    def generate(self, per_rank: list[list[TokenRequest]]) -> list[list[TokenOutput]]:
+        return self.wg.generate_tokens(per_rank)
+
+
+def to_sampling(params: dict[str, Any]) -> SamplingConfig:
+    unknown = set(params) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown sampling parameters {sorted(unknown)}; known: {', '.join(SAMPLING_FIELDS)}")
+    return replace(SamplingConfig(), n=1, **params)
+
+
+class AsyncServerManager:
+    def __init__(self, backend: EngineBackend, max_wait_ms: float = 5.0) -> None:
+        self.backend = backend
+        self.max_wait_s = max_wait_ms / 1000.0
+        self.routes: dict[str, int] = {}
+        self.loads = [0] * backend.dp_size
+        self.pending: list[tuple[int, TokenRequest, asyncio.Future]] = []
+        self.active = 0
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-batch")
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.stats = {"batches": 0, "requests": 0, "generate_s": 0.0, "tokens": 0}
+
+    # ------------------------------------------------------------------------------------- trajectories
+    def acquire(self, request_id: str) -> int:
+        """Bind a trajectory to its DP rank (the least loaded) and count it live; returns the rank."""
+        if request_id not in self.routes:
+            rank = min(range(len(self.loads)), key=lambda r: (self.loads[r], r))
+            self.routes[request_id] = rank
+            self.loads[rank] += 1
+            self.active += 1
+        return self.routes[request_id]
+
+    def release(self, request_id: str) -> None:
+        rank = self.routes.pop(request_id, None)
+        if rank is not None:
+            self.loads[rank] -= 1
+            self.active -= 1
+            self._poke()  # the trajectories still live may all be waiting now
+
+    # ----------------------------------------------------------------------------------------- generate
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]
+                       ) -> TokenOutput:
+        rank = self.acquire(request_id)
+        if not prompt_ids:
+            raise ValueError(f"request {request_id}: empty prompt")
+        request = TokenRequest(list(prompt_ids), to_sampling(sampling_params))
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((rank, request, future))
+        self._ensure_worker()
+        self._poke()
+        return await future
+
+    def _poke(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _ensure_worker(self) -> None:
+        if self._task is None or self._task.done():
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def close(self) -> None:
+        """Stop the batcher task of the current event loop (call before the loop ends)."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            if not self.pending:
+                continue
+            deadline = loop.time() + self.max_wait_s
+            while len(self.pending) < self.active and loop.time() < deadline:
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), deadline - loop.time())
+                except asyncio.TimeoutError:
+                    break
+            batch, self.pending = self.pending, []
+            per_rank: list[list[TokenRequest]] = [[] for _ in range(self.backend.dp_size)]
+            slots = []
+            for rank, request, future in batch:
+                slots.append((rank, len(per_rank[rank]), future))
+                per_rank[rank].append(request)
+            start = time.perf_counter()
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.backend.generate, per_rank)
+            except Exception as exc:  # every waiting trajectory sees the engine's error
+                for _, _, future in slots:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            self.stats["batches"] += 1
+            self.stats["requests"] += len(batch)
+            self.stats["generate_s"] += time.perf_counter() - start
+            for rank, pos, future in slots:
+                out = outputs[rank][pos]
+                self.stats["tokens"] += len(out.token_ids)
+                if not future.done():
+                    future.set_result(out)
+            if self.pending:
+                self._wakeup.set()

@@ -1,0 +1,21 @@
+"""``single_turn_agent``: one generation from the prompt, no tools (the agent-path twin of the sync rollout)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scaletrain.agent.base import AgentLoopBase, AgentLoopOutput, register_agent_loop
+
+
+@register_agent_loop("single_turn_agent")
+class SingleTurnAgentLoop(AgentLoopBase):
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        prompt_ids = list(row.get("raw_prompt_ids") or self.apply_chat_template(list(row["raw_prompt"])))
+        self.check_prompt(prompt_ids, row)
+        request_id = row["request_id"]
+        out = await self.server_manager.generate(
+            request_id, prompt_ids, {**sampling_params, "max_new_tokens": self.response_length})
+        ids = list(out.token_ids)[: self.response_length]
+        return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=ids, response_mask=[1] * len(ids),
+                               response_logprobs=list(out.log_probs)[: len(ids)], num_turns=2,
+                               metrics={"assistant_turns": 1.0})

@@ -1,0 +1,52 @@
+"""The single-process reference the engine tests compare against: a plain HF model, torch AdamW, the same losses.
+
+``actor_loss`` / ``value_loss`` are per-row-mean losses (so any micro-batch split gives the reference gradient),
+``ref_outputs`` / ``ref_values`` compute log-probs, entropy and values with plain torch ops, ``ref_step`` is one
+clipped AdamW step on the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def actor_loss(out, mb):
+    m = mb.batch["response_mask"].float()
+    pg = (out["log_probs"] * mb.batch["advantages"] * m).sum(-1) / m.sum(-1)
+    ent = (out["entropy"] * m).sum(-1) / m.sum(-1)
+    return -(pg + 0.01 * ent).mean(), {"pg": float(pg.mean())}
+
+
+def value_loss(out, mb):
+    m = mb.batch["response_mask"].float()
+    return (((out["values"] - mb.batch["advantages"]) ** 2 * m).sum(-1) / m.sum(-1)).mean(), {}
+
+
+def ref_outputs(model, data):
+    b = data.batch
+    R = b["responses"].shape[1]
+    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                   position_ids=b["position_ids"]).logits[:, -R - 1:-1].float()
+    logp = torch.log_softmax(logits, -1)
+    mask = b["attention_mask"][:, -R:]
+    return {"log_probs": logp.gather(-1, b["responses"][..., None])[..., 0] * mask,
+            "entropy": -(logp.exp() * logp).sum(-1) * mask}
+
+
+def ref_values(model, data):
+    b = data.batch
+    R = b["responses"].shape[1]
+    v = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+              position_ids=b["position_ids"]).logits[:, -R - 1:-1, 0]
+    return {"values": v * b["attention_mask"][:, -R:]}
+
+
+def ref_step(model, data, loss_fn, outputs_fn, optim):
+    """One step of torch AdamW (``optim``: an OptimConfig, constant lr) on ``data``; returns (loss, grad_norm)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, eps=optim.eps, weight_decay=optim.weight_decay,
+                            betas=tuple(optim.betas))
+    loss, _ = loss_fn(outputs_fn(model, data), data)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
+    opt.step()
+    return float(loss), float(norm)
