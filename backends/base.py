@@ -27,6 +27,9 @@ LossFn = Callable[[dict[str, torch.Tensor], DataProto], tuple[torch.Tensor, dict
 
 Buckets = Iterator[list[tuple[str, torch.Tensor]]]
 
+# the batch keys an engine's forward reads (the layout above)
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
+
 
 class TrainEngine(ABC):
     # how the controller shards batches for this backend: "DP_COMPUTE_PROTO" (fsdp, deepspeed) or

@@ -198,3 +198,13 @@ def _reward_scores(model, input_ids, attention_mask, position_ids, remove_paddin
     if remove_padding:
         return token_scores[0, packed_index[rows, last]]
     return token_scores[rows, last]
+
+
+def tied_duplicate_names(model: torch.nn.Module) -> set[str]:
+    """Names under which an already-seen parameter is registered again (e.g. a tied ``lm_head.weight``)."""
+    seen, duplicates = set(), set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            duplicates.add(name)
+        seen.add(id(param))
+    return duplicates

@@ -41,13 +41,14 @@ def batch_bytes(data: DataProto) -> int:
 
 def print_table(title: str, rows: list[tuple[str, float, float | None, str]]) -> None:
     """rows: (measure, ours ms, baseline ms or None, baseline name)."""
+    w = max([34] + [len(row[0]) + 2 for row in rows])
     print(f"\n{title}")
-    print(f"{'measure':<34}{'ours ms':>10}{'baseline ms':>13}  {'ratio':>7}  baseline")
+    print(f"{'measure':<{w}}{'ours ms':>10}{'baseline ms':>13}  {'ratio':>7}  baseline")
     for name, ours, base, base_name in rows:
         if base is None:
-            print(f"{name:<34}{ours:>10.2f}{'':>13}  {'':>7}")
+            print(f"{name:<{w}}{ours:>10.2f}{'':>13}  {'':>7}")
         else:
-            print(f"{name:<34}{ours:>10.2f}{base:>13.2f}  {ours / base:>6.2f}x  {base_name}")
+            print(f"{name:<{w}}{ours:>10.2f}{base:>13.2f}  {ours / base:>6.2f}x  {base_name}")
 
 
 def emit_results(rows: list, unit: str = "ms") -> None:

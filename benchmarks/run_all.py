@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
-NOT_BENCHMARKS = {"common", "run_all", "__init__", "__main__"}
+NOT_BENCHMARKS = {"common", "multirank", "run_all", "__init__", "__main__"}  # helpers, not scripts
 MARKER = "BENCH_JSON "
 PERF_START, PERF_END = "<!-- perf:start -->", "<!-- perf:end -->"
 # scripts left out of --quick runs unless named with --only (empty: every script has a quick size that fits)

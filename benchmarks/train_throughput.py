@@ -1,22 +1,22 @@
-"""Training throughput of the FSDP2 engine against a plain single-process torch training loop.
+"""Training throughput of every engine and layout against a plain single-process torch training loop.
 
     python benchmarks/train_throughput.py            # hidden 256, 4 layers, 32 rows x (128 + 128) tokens
-    python benchmarks/train_throughput.py --quick    # hidden 64, 2 layers, 16 rows x (32 + 32) tokens
+    python benchmarks/train_throughput.py --quick    # hidden 64, 2 layers, 16 rows x (32 + 32), 2-rank layouts only
 
 Same model, batch, loss (a per-row-mean policy-gradient loss on response log-probs) and AdamW in every
-variant. Rows measured (median ms per optimizer step, and valid tokens per second):
-  - plain loop, 1 thread: HF forward + chunked log-probs + backward + clip + AdamW step, no framework;
+variant. Rows measured (median ms per optimizer step, and valid tokens per second), all in one run:
+  - plain loop, 1 and 2 threads: HF forward + chunked log-probs + backward + clip + AdamW step, no framework;
   - FSDP engine, 1 process (world size 1), padded and remove-padding, one micro-batch per step;
-  - FSDP engine, 2 processes (gloo, 1 thread each, half the rows each), against the plain loop at 2 threads
-    (the same two cores).
+  - multi-rank layouts (benchmarks/multirank.py; gloo, 1 thread per rank): FSDP DP=2, DeepSpeed ZeRO-3 DP=2,
+    megatron TP=2 and PP=2, and (full size only) megatron TP=2 x PP=2 on 4 ranks; each against the plain loop at
+    1 thread and at 2 threads (the same two cores).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
+import shutil
 import sys
 import tempfile
 
@@ -26,23 +26,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.common import emit_results, median_ms, print_table  # noqa: E402
+from benchmarks.multirank import LAYOUTS, QUICK_LAYOUTS, launch, layout_spec, loss_fn, make_batch  # noqa: E402
+from benchmarks.multirank import save_tiny_qwen2  # noqa: E402
 
 SIZES = {
     "quick": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, rows=16, prompt=32, response=32),
     "full": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, rows=32, prompt=128, response=128),
 }
-
-
-def loss_fn(out, mb):
-    m = mb.batch["response_mask"].float()
-    return -((out["log_probs"] * mb.batch["advantages"] * m).sum(-1) / m.sum(-1)).mean(), {}
+VOCAB = 128
 
 
 def make_data(size: dict, seed: int = 0):
-    from tests.backends.tiny import make_batch
-
-    return make_batch(size["rows"], size["prompt"], size["response"], seed=seed, min_prompt=size["prompt"] // 2,
-                      min_response=size["response"] // 2)
+    return make_batch(size["rows"], size["prompt"], size["response"], vocab_size=VOCAB, seed=seed)
 
 
 def plain_loop_ms(model_dir: str, size: dict, threads: int, repeats: int) -> float:
@@ -83,67 +78,29 @@ def engine_ms(model_dir: str, size: dict, repeats: int, remove_padding: bool, ro
     return median_ms(lambda: engine.train_step(data, loss_fn), repeats=repeats, warmup=2)
 
 
-def worker(model_dir: str, size_name: str, repeats: int, out_file: str) -> None:
-    """One rank of the 2-process run: half the rows each."""
-    import torch.distributed as dist
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    size = SIZES[size_name]
-    share = size["rows"] // world
-    ms = engine_ms(model_dir, size, repeats, remove_padding=False, rows=slice(rank * share, (rank + 1) * share))
-    t = torch.tensor([ms])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        with open(out_file, "w") as f:
-            json.dump({"ms": float(t)}, f)
-    dist.destroy_process_group()
+def multirank_ms(name: str, model_dir: str, size: dict, repeats: int) -> float:
+    spec = layout_spec(name, model_dir, ("train",), repeats, rows=size["rows"], prompt=size["prompt"],
+                       response=size["response"], vocab_size=VOCAB)
+    return launch(spec)["train_ms"]
 
 
-def two_rank_ms(model_dir: str, size_name: str, repeats: int) -> float:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out_file = os.path.join(model_dir, "two_rank.json")
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", model_dir, "--size", size_name,
-               "--repeats", str(repeats), "--out", out_file]
-        procs.append(subprocess.Popen(cmd, env=env))
-    try:
-        for p in procs:
-            if p.wait(timeout=900) != 0:
-                raise RuntimeError("a 2-rank benchmark worker failed")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    with open(out_file) as f:
-        return json.load(f)["ms"]
+def label(name: str) -> str:
+    backend, world, _ = LAYOUTS[name]
+    return "fsdp 2 ranks x 1 thread" if name == "fsdp dp2" else f"{name}, {world} ranks x 1 thread"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--size", default="quick", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--only", nargs="*", default=None, help=f"layouts among {list(LAYOUTS)}")
     args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, args.size, args.repeats, args.out)
-        return
-
-    from tests.backends.tiny import save_tiny_qwen2
 
     size_name = "quick" if args.quick else "full"
     size = SIZES[size_name]
     repeats = args.repeats or (5 if args.quick else 7)
-    model_dir = save_tiny_qwen2(tempfile.mkdtemp(prefix="train_bench_"), seed=0, with_tokenizer=False,
+    layouts = args.only if args.only is not None else (QUICK_LAYOUTS if args.quick else list(LAYOUTS))
+    model_dir = save_tiny_qwen2(tempfile.mkdtemp(prefix="train_bench_"), seed=0, vocab_size=VOCAB,
                                 **{k: size[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers")})
     tokens = int(make_data(size).batch["attention_mask"].sum())
 
@@ -151,7 +108,12 @@ def main() -> None:
     plain2 = plain_loop_ms(model_dir, size, 2, repeats)
     fsdp1 = engine_ms(model_dir, size, repeats, remove_padding=False)
     fsdp1_rmpad = engine_ms(model_dir, size, repeats, remove_padding=True)
-    fsdp2 = two_rank_ms(model_dir, size_name, repeats)
+    multi = {}
+    for name in layouts:
+        try:
+            multi[name] = multirank_ms(name, model_dir, size, repeats)
+        except Exception as exc:  # one layout failing must not hide the others' numbers
+            print(f"\n{name}: FAILED: {exc}", flush=True)
 
     from transformers import AutoConfig
 
@@ -161,14 +123,18 @@ def main() -> None:
     table = [
         ("fsdp 1 proc, padded", fsdp1, plain1, "plain loop 1 thread"),
         ("fsdp 1 proc, remove-padding", fsdp1_rmpad, plain1, "plain loop 1 thread"),
-        ("fsdp 2 ranks x 1 thread", fsdp2, plain2, "plain loop 2 threads"),
-        ("fsdp 2 ranks x 1 thread ", fsdp2, plain1, "plain loop 1 thread"),
     ]
+    for name, ms in multi.items():
+        table += [(label(name), ms, plain2, "plain loop 2 threads"), (label(name) + " ", ms, plain1,
+                                                                        "plain loop 1 thread")]
     print_table("train step (median ms; ratio = ours / baseline, lower is better)", table)
-    print("\ntokens/s: " + ", ".join(f"{name} {tokens / ms * 1e3:,.0f}" for name, ms in (
-        ("plain-1t", plain1), ("plain-2t", plain2), ("fsdp-1p", fsdp1), ("fsdp-1p-rmpad", fsdp1_rmpad),
-        ("fsdp-2r", fsdp2))))
+    rates = [("plain loop 1 thread", plain1), ("plain loop 2 threads", plain2), ("fsdp 1 proc, padded", fsdp1),
+             ("fsdp 1 proc, remove-padding", fsdp1_rmpad)] + [(label(n), ms) for n, ms in multi.items()]
+    print(f"\n{'tokens/s':<44}{'tok/s':>10}{'vs plain 1t':>13}{'vs plain 2t':>13}")
+    for name, ms in rates:
+        print(f"{name:<44}{tokens / ms * 1e3:>10,.0f}{plain1 / ms:>12.2f}x{plain2 / ms:>12.2f}x")
     emit_results([(f"train {n.strip()} vs {b}", o, p, b) for n, o, p, b in table])
+    shutil.rmtree(model_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

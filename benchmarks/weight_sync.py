@@ -1,6 +1,6 @@
-"""Weight sync into the rollout engines: ``update_weights`` against copying the same bytes in memory.
+"""Weight sync: each engine's ``export_weights`` and the rollout engines' ``update_weights``, against memcpy.
 
-    python benchmarks/weight_sync.py [--quick]
+    python benchmarks/weight_sync.py [--quick]     # --quick: 2-rank layouts only
 
 The buckets are what a training engine's ``export_weights`` hands over: HF-named full tensors of the trained
 model's state_dict, grouped into buckets of at most ``--bucket-mib``. Measured per engine:
@@ -8,12 +8,19 @@ model's state_dict, grouped into buckets of at most ``--bucket-mib``. Measured p
   re-packing for the CPU kernels, then a prefix-cache reset),
 - hf: ``HFRolloutEngine.update_weights`` (``load_state_dict(strict=False)`` per bucket),
 against the floor: ``copy_`` of every tensor into preallocated tensors of the same shapes (one memcpy).
+
+Export side, per training backend and layout (benchmarks/multirank.py; gloo ranks, 1 thread each): the time to
+consume every bucket of ``export_weights(bucket_bytes)`` (full HF tensors: FSDP all-gathers DTensor shards,
+DeepSpeed ZeRO-3 gathers partitioned parameters, megatron gathers TP shards and broadcasts across PP stages),
+slowest rank, against a memcpy of the same exported tensors timed in the same run on rank 0. Layouts: FSDP DP=2,
+DeepSpeed ZeRO-3 DP=2, megatron TP=2 and PP=2, and (full only) megatron TP=2 x PP=2 on 4 ranks.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +33,7 @@ import torch  # noqa: E402
 
 from backends.rollout.base import RolloutConfig  # noqa: E402
 from benchmarks.common import emit_results, median_ms, print_table  # noqa: E402
-from tests.backends.tiny import make_tokenizer, save_tiny_qwen2  # noqa: E402
+from benchmarks.multirank import LAYOUTS, QUICK_LAYOUTS, launch, layout_spec, save_tiny_qwen2  # noqa: E402
 
 QUICK = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=4096)
@@ -51,11 +58,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="~9M-parameter model, 5 repeats")
     parser.add_argument("--bucket-mib", type=float, default=8.0)
+    parser.add_argument("--only", nargs="*", default=None, help=f"export layouts among {list(LAYOUTS)}")
     args = parser.parse_args()
     shape, reps = (QUICK, 5) if args.quick else (FULL, 7)
     torch.set_num_threads(1)
-    model_dir = save_tiny_qwen2(tempfile.mkdtemp(prefix="bench-sync-"), with_tokenizer=False, **shape)
-    tokenizer = make_tokenizer()
+    model_dir = save_tiny_qwen2(tempfile.mkdtemp(prefix="bench-sync-"), **shape)
+    from scaletrain.data.tokenizer import build_arithmetic_tokenizer
+
+    tokenizer = build_arithmetic_tokenizer()
     config = RolloutConfig(model_path=model_dir, max_model_len=256, kv_cache_bytes=32 << 20)
 
     from backends.rollout.hf import HFRolloutEngine
@@ -96,7 +106,29 @@ def main() -> None:
     print_table(f"update_weights (median of {reps})", table)
     for name, ms in [("memcpy", copy_ms), ("vllm", vllm_ms), ("hf", hf_ms)]:
         print(f"{name:<8}{total / 2**30 / (ms / 1e3):>8.2f} GiB/s")
-    emit_results([(f"weight sync {r[0]}", *r[1:]) for r in table])
+    layouts = args.only if args.only is not None else (QUICK_LAYOUTS if args.quick else list(LAYOUTS))
+    exports = export_rows(layouts, model_dir, reps, args.bucket_mib)
+    emit_results([(f"weight sync {r[0]}", *r[1:]) for r in table + exports])
+    shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def export_rows(layouts: list[str], model_dir: str, reps: int, bucket_mib: float) -> list[tuple]:
+    """``export_weights`` per layout vs memcpy of the same bytes, both measured in that layout's launch."""
+    table, sizes = [], []
+    for name in layouts:
+        try:
+            res = launch(layout_spec(name, model_dir, ("export",), reps, bucket_mib=bucket_mib))
+        except Exception as exc:  # one layout failing must not hide the others' numbers
+            print(f"\n{name}: FAILED: {exc}", flush=True)
+            continue
+        world = LAYOUTS[name][1]
+        table.append((f"{name} ({world} ranks) export_weights", res["export_ms"], res["memcpy_ms"], "memcpy"))
+        sizes.append((name, res["export_bytes"], res["buckets"], res["export_ms"], res["memcpy_ms"]))
+    print_table(f"export_weights, full HF tensors in buckets of <= {bucket_mib:g} MiB (median of {reps})", table)
+    for name, nbytes, buckets, ms, copy_ms in sizes:
+        print(f"{name:<22}{nbytes / 2**20:>8.1f} MiB in {buckets:>3} buckets  export "
+              f"{nbytes / 2**30 / (ms / 1e3):>6.2f} GiB/s  memcpy {nbytes / 2**30 / (copy_ms / 1e3):>6.2f} GiB/s")
+    return table
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ time.sleep(30)
 def _fake_dir(tmp_path, scripts):
     bench = tmp_path / "benchmarks"
     bench.mkdir()
-    for name in ("common", "__init__", "__main__", "run_all"):
+    for name in ("common", "multirank", "__init__", "__main__", "run_all"):
         (bench / f"{name}.py").write_text("raise SystemExit('must not run')\n")
     for name, body in scripts.items():
         (bench / f"{name}.py").write_text(textwrap.dedent(body))

@@ -35,14 +35,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from backends.base import Buckets, LossFn, TrainEngine, register_backend
+from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, register_backend
 from backends.batching import Partition, grad_scales, restore_order
 from backends.config import EngineConfig, ModelConfig, OptimConfig
-from backends.fsdp.checkpoint import rng_state, set_rng_state
-from backends.fsdp.dist import _free_port, agreed_partition, local_device
-from backends.fsdp.engine import MODEL_INPUTS, _tied_duplicate_names
+from backends.dist import agreed_partition, free_port, local_device, rng_state, set_rng_state
 from backends.hf_checkpoint import write_hf_checkpoint
-from backends.hf_model import KIND_OUTPUTS, build_model, forward_micro_batch
+from backends.hf_model import KIND_OUTPUTS, build_model, forward_micro_batch, tied_duplicate_names
 from backends.optim import build_lr_scheduler, build_optimizer
 from scaletrain.protocol import DataProto
 
@@ -62,7 +60,7 @@ def init_deepspeed_distributed(device: torch.device, timeout_s: float) -> None:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         if not dist.is_initialized():
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
+                              MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
                                auto_mpi_discovery=False, verbose=False, timeout=timedelta(seconds=timeout_s))
 
@@ -109,7 +107,7 @@ class DeepSpeedEngine(TrainEngine):
         torch.manual_seed(engine_config.seed)  # same fresh heads (value/reward) on every rank
         model = build_model(model_config)
         self.architecture = type(model).__name__
-        self.tied_names = _tied_duplicate_names(model)
+        self.tied_names = tied_duplicate_names(model)
         self.hf_config = model.config
         self.generation_config = getattr(model, "generation_config", None)
         kwargs = {}

@@ -28,19 +28,19 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from backends.base import Buckets, LossFn, TrainEngine, register_backend
+from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, register_backend
 from backends.batching import Partition, grad_scales, restore_order
 from backends.config import EngineConfig, ModelConfig, OptimConfig
+from backends.dist import agreed_partition, init_distributed, local_device
 from backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
-from backends.fsdp.dist import agreed_partition, init_distributed, local_device
 from backends.hf_checkpoint import write_hf_checkpoint
-from backends.hf_model import KIND_OUTPUTS, build_model, decoder_layers, forward_micro_batch, torch_dtype
+from backends.hf_model import (KIND_OUTPUTS, build_model, decoder_layers, forward_micro_batch, tied_duplicate_names,
+                               torch_dtype)
 from backends.optim import build_lr_scheduler, build_optimizer
 from scaletrain.protocol import DataProto
 
 logger = logging.getLogger(__name__)
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
 @register_backend("fsdp")
@@ -58,7 +58,7 @@ class FSDPEngine(TrainEngine):
         torch.manual_seed(engine_config.seed)  # same fresh heads (value/reward) on every rank
         model = build_model(model_config)
         self.architecture = type(model).__name__  # before fully_shard renames the class
-        self.tied_names = _tied_duplicate_names(model)
+        self.tied_names = tied_duplicate_names(model)
         if optim_config is None:
             model.requires_grad_(False)
         mp_policy = MixedPrecisionPolicy()
@@ -253,13 +253,3 @@ class FSDPEngine(TrainEngine):
             self._move_params(torch.device("cpu"))
         if self.engine_config.optimizer_offload:
             self._move_optimizer(torch.device("cpu"))
-
-
-def _tied_duplicate_names(model: torch.nn.Module) -> set[str]:
-    """Names under which an already-seen parameter is registered again (e.g. a tied ``lm_head.weight``)."""
-    seen, duplicates = set(), set()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen:
-            duplicates.add(name)
-        seen.add(id(param))
-    return duplicates

@@ -27,12 +27,10 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from backends.base import Buckets, LossFn, TrainEngine, register_backend
+from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, register_backend
 from backends.batching import grad_scales, restore_order
 from backends.config import EngineConfig, ModelConfig, OptimConfig
-from backends.fsdp.checkpoint import rng_state, set_rng_state
-from backends.fsdp.dist import agreed_partition, init_distributed, local_device
-from backends.fsdp.engine import MODEL_INPUTS
+from backends.dist import agreed_partition, init_distributed, local_device, rng_state, set_rng_state
 from backends.hf_checkpoint import write_hf_checkpoint
 from backends.hf_model import KIND_OUTPUTS, build_model, torch_dtype
 from backends.megatron.export import export_groups, gather_hf_buckets

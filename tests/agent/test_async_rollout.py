@@ -8,8 +8,6 @@ final conversation, and that rollout log-probs sit on the right positions (recom
 """
 
 import asyncio
-import os
-import textwrap
 
 import pytest
 import torch

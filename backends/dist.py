@@ -1,13 +1,16 @@
-"""torch.distributed set-up for the FSDP engine: device choice, process-group init, and cross-rank agreement on the
-number of micro-batches (every rank must run the same number of forwards: each one all-gathers parameters)."""
+"""torch.distributed helpers every training engine shares (layer 1): device choice, process-group init, cross-rank
+agreement on the micro-batch partition (every rank must run the same number of forwards: FSDP and ZeRO-3 all-gather
+parameters in each, Megatron's pipeline schedule needs equal counts), and the RNG state a checkpoint carries."""
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 from datetime import timedelta
 import socket
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -23,7 +26,7 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -45,7 +48,7 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend, timeout=timeout)
     else:
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                 timeout=timeout)
     logger.info("initialised torch.distributed: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend)
 
@@ -84,3 +87,19 @@ def agreed_partition(batch, cfg, device: torch.device, group=None):
         if agreed == target:  # every rank sees the same values, so all leave together
             return parts
         target = agreed
+
+
+def rng_state() -> dict:
+    """This process's RNG states (torch CPU, CUDA, Python, NumPy): a resumed run draws the same random numbers."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,208 @@
+"""Multi-rank engine benchmarks: the tiny model and batch the benchmarks train on, and a gloo launcher.
+
+- ``save_tiny_qwen2(path, seed, **overrides)``: a random-init Qwen2 causal LM (the embedded default's config with
+  the given overrides) written with ``save_pretrained``; ``make_batch(rows, prompt, response)``: a seeded rollout
+  batch in verl's layout (left-padded prompts, right-padded responses, advantages).
+- ``LAYOUTS``: backend + world size + megatron settings of every multi-rank layout benchmarked.
+- ``launch(spec, timeout_s)``: starts ``spec["world"]`` processes (gloo, 1 thread each) running
+  ``python -m benchmarks.multirank SPEC``; every rank builds the engine, times ``train_step`` on its rows and/or
+  ``export_weights`` (every bucket consumed), and rank 0 writes the slowest rank's medians (plus, for export, a
+  memcpy of the same exported tensors timed on rank 0) to a JSON file that ``launch`` returns.
+
+Rows per rank: FSDP and DeepSpeed (data parallel) take ``rows / world`` each; megatron ranks of one DP group (here
+all ranks: TP/PP only) take every row. With PP > 1 the batch is cut into ``2 x PP`` micro-batches so the
+1F1B schedule overlaps stages; otherwise one micro-batch per rank and step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import median_ms
+from scaletrain.protocol import DataProto
+
+logger = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parents[1]
+PAD_ID = 0
+FIRST_TOKEN = 4  # ids below are special tokens
+
+# name -> (backend, world size, megatron settings)
+LAYOUTS = {
+    "fsdp dp2": ("fsdp", 2, {}),
+    "deepspeed zero3 dp2": ("deepspeed", 2, {}),
+    "megatron tp2": ("megatron", 2, {"tensor_model_parallel_size": 2}),
+    "megatron pp2": ("megatron", 2, {"pipeline_model_parallel_size": 2}),
+    "megatron tp2 x pp2": ("megatron", 4, {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}),
+}
+QUICK_LAYOUTS = [name for name, (_, world, _) in LAYOUTS.items() if world == 2]
+
+
+def save_tiny_qwen2(path: str, seed: int = 0, **overrides) -> str:
+    """Write a random-init Qwen2ForCausalLM (float32, no tokenizer) to ``path``; returns ``path``."""
+    from transformers import Qwen2ForCausalLM
+
+    from scaletrain.data.embedded import tiny_qwen2_config
+
+    settings = dict(vocab_size=128, max_position_embeddings=1024)
+    settings.update(overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(tiny_qwen2_config(**settings)).to(torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+def make_batch(rows: int, prompt: int, response: int, vocab_size: int = 128, seed: int = 0) -> DataProto:
+    """Seeded batch: prompt lengths in [prompt/2, prompt] (left-padded), responses in [response/2, response]."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(max(1, prompt // 2), prompt + 1, (rows,), generator=g)
+    resp_lens = torch.randint(max(1, response // 2), response + 1, (rows,), generator=g)
+    prompt_mask = (torch.arange(prompt)[None, :] >= (prompt - prompt_lens)[:, None]).long()
+    resp_mask = (torch.arange(response)[None, :] < resp_lens[:, None]).long()
+    attention_mask = torch.cat([prompt_mask, resp_mask], dim=1)
+    tokens = torch.randint(FIRST_TOKEN, vocab_size, (rows, prompt + response), generator=g)
+    input_ids = torch.where(attention_mask.bool(), tokens, torch.full_like(tokens, PAD_ID))
+    return DataProto.from_dict({
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        "responses": input_ids[:, prompt:].clone(),
+        "response_mask": resp_mask,
+        "advantages": torch.randn(rows, response, generator=g) * resp_mask,
+        "old_log_probs": torch.zeros(rows, response),
+    }, meta_info={"temperature": 1.0})
+
+
+def loss_fn(out, mb):
+    """Per-row-mean policy-gradient loss on response log-probs (the same in every variant)."""
+    m = mb.batch["response_mask"].float()
+    return -((out["log_probs"] * mb.batch["advantages"] * m).sum(-1) / m.sum(-1)).mean(), {}
+
+
+def rank_share(backend: str, settings: dict, rows: int, rank: int, world: int) -> tuple[slice, int]:
+    """(this rank's rows, micro-batch size) for a layout."""
+    if backend in ("fsdp", "deepspeed"):
+        share = rows // world
+        return slice(rank * share, (rank + 1) * share), share
+    pp = settings.get("pipeline_model_parallel_size", 1)
+    return slice(0, rows), max(1, rows // (2 * pp)) if pp > 1 else rows
+
+
+def build_engine(backend: str, model_dir: str, settings: dict, micro: int):
+    from backends.base import get_backend
+    from backends.config import EngineConfig, ModelConfig, OptimConfig
+
+    extra = {"megatron": dict(settings)} if backend == "megatron" else {}
+    return get_backend(backend)(ModelConfig(path=model_dir), OptimConfig(lr=1e-5),
+                                EngineConfig(micro_batch_size_per_gpu=micro, extra=extra))
+
+
+def export_all(engine, bucket_bytes: int, keep: bool = False):
+    """Consume every exported bucket; returns (bytes, number of buckets, clones of the tensors if ``keep``)."""
+    total, count, kept = 0, 0, []
+    for bucket in engine.export_weights(bucket_bytes):
+        count += 1
+        for _, t in bucket:
+            total += t.numel() * t.element_size()
+            if keep:
+                kept.append(t.detach().clone())
+    return total, count, kept
+
+
+def run_rank(spec_file: str) -> None:
+    """One rank: time what ``spec["measure"]`` names; rank 0 writes ``spec["out"]``."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    spec = json.loads(Path(spec_file).read_text())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend, settings, repeats = spec["backend"], spec["settings"], spec["repeats"]
+    rows, micro = rank_share(backend, settings, spec.get("rows", 8), rank, world)
+    engine = build_engine(backend, spec["model_dir"], settings, micro)
+    result = {}
+    if "train" in spec["measure"]:
+        data = make_batch(spec["rows"], spec["prompt"], spec["response"], spec["vocab_size"])[rows]
+        result["train_ms"] = median_ms(lambda: engine.train_step(data, loss_fn), repeats=repeats, warmup=2)
+    if "export" in spec["measure"]:
+        bucket_bytes = int(spec["bucket_mib"] * 2**20)
+        result["export_ms"] = median_ms(lambda: export_all(engine, bucket_bytes), repeats=repeats, warmup=1)
+        nbytes, buckets, kept = export_all(engine, bucket_bytes, keep=rank == 0)
+        result.update(export_bytes=nbytes, buckets=buckets)
+    t = torch.tensor([result.get("train_ms", 0.0), result.get("export_ms", 0.0)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step takes as long as its slowest rank
+    result["train_ms"], result["export_ms"] = float(t[0]), float(t[1])
+    if rank == 0 and "export" in spec["measure"]:
+        targets = [torch.empty_like(x) for x in kept]
+
+        def copy_all() -> None:
+            for src, dst in zip(kept, targets):
+                dst.copy_(src)
+
+        result["memcpy_ms"] = median_ms(copy_all, repeats=repeats)
+    dist.barrier()
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(spec: dict, timeout_s: float = 900.0) -> dict:
+    """Run ``spec`` on ``spec["world"]`` gloo ranks (fresh processes); returns rank 0's results."""
+    work = Path(tempfile.mkdtemp(prefix="bench_ranks_"))
+    spec = {**spec, "out": str(work / "result.json")}
+    spec_file = work / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    port, world = _free_port(), spec["world"]
+    procs, logs = [], []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        log = open(work / f"rank{rank}.log", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.multirank", str(spec_file)], env=env,
+                                      cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        for p in procs:
+            p.wait(timeout=timeout_s)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    out = Path(spec["out"])
+    if not out.exists() or any(p.returncode for p in procs):
+        tail = (work / "rank0.log").read_text()[-3000:]
+        raise RuntimeError(f"{spec['backend']} {spec['settings']} on {world} ranks failed (logs in {work}); "
+                           f"rank 0 log:\n{tail}")
+    result = json.loads(out.read_text())
+    shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def layout_spec(name: str, model_dir: str, measure: tuple[str, ...], repeats: int, **extra) -> dict:
+    backend, world, settings = LAYOUTS[name]
+    return {"backend": backend, "world": world, "settings": settings, "model_dir": model_dir,
+            "measure": list(measure), "repeats": repeats, **extra}
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    run_rank(sys.argv[1])
