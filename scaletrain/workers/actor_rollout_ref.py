@@ -20,7 +20,8 @@ from backends.rollout.base import RolloutEngine, SamplingConfig, TokenOutput, To
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
 from scaletrain.workers.config import ActorRolloutRefConfig
-from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO, ROLLOUT_TOKENS
+from scaletrain.workers.dispatch import (ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO, ROLLOUT_TOKENS,
+                                        declare_engine_mesh)
 from scaletrain.workers.losses import ACTOR_INPUTS, actor_loss_fn, actor_outputs
 from scaletrain.workers.rollout_setup import build_rollout
 
@@ -63,7 +64,7 @@ class ActorRolloutRefWorker(Worker):
         )
         if "actor" in self.parts:
             self.actor = backend(cfg.model, cfg.actor.optim, engine_cfg)
-            self._declare_engine_mesh(self.actor)
+            declare_engine_mesh(self, self.actor)
             self._mini_rows = rows_per_rank(
                 cfg.actor.ppo_mini_batch_size, cfg.rollout.n, self.actor.dp_size, "actor.ppo_mini_batch_size"
             )
@@ -71,7 +72,7 @@ class ActorRolloutRefWorker(Worker):
             ref_engine = replace(engine_cfg, micro_batch_size_per_gpu=cfg.ref.log_prob_micro_batch_size_per_gpu)
             self.ref = backend(cfg.model, None, ref_engine)
             if self.actor is None:
-                self._declare_engine_mesh(self.ref)
+                declare_engine_mesh(self, self.ref)
         if "rollout" in self.parts:
             rc = cfg.rollout
             self.rollout, self.tokenizer = build_rollout(
@@ -79,9 +80,6 @@ class ActorRolloutRefWorker(Worker):
                 max_model_len=rc.prompt_length + rc.response_length, kv_cache_bytes=rc.kv_cache_bytes, seed=rc.seed,
                 trust_remote_code=cfg.model.trust_remote_code,
             )
-
-    def _declare_engine_mesh(self, engine: TrainEngine) -> None:
-        self.register_mesh("engine", engine.dp_rank, engine.dp_size, engine.collects_output)
 
     def _need(self, part: str):
         engine = {"actor": self.actor, "ref": self.ref, "rollout": self.rollout}[part]

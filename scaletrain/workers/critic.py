@@ -15,7 +15,7 @@ from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
 from scaletrain.workers.actor_rollout_ref import rows_per_rank
 from scaletrain.workers.config import CriticConfig
-from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO
+from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, declare_engine_mesh
 from scaletrain.workers.losses import CRITIC_INPUTS, critic_loss_fn
 
 
@@ -35,7 +35,7 @@ class CriticWorker(Worker):
             max_token_len_per_gpu=cfg.ppo_max_token_len_per_gpu,
         )
         self.engine = get_backend(cfg.backend)(cfg.model, cfg.optim, engine_cfg)
-        self.register_mesh("engine", self.engine.dp_rank, self.engine.dp_size, self.engine.collects_output)
+        declare_engine_mesh(self, self.engine)
         self._mini_rows = rows_per_rank(cfg.ppo_mini_batch_size, cfg.rollout_n, self.engine.dp_size,
                                         "critic.ppo_mini_batch_size")
 

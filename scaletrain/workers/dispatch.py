@@ -30,3 +30,8 @@ def reduce_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """Mean of each metric over the ranks that reported it."""
     keys = {k for m in per_rank for k in m}
     return {k: sum(m[k] for m in per_rank if k in m) / sum(1 for m in per_rank if k in m) for k in sorted(keys)}
+
+
+def declare_engine_mesh(worker, engine) -> None:
+    """Declare ``worker``'s place in mesh "engine" from its training engine (the ENGINE_* modes route by it)."""
+    worker.register_mesh("engine", engine.dp_rank, engine.dp_size, engine.collects_output)

@@ -15,7 +15,7 @@ from backends.base import get_backend
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
 from scaletrain.workers.config import RewardModelConfig
-from scaletrain.workers.dispatch import ENGINE_PROTO
+from scaletrain.workers.dispatch import ENGINE_PROTO, declare_engine_mesh
 
 
 def place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,7 @@ class RewardModelWorker(Worker):
         model = replace(cfg.model, kind="reward")
         engine_cfg = replace(cfg.engine, micro_batch_size_per_gpu=cfg.micro_batch_size_per_gpu)
         self.engine = get_backend(cfg.backend)(model, None, engine_cfg)
-        self.register_mesh("engine", self.engine.dp_rank, self.engine.dp_size, self.engine.collects_output)
+        declare_engine_mesh(self, self.engine)
 
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:

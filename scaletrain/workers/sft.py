@@ -24,7 +24,7 @@ from backends.rollout.base import RolloutEngine, SamplingConfig
 from scaletrain.algos import agg_loss
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
-from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO
+from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO, declare_engine_mesh
 from scaletrain.workers.rollout_setup import build_rollout
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class SFTWorker(Worker):
     def init_model(self) -> None:
         cfg = self.config
         self.engine = get_backend(cfg.backend)(cfg.model, cfg.optim, cfg.engine)
-        self.register_mesh("engine", self.engine.dp_rank, self.engine.dp_size, self.engine.collects_output)
+        declare_engine_mesh(self, self.engine)
         if cfg.rollout is not None:
             rc = cfg.rollout
             self.rollout, _ = build_rollout(
