@@ -12,7 +12,7 @@ with the response tokens: ``log_probs`` / ``entropy`` / ``values`` of shape (B, 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -29,6 +29,21 @@ Buckets = Iterator[list[tuple[str, torch.Tensor]]]
 
 # the batch keys an engine's forward reads (the layout above)
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+
+def bucketed(items: Iterable[tuple[str, int, Callable[[], torch.Tensor]]], bucket_bytes: int) -> Buckets:
+    """Buckets of (name, tensor) of at most ``bucket_bytes`` (a larger tensor is a bucket of its own) from
+    (name, nbytes, get) items. ``get`` (which may gather: collective) runs only after the previous bucket was
+    yielded, so the extra memory held is one bucket."""
+    bucket, size = [], 0
+    for name, nbytes, get in items:
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, get()))
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 class TrainEngine(ABC):

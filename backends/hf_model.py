@@ -32,6 +32,15 @@ from scaletrain.algos.entropy import entropy_from_logits, logprobs_from_logits
 logger = logging.getLogger(__name__)
 
 KIND_OUTPUTS = {"causal_lm": ("log_probs", "entropy"), "value": ("values",), "reward": ("scores",)}
+
+
+def check_outputs(kind: str, outputs) -> tuple[str, ...]:
+    """``outputs`` (a name or names) as a tuple, after checking a ``kind`` model gives each of them."""
+    outputs = (outputs,) if isinstance(outputs, str) else tuple(outputs)
+    allowed = KIND_OUTPUTS[kind]
+    if not outputs or any(o not in allowed for o in outputs):
+        raise ValueError(f"a {kind} model gives {list(allowed)}, asked for {list(outputs)}")
+    return outputs
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 

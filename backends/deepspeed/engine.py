@@ -30,17 +30,18 @@ import math
 import os
 import sys
 from collections import defaultdict
+from functools import partial
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, register_backend
+from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, bucketed, register_backend
 from backends.batching import Partition, grad_scales, restore_order
 from backends.config import EngineConfig, ModelConfig, OptimConfig
 from backends.dist import agreed_partition, free_port, local_device, rng_state, set_rng_state
 from backends.hf_checkpoint import write_hf_checkpoint
-from backends.hf_model import KIND_OUTPUTS, build_model, forward_micro_batch, tied_duplicate_names
+from backends.hf_model import build_model, check_outputs, forward_micro_batch, tied_duplicate_names
 from backends.optim import build_lr_scheduler, build_optimizer
 from scaletrain.protocol import DataProto
 
@@ -142,16 +143,9 @@ class DeepSpeedEngine(TrainEngine):
             remove_padding=self.model_config.use_remove_padding, temperature=temperature,
             chunk_size=self.engine_config.entropy_chunk_size)
 
-    def _check_outputs(self, outputs) -> tuple[str, ...]:
-        outputs = (outputs,) if isinstance(outputs, str) else tuple(outputs)
-        allowed = KIND_OUTPUTS[self.model_config.kind]
-        if not outputs or any(o not in allowed for o in outputs):
-            raise ValueError(f"a {self.model_config.kind} model gives {list(allowed)}, asked for {list(outputs)}")
-        return outputs
-
     # -------------------------------------------------------------------------------------------- compute
     def forward(self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",)) -> DataProto:
-        outputs = self._check_outputs(outputs)
+        outputs = check_outputs(self.model_config.kind, outputs)
         temperature = float(batch.meta_info.get("temperature", 1.0))
         inputs = batch.select(batch_keys=[k for k in MODEL_INPUTS if k in batch.batch.keys()],
                               non_tensor_batch_keys=[])
@@ -170,7 +164,7 @@ class DeepSpeedEngine(TrainEngine):
         (before clipping), the ``lr`` this step used, ``step_skipped`` (non-finite gradient norm)."""
         if self.optim_config is None:
             raise RuntimeError("train_step on a forward-only engine (built with optim_config=None)")
-        outputs = self._check_outputs(outputs)
+        outputs = check_outputs(self.model_config.kind, outputs)
         temperature = float(mini_batch.meta_info.get("temperature", 1.0))
         self.ds.train()
         parts = self._partition(mini_batch)
@@ -204,25 +198,16 @@ class DeepSpeedEngine(TrainEngine):
         before the next tensor would overflow it, so at most one bucket plus one parameter is ever full-size."""
         import deepspeed
 
-        bucket, size = [], 0
-        for name, value in self.model.state_dict(keep_vars=True).items():
-            if name in skip:
-                continue
-            if hasattr(value, "ds_id"):
-                shape, dtype = value.ds_shape, value.dtype
-                with deepspeed.zero.GatheredParameters([value], modifier_rank=None):
-                    full = value.detach().clone()
-            else:
-                full = value.detach().clone()
-                shape, dtype = full.shape, full.dtype
-            nbytes = math.prod(shape) * dtype.itemsize
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, full))
-            size += nbytes
-        if bucket:
-            yield bucket
+        def full(value) -> torch.Tensor:
+            if not hasattr(value, "ds_id"):
+                return value.detach().clone()
+            with deepspeed.zero.GatheredParameters([value], modifier_rank=None):
+                return value.detach().clone()
+
+        items = ((name, math.prod(getattr(value, "ds_shape", value.shape)) * value.dtype.itemsize,
+                  partial(full, value))
+                 for name, value in self.model.state_dict(keep_vars=True).items() if name not in skip)
+        yield from bucketed(items, bucket_bytes)
 
     def save_hf(self, path: str, shard_bytes: int = 1 << 30) -> None:
         """Config + safetensors (+ tokenizer files of the source model), written by rank 0; collective."""

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 from collections import defaultdict
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -28,14 +29,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, register_backend
+from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, bucketed, register_backend
 from backends.batching import Partition, grad_scales, restore_order
 from backends.config import EngineConfig, ModelConfig, OptimConfig
 from backends.dist import agreed_partition, init_distributed, local_device
 from backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
 from backends.hf_checkpoint import write_hf_checkpoint
-from backends.hf_model import (KIND_OUTPUTS, build_model, decoder_layers, forward_micro_batch, tied_duplicate_names,
-                               torch_dtype)
+from backends.hf_model import (build_model, check_outputs, decoder_layers, forward_micro_batch,
+                               tied_duplicate_names, torch_dtype)
 from backends.optim import build_lr_scheduler, build_optimizer
 from scaletrain.protocol import DataProto
 
@@ -101,7 +102,7 @@ class FSDPEngine(TrainEngine):
 
     # -------------------------------------------------------------------------------------------- compute
     def forward(self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",)) -> DataProto:
-        outputs = self._check_outputs(outputs)
+        outputs = check_outputs(self.model_config.kind, outputs)
         temperature = float(batch.meta_info.get("temperature", 1.0))
         inputs = batch.select(batch_keys=[k for k in MODEL_INPUTS if k in batch.batch.keys()],
                               non_tensor_batch_keys=[])
@@ -122,7 +123,7 @@ class FSDPEngine(TrainEngine):
         step used and ``step_skipped`` (1.0 when a non-finite gradient norm skipped the optimizer step)."""
         if self.optimizer is None:
             raise RuntimeError("train_step on a forward-only engine (built with optim_config=None)")
-        outputs = self._check_outputs(outputs)
+        outputs = check_outputs(self.model_config.kind, outputs)
         temperature = float(mini_batch.meta_info.get("temperature", 1.0))
         with self._on_device(optimizer=True):
             self.model.train()
@@ -160,33 +161,18 @@ class FSDPEngine(TrainEngine):
             norm = norm.full_tensor()
         return float(norm)
 
-    def _check_outputs(self, outputs) -> tuple[str, ...]:
-        outputs = (outputs,) if isinstance(outputs, str) else tuple(outputs)
-        allowed = KIND_OUTPUTS[self.model_config.kind]
-        if not outputs or any(o not in allowed for o in outputs):
-            raise ValueError(f"a {self.model_config.kind} model gives {list(allowed)}, asked for {list(outputs)}")
-        return outputs
-
     # -------------------------------------------------------------------------------------------- weights
     def export_weights(self, bucket_bytes: int = 256 << 20) -> Buckets:
         return self._full_tensor_buckets(bucket_bytes, skip=())
 
     def _full_tensor_buckets(self, bucket_bytes: int, skip) -> Buckets:
         """Gathers one parameter at a time; a bucket is yielded before the next tensor would overflow it."""
+        def full(value) -> torch.Tensor:
+            return (value.full_tensor() if isinstance(value, DTensor) else value).detach()
+
         with self._on_device(optimizer=False):
-            bucket, size = [], 0
-            for name, value in self.model.state_dict().items():
-                if name in skip:
-                    continue
-                nbytes = value.numel() * value.element_size()
-                if bucket and size + nbytes > bucket_bytes:
-                    yield bucket
-                    bucket, size = [], 0
-                full = value.full_tensor() if isinstance(value, DTensor) else value
-                bucket.append((name, full.detach()))
-                size += nbytes
-            if bucket:
-                yield bucket
+            yield from bucketed(((name, value.numel() * value.element_size(), partial(full, value))
+                                 for name, value in self.model.state_dict().items() if name not in skip), bucket_bytes)
 
     def save_hf(self, path: str, shard_bytes: int = 1 << 30) -> None:
         """Config + safetensors (+ tokenizer files of the source model), written by rank 0; collective."""

@@ -32,7 +32,7 @@ from backends.batching import grad_scales, restore_order
 from backends.config import EngineConfig, ModelConfig, OptimConfig
 from backends.dist import agreed_partition, init_distributed, local_device, rng_state, set_rng_state
 from backends.hf_checkpoint import write_hf_checkpoint
-from backends.hf_model import KIND_OUTPUTS, build_model, torch_dtype
+from backends.hf_model import build_model, check_outputs, torch_dtype
 from backends.megatron.export import export_groups, gather_hf_buckets
 from backends.megatron.hf_mapping import layout_from_hf
 from backends.megatron.model import build_gpt_model, load_hf_weights, transformer_config
@@ -188,7 +188,7 @@ class MegatronEngine(TrainEngine):
         return holder[0]
 
     def forward(self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",)) -> DataProto:
-        outputs = self._check_outputs(outputs)
+        outputs = check_outputs(self.model_config.kind, outputs)
         self.model.eval()
         with torch.no_grad():
             parts, _, results = self._run(batch, outputs, None)
@@ -203,7 +203,7 @@ class MegatronEngine(TrainEngine):
         rank's), the global ``grad_norm`` (before clipping), the ``lr`` of this step and ``step_skipped``."""
         if self.optimizer is None:
             raise RuntimeError("train_step on a forward-only engine (built with optim_config=None)")
-        outputs = self._check_outputs(outputs)
+        outputs = check_outputs(self.model_config.kind, outputs)
         optim = self.optim_config
         lr = optim.lr * lr_multiplier(self.global_step, optim.warmup_steps, optim.total_steps, optim.lr_scheduler,
                                       optim.min_lr_ratio)
@@ -229,13 +229,6 @@ class MegatronEngine(TrainEngine):
         self.model.zero_grad_buffer()
         self.global_step += 1
         return {**sums, "grad_norm": grad_norm, "lr": lr, "step_skipped": float(skipped)}
-
-    def _check_outputs(self, outputs) -> tuple[str, ...]:
-        outputs = (outputs,) if isinstance(outputs, str) else tuple(outputs)
-        allowed = KIND_OUTPUTS[self.model_config.kind]
-        if not outputs or any(o not in allowed for o in outputs):
-            raise ValueError(f"a {self.model_config.kind} model gives {list(allowed)}, asked for {list(outputs)}")
-        return outputs
 
     # -------------------------------------------------------------------------------------------- weights
     def export_weights(self, bucket_bytes: int = 256 << 20) -> Buckets:

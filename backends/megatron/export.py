@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from backends.base import bucketed
 from backends.megatron.hf_mapping import Layout, is_tensor_parallel, megatron_to_hf, stage_parameter_names
 
 
@@ -70,8 +71,15 @@ def _gather_group(engine, group: ExportGroup) -> dict[str, torch.Tensor]:
 
 def gather_hf_buckets(engine, bucket_bytes: int, skip=()):
     """Buckets of (HF name, full tensor) of at most ``bucket_bytes`` (a larger tensor is a bucket alone)."""
+    items = ((name, t.numel() * t.element_size(), lambda t=t: t)
+             for name, t in _hf_tensors(engine) if name not in skip)
+    return bucketed(items, bucket_bytes)
+
+
+def _hf_tensors(engine):
+    """(HF name, full tensor) for every HF parameter on every rank, one export group at a time (collective: every
+    name is gathered over TP on its owning stage and broadcast over PP, skipped or not)."""
     pp, stage = engine.layout.pp, engine.pp_rank
-    bucket, size = [], 0
     for group in engine.groups:
         tensors = _gather_group(engine, group) if group.stage == stage else {}
         for name in group.hf:
@@ -84,16 +92,7 @@ def gather_hf_buckets(engine, bucket_bytes: int, skip=()):
                 dist.broadcast(t, src=_stage_rank(group.stage), group=engine.pp_group)
             if tuple(t.shape) != shape:
                 raise ValueError(f"exported {name} has shape {tuple(t.shape)}, the HF model {shape}")
-            if name in skip:
-                continue
-            nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, t))
-            size += nbytes
-    if bucket:
-        yield bucket
+            yield name, t
 
 
 def _stage_rank(stage: int) -> int:
