@@ -3,7 +3,9 @@
 ``launch(module, work, world, timeout_s)`` starts ``world`` processes that call ``module.run_rank(work)`` with
 RANK / WORLD_SIZE / MASTER_* set, waits (killing stragglers after ``timeout_s``) and returns each rank's
 ``{check: error text or None}``. ``run_checks(work, fn)`` is the rank side: it runs ``fn(work, rank, results)``
-and always writes the results, so one launch serves many checks.
+and always writes the results, so one launch serves many checks; ``rank_check`` records one check there,
+``assert_close`` compares tensors inside a check, ``assert_step_matches_reference`` compares one engine step with
+the single-process reference step, and ``assert_ranks_passed`` reports a check in the parent test.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -64,3 +67,46 @@ def run_checks(work: str, fn: Callable[[str, int, dict], None]) -> None:
         fn(work, rank, results)
     finally:
         Path(work, f"results_rank{rank}.json").write_text(json.dumps(results))
+
+
+def rank_check(results: dict, name: str):
+    """Decorator running one check, recording None or the failure text (the run continues either way)."""
+    def wrap(fn):
+        try:
+            fn()
+            results[name] = None
+        except Exception:  # noqa: BLE001 - reported to the parent test
+            results[name] = traceback.format_exc()
+        return fn
+    return wrap
+
+
+def assert_close(a, b, what: str, tol: float = 1e-5) -> None:
+    import torch
+
+    diff = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+    if not (a.shape == b.shape and diff <= tol):
+        raise AssertionError(f"{what}: shapes {tuple(a.shape)} vs {tuple(b.shape)}, max diff {diff}")
+    assert torch.isfinite(a).all(), what
+
+
+def assert_ranks_passed(results: dict[int, dict], check: str) -> None:
+    """Every rank ran ``check`` and it passed."""
+    for rank, res in results.items():
+        assert check in res, f"rank {rank} did not run {check}"
+        assert res[check] is None, f"rank {rank}: {res[check]}"
+
+
+def assert_step_matches_reference(metrics: dict, loss: float, weights: dict, ref_loss: float, ref_norm: float,
+                                  ref_sd: dict, optim) -> None:
+    """An engine's train_step (its metrics, its DP-mean ``loss``, its exported ``weights``) equals the reference
+    step (tests/backends/reference.py ``ref_step``), which must have exercised gradient clipping."""
+    import torch
+
+    assert_close(torch.tensor(loss), torch.tensor(ref_loss), "loss")
+    assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), "grad_norm")
+    assert ref_norm > optim.grad_clip, "the reference step must exercise clipping"
+    assert metrics["lr"] == optim.lr and metrics["step_skipped"] == 0.0 and "pg" in metrics, metrics
+    assert list(weights) == list(ref_sd), "names differ from the HF state_dict"
+    for k, v in weights.items():
+        assert_close(v, ref_sd[k], f"weight {k}")

@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from tests.backends.multirank import launch, run_checks
-from tests.backends.test_fsdp_engine import _check, _close
+from tests.backends.multirank import (assert_close, assert_ranks_passed, assert_step_matches_reference, launch,
+                                      rank_check, run_checks)
 
 pytestmark = pytest.mark.slow  # a multi-process launch (setup.cfg: `pytest -m "not slow"` skips it)
 
@@ -33,9 +33,7 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_two_rank(results, check):
-    for rank, res in results.items():
-        assert check in res, f"rank {rank} did not run {check}"
-        assert res[check] is None, f"rank {rank}: {res[check]}"
+    assert_ranks_passed(results, check)
 
 
 # ------------------------------------------------------------------------------------------ per-rank checks
@@ -85,31 +83,25 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
 
     engine = DS(ModelConfig(path=model_dir), optim, EngineConfig(micro_batch_size_per_gpu=3))
 
-    @_check(results, "partitioned")
+    @rank_check(results, "partitioned")
     def _():
         assert engine.dp_rank == rank and engine.dp_size == WORLD
         for name, p in engine.model.named_parameters():
             assert p.numel() == 0 and 0 < p.ds_tensor.numel() < p.ds_numel, (name, p.ds_tensor.numel(), p.ds_numel)
 
-    @_check(results, "forward_logprobs")
+    @rank_check(results, "forward_logprobs")
     def _():
         out = engine.forward(share, ("log_probs", "entropy"))
-        _close(out.batch["log_probs"], ref_before["log_probs"], "log_probs")
-        _close(out.batch["entropy"], ref_before["entropy"], "entropy")
+        assert_close(out.batch["log_probs"], ref_before["log_probs"], "log_probs")
+        assert_close(out.batch["entropy"], ref_before["entropy"], "entropy")
 
-    @_check(results, "train_step_matches_reference")
+    @rank_check(results, "train_step_matches_reference")
     def _():
         metrics = engine.train_step(share, actor_loss, ("log_probs", "entropy"))  # 2 micro-batches: 3 + 1 rows
-        _close(torch.tensor(mean_over_ranks(metrics["loss"])), torch.tensor(ref_loss), "loss")
-        _close(torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), "grad_norm")
-        assert ref_norm > optim.grad_clip, "the reference step must exercise clipping"
-        assert metrics["lr"] == optim.lr and metrics["step_skipped"] == 0.0 and "pg" in metrics, metrics
-        weights = exported(engine)
-        assert list(weights) == list(ref_sd), "names differ from the HF state_dict"
-        for k, v in weights.items():
-            _close(v, ref_sd[k], f"weight {k}")
+        assert_step_matches_reference(metrics, mean_over_ranks(metrics["loss"]), exported(engine), ref_loss,
+                                      ref_norm, ref_sd, optim)
 
-    @_check(results, "export_buckets")
+    @rank_check(results, "export_buckets")
     def _():
         bucket_bytes = 40_000  # embedding 25,344 B, q_proj 16,384 B: buckets of 1-4 tensors
         buckets = list(engine.export_weights(bucket_bytes))
@@ -121,11 +113,11 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
         for name, p in engine.model.named_parameters():
             assert p.numel() == 0, f"{name} stayed gathered after export"
 
-    @_check(results, "forward_only")
+    @rank_check(results, "forward_only")
     def _():
         frozen = DS(ModelConfig(path=model_dir, use_remove_padding=True), None,
                     EngineConfig(use_dynamic_bsz=True, max_token_len_per_gpu=64))
-        _close(frozen.forward(share, ("log_probs",)).batch["log_probs"], ref_before["log_probs"], "frozen")
+        assert_close(frozen.forward(share, ("log_probs",)).batch["log_probs"], ref_before["log_probs"], "frozen")
         assert not any(p.requires_grad for p in frozen.model.parameters())
         try:
             frozen.train_step(share, actor_loss)
@@ -137,7 +129,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
             for p in frozen.model.parameters():
                 p.ds_tensor.zero_()
         frozen.load(os.path.join(work, "frozen_ckpt"))
-        _close(frozen.forward(share, ("log_probs",)).batch["log_probs"], ref_before["log_probs"], "frozen reload")
+        assert_close(frozen.forward(share, ("log_probs",)).batch["log_probs"], ref_before["log_probs"], "frozen reload")
 
     ckpt, hf_dir = os.path.join(work, "ckpt"), os.path.join(work, "hf")
     later = [make_batch(8, 12, 10, seed=s).select_idxs(rows) for s in (2, 3)]
@@ -145,7 +137,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
     def steps_2_3(eng):
         return [eng.train_step(b, actor_loss, ("log_probs", "entropy")) for b in later]
 
-    @_check(results, "resume_exact")
+    @rank_check(results, "resume_exact")
     def _():
         engine.save(ckpt)  # after step 1
         draw = torch.rand(4)
@@ -164,7 +156,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
         for k, v in exported(fresh).items():
             assert torch.equal(v, first_weights[k]), k
 
-    @_check(results, "save_hf")
+    @rank_check(results, "save_hf")
     def _():
         engine.save_hf(hf_dir)
         weights = exported(engine)

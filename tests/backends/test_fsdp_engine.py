@@ -9,11 +9,10 @@ rows, so the FSDP step (gradients averaged over ranks) must equal the reference 
 from __future__ import annotations
 
 import os
-import traceback
 
 import pytest
 
-from tests.backends.multirank import launch, run_checks
+from tests.backends.multirank import assert_close, assert_ranks_passed, launch, rank_check, run_checks
 
 pytestmark = pytest.mark.slow  # a multi-process launch (setup.cfg: `pytest -m "not slow"` skips it)
 
@@ -36,35 +35,12 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_two_rank(results, check):
-    for rank, res in results.items():
-        assert check in res, f"rank {rank} did not run {check}"
-        assert res[check] is None, f"rank {rank}: {res[check]}"
+    assert_ranks_passed(results, check)
 
 
 # ------------------------------------------------------------------------------------------ per-rank checks
 def run_rank(work: str) -> None:
     run_checks(work, _run_checks)
-
-
-def _check(results, name):
-    """Decorator running one check, recording None or the failure text (the run continues either way)."""
-    def wrap(fn):
-        try:
-            fn()
-            results[name] = None
-        except Exception:  # noqa: BLE001 - reported to the parent test
-            results[name] = traceback.format_exc()
-        return fn
-    return wrap
-
-
-def _close(a, b, what, tol=TOL):
-    import torch
-
-    diff = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
-    if not (a.shape == b.shape and diff <= tol):
-        raise AssertionError(f"{what}: shapes {tuple(a.shape)} vs {tuple(b.shape)}, max diff {diff}")
-    assert torch.isfinite(a).all(), what
 
 
 def _run_checks(work: str, rank: int, results: dict) -> None:
@@ -115,25 +91,26 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
 
     def check_step(engine, what):
         metrics = engine.train_step(share, actor_loss, ("log_probs", "entropy"))
-        _close(torch.tensor(mean_over_ranks(metrics["loss"])), torch.tensor(ref_loss), f"{what} loss")
-        _close(torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), f"{what} grad_norm")
+        assert_close(torch.tensor(mean_over_ranks(metrics["loss"])), torch.tensor(ref_loss), f"{what} loss")
+        assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), f"{what} grad_norm")
         assert metrics["lr"] == optim.lr and metrics["step_skipped"] == 0.0 and "pg" in metrics, metrics
         weights = exported(engine)
         assert list(weights) == list(ref_sd), f"{what}: names differ"
         for k, v in weights.items():
-            _close(v, ref_sd[k], f"{what} weight {k}")
+            assert_close(v, ref_sd[k], f"{what} weight {k}")
 
     engine = FSDP(ModelConfig(path=model_dir), optim, EngineConfig(micro_batch_size_per_gpu=3))
 
-    @_check(results, "forward_logprobs")
+    @rank_check(results, "forward_logprobs")
     def _():
         out = engine.forward(share, ("log_probs", "entropy"))
-        _close(out.batch["log_probs"], ref_before["log_probs"], "log_probs")
-        _close(out.batch["entropy"], ref_before["entropy"], "entropy")
+        assert_close(out.batch["log_probs"], ref_before["log_probs"], "log_probs")
+        assert_close(out.batch["entropy"], ref_before["entropy"], "entropy")
         assert engine.dp_rank == rank and engine.dp_size == WORLD
         frozen = FSDP(ModelConfig(path=model_dir, use_remove_padding=True), None,
                       EngineConfig(use_dynamic_bsz=True, max_token_len_per_gpu=64))  # a reference policy
-        _close(frozen.forward(share, ("log_probs",)).batch["log_probs"], ref_before["log_probs"], "frozen log_probs")
+        assert_close(frozen.forward(share, ("log_probs",)).batch["log_probs"], ref_before["log_probs"],
+                     "frozen log_probs")
         assert not any(p.requires_grad for p in frozen.model.parameters())
         try:
             frozen.train_step(share, actor_loss)
@@ -143,11 +120,11 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
         frozen.save(os.path.join(work, "frozen_ckpt"))
         frozen.load(os.path.join(work, "frozen_ckpt"))
 
-    @_check(results, "train_step_matches_reference")
+    @rank_check(results, "train_step_matches_reference")
     def _():
         check_step(engine, "fixed padded")
 
-    @_check(results, "export_buckets")
+    @rank_check(results, "export_buckets")
     def _():
         bucket_bytes = 40_000  # embedding 25,344 B, q_proj 16,384 B: buckets of 1-4 tensors
         buckets = list(engine.export_weights(bucket_bytes))
@@ -159,7 +136,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
         assert names == list(ref_sd), "bucketed names differ from the HF state_dict"
         for bucket in buckets:
             for k, v in bucket:
-                _close(v, ref_sd[k], f"bucket tensor {k}")
+                assert_close(v, ref_sd[k], f"bucket tensor {k}")
 
     engines = {}
     for name, cfg in (
@@ -170,7 +147,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
                                                      gradient_checkpointing=True),
                                          EngineConfig(use_dynamic_bsz=True, max_token_len_per_gpu=30))),
     ):
-        @_check(results, name)
+        @rank_check(results, name)
         def _():
             other = FSDP(cfg[0], optim, cfg[1])
             if cfg[1].use_dynamic_bsz:
@@ -185,11 +162,11 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
                 for p in parts:
                     assert len(p) == 1 or sum(lengths[i] for i in p) <= cfg[1].max_token_len_per_gpu
             out = other.forward(share, ("log_probs", "entropy"))
-            _close(out.batch["log_probs"], ref_before["log_probs"], f"{name} forward log_probs")
+            assert_close(out.batch["log_probs"], ref_before["log_probs"], f"{name} forward log_probs")
             check_step(other, name)
             engines[name] = other
 
-    @_check(results, "nonfinite_grad_skips_step")
+    @rank_check(results, "nonfinite_grad_skips_step")
     def _():
         other = engines["dynamic_bsz"]
         before = exported(other)
@@ -199,19 +176,19 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
         for k, v in exported(other).items():
             assert torch.equal(v, before[k]), k
 
-    @_check(results, "mixed_precision_bf16")
+    @rank_check(results, "mixed_precision_bf16")
     def _():
         bf16 = FSDP(ModelConfig(path=model_dir), optim, EngineConfig(micro_batch_size_per_gpu=4,
                                                                     mixed_precision="bfloat16"))
         out = bf16.forward(share, ("log_probs",)).batch["log_probs"]
-        _close(out, ref_before["log_probs"], "bf16 log_probs", tol=0.1)
+        assert_close(out, ref_before["log_probs"], "bf16 log_probs", tol=0.1)
         metrics = bf16.train_step(share, actor_loss, ("log_probs", "entropy"))
-        _close(torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), "bf16 grad_norm", tol=0.05 * ref_norm)
+        assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), "bf16 grad_norm", tol=0.05 * ref_norm)
         weights = exported(bf16)
         assert all(v.dtype == torch.float32 for v in weights.values())  # parameters stay float32
         assert max((v - ref_sd[k]).abs().max().item() for k, v in weights.items()) < 3 * optim.lr
 
-    @_check(results, "value_model")
+    @rank_check(results, "value_model")
     def _():
         value_loss, ref_values = reference.value_loss, reference.ref_values
 
@@ -224,14 +201,14 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
         loss, norm = ref_step(critic_ref, batch, value_loss, ref_values)
         critic = FSDP(ModelConfig(path=model_dir, kind="value", use_remove_padding=True), optim,
                       EngineConfig(micro_batch_size_per_gpu=3, seed=7))
-        _close(critic.forward(share, ("values",)).batch["values"], before, "values")
+        assert_close(critic.forward(share, ("values",)).batch["values"], before, "values")
         metrics = critic.train_step(share, value_loss, ("values",))
-        _close(torch.tensor(mean_over_ranks(metrics["loss"])), torch.tensor(loss), "value loss")
-        _close(torch.tensor(metrics["grad_norm"]), torch.tensor(norm), "value grad_norm")
+        assert_close(torch.tensor(mean_over_ranks(metrics["loss"])), torch.tensor(loss), "value loss")
+        assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(norm), "value grad_norm")
         for k, v in exported(critic).items():
-            _close(v, critic_ref.state_dict()[k], f"critic weight {k}")
+            assert_close(v, critic_ref.state_dict()[k], f"critic weight {k}")
 
-    @_check(results, "reward_model")
+    @rank_check(results, "reward_model")
     def _():
         config = AutoConfig.from_pretrained(model_dir, num_labels=1)
         torch.manual_seed(5)
@@ -243,7 +220,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
         with torch.no_grad():  # each row alone, unpadded: the score at its last token
             alone = torch.stack([rm_ref(input_ids=b["input_ids"][i][b["attention_mask"][i].bool()][None]).logits[0, 0]
                                  for i in range(len(share))])
-        _close(scores, alone, "reward scores")
+        assert_close(scores, alone, "reward scores")
 
     ckpt, hf_dir = os.path.join(work, "ckpt"), os.path.join(work, "hf")
     later = [make_batch(8, 12, 10, seed=s).select_idxs(rows) for s in (2, 3)]
@@ -251,7 +228,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
     def steps_2_3(eng):
         return [eng.train_step(b, actor_loss, ("log_probs", "entropy")) for b in later]
 
-    @_check(results, "resume_exact")
+    @rank_check(results, "resume_exact")
     def _():
         engine.save(ckpt)  # after step 1
         draw = torch.rand(4)
@@ -271,7 +248,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
         for k, v in exported(fresh).items():
             assert torch.equal(v, first_weights[k]), k
 
-    @_check(results, "save_hf")
+    @rank_check(results, "save_hf")
     def _():
         engine.save_hf(hf_dir)
         out = engine.forward(share, ("log_probs",)).batch["log_probs"]
@@ -282,7 +259,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
             for k, v in loaded.state_dict().items():
                 assert torch.equal(v, weights[k]), k
             with torch.no_grad():
-                _close(ref_outputs(loaded, share)["log_probs"], out, "save_hf log_probs")
+                assert_close(ref_outputs(loaded, share)["log_probs"], out, "save_hf log_probs")
             assert AutoTokenizer.from_pretrained(hf_dir)("1+1").input_ids
             assert not any(f.startswith("model-") for f in os.listdir(hf_dir))  # one shard: model.safetensors
         dist.barrier()

@@ -18,8 +18,7 @@ import os
 import pytest
 import torch
 
-from tests.backends.multirank import launch, run_checks
-from tests.backends.test_fsdp_engine import _check, _close
+from tests.backends.multirank import assert_close, assert_step_matches_reference, launch, rank_check, run_checks
 
 pytestmark = pytest.mark.slow  # multi-process launches (setup.cfg: `pytest -m "not slow"` skips them)
 
@@ -183,27 +182,21 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
         ref_loss, ref_norm = ref.ref_step(hf, batch, ref.actor_loss, ref.ref_outputs, optim)
         ref_sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
 
-        @_check(results, f"{layout}/forward")
+        @rank_check(results, f"{layout}/forward")
         def _():
             out = engine.forward(share, ("log_probs", "entropy"))
-            _close(out.batch["log_probs"], before["log_probs"], "log_probs")
-            _close(out.batch["entropy"], before["entropy"], "entropy")
+            assert_close(out.batch["log_probs"], before["log_probs"], "log_probs")
+            assert_close(out.batch["entropy"], before["entropy"], "entropy")
             pp_last = engine.ps.is_pipeline_last_stage()
             assert engine.collects_output == (engine.tp_rank == 0 and pp_last)
 
-        @_check(results, f"{layout}/train_step")
+        @rank_check(results, f"{layout}/train_step")
         def _():
             metrics = engine.train_step(share, ref.actor_loss, ("log_probs", "entropy"))
-            _close(torch.tensor(mean_over_dp(engine, metrics["loss"])), torch.tensor(ref_loss), "loss")
-            _close(torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), "grad_norm")
-            assert ref_norm > optim.grad_clip, "the reference step must exercise clipping"
-            assert metrics["lr"] == optim.lr and metrics["step_skipped"] == 0.0 and "pg" in metrics, metrics
-            weights = exported(engine)
-            assert list(weights) == list(ref_sd), "names differ from the HF state_dict"
-            for k, v in weights.items():
-                _close(v, ref_sd[k], f"weight {k}")
+            assert_step_matches_reference(metrics, mean_over_dp(engine, metrics["loss"]), exported(engine), ref_loss,
+                                          ref_norm, ref_sd, optim)
 
-        @_check(results, f"{layout}/export_buckets")
+        @rank_check(results, f"{layout}/export_buckets")
         def _():
             buckets = list(engine.export_weights(40_000))
             assert len(buckets) > 3
@@ -219,15 +212,15 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
             "tp2_pp2": ("forward_only", ModelConfig(path=model_dir), {}),
         }[layout]
 
-        @_check(results, f"{layout}/{extra_engine[0]}")
+        @rank_check(results, f"{layout}/{extra_engine[0]}")
         def _():
             name, model_config, overrides = extra_engine
             config = EngineConfig(**{"micro_batch_size_per_gpu": micro, "extra": {"megatron": settings}, **overrides})
             other = Megatron(model_config, None if name == "forward_only" else optim, config)
             out = other.forward(share, ("log_probs", "entropy")).batch
             tol = 0.1 if name == "bf16" else TOL
-            _close(out["log_probs"], before["log_probs"], f"{name} log_probs", tol=tol)
-            _close(out["entropy"], before["entropy"], f"{name} entropy", tol=tol)
+            assert_close(out["log_probs"], before["log_probs"], f"{name} log_probs", tol=tol)
+            assert_close(out["entropy"], before["entropy"], f"{name} entropy", tol=tol)
             if name == "forward_only":
                 assert not any(p.requires_grad for p in other.module.parameters())
                 try:
@@ -240,12 +233,13 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
             weights = exported(other)
             assert all(v.dtype == torch.float32 for v in weights.values())
             if name == "bf16":
-                _close(torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), "bf16 grad_norm", tol=0.05 * ref_norm)
+                assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), "bf16 grad_norm",
+                             tol=0.05 * ref_norm)
                 assert max((v - ref_sd[k]).abs().max().item() for k, v in weights.items()) < 3 * optim.lr
                 return
-            _close(torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), f"{name} grad_norm")
+            assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), f"{name} grad_norm")
             for k, v in weights.items():
-                _close(v, ref_sd[k], f"{name} weight {k}")
+                assert_close(v, ref_sd[k], f"{name} weight {k}")
             if name == "dynamic_bsz":  # a non-finite gradient skips the step and leaves the weights alone
                 nan = other.train_step(share, lambda o, mb: (ref.actor_loss(o, mb)[0] * float("nan"), {}),
                                        ("log_probs", "entropy"))
@@ -254,18 +248,18 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
                     assert torch.equal(v, weights[k]), k
 
         if layout == "tp2_sp":
-            @_check(results, f"{layout}/llama")
+            @rank_check(results, f"{layout}/llama")
             def _():  # Llama: no QKV bias, untied head, TP-sharded
                 llama_dir = os.path.join(work, "llama")
                 llama = Megatron(ModelConfig(path=llama_dir), None, engine_config)
                 with torch.no_grad():
                     expected = ref.ref_outputs(AutoModelForCausalLM.from_pretrained(llama_dir), share)
                 out = llama.forward(share, ("log_probs", "entropy")).batch
-                _close(out["log_probs"], expected["log_probs"], "llama log_probs")
-                _close(out["entropy"], expected["entropy"], "llama entropy")
+                assert_close(out["log_probs"], expected["log_probs"], "llama log_probs")
+                assert_close(out["entropy"], expected["entropy"], "llama entropy")
 
         if layout in ("tp2_sp", "tp2_pp2"):
-            @_check(results, f"{layout}/critic")
+            @rank_check(results, f"{layout}/critic")
             def _():
                 torch.manual_seed(7)
                 config = AutoConfig.from_pretrained(model_dir, num_labels=1)
@@ -276,17 +270,17 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
                 loss, norm = ref.ref_step(critic_ref, batch, ref.value_loss, ref.ref_values, optim)
                 critic = Megatron(ModelConfig(path=model_dir, kind="value"), optim,
                                   EngineConfig(micro_batch_size_per_gpu=micro, seed=7, extra={"megatron": settings}))
-                _close(critic.forward(share, ("values",)).batch["values"], values, "values")
+                assert_close(critic.forward(share, ("values",)).batch["values"], values, "values")
                 metrics = critic.train_step(share, ref.value_loss, ("values",))
-                _close(torch.tensor(mean_over_dp(critic, metrics["loss"])), torch.tensor(loss), "value loss")
-                _close(torch.tensor(metrics["grad_norm"]), torch.tensor(norm), "value grad_norm")
+                assert_close(torch.tensor(mean_over_dp(critic, metrics["loss"])), torch.tensor(loss), "value loss")
+                assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(norm), "value grad_norm")
                 weights = exported(critic)
                 assert list(weights) == list(critic_ref.state_dict())
                 for k, v in weights.items():
-                    _close(v, critic_ref.state_dict()[k], f"critic weight {k}")
+                    assert_close(v, critic_ref.state_dict()[k], f"critic weight {k}")
 
         if layout in ("tp2_sp", "dp2_distopt", "tp2_pp2"):
-            @_check(results, f"{layout}/resume_exact")
+            @rank_check(results, f"{layout}/resume_exact")
             def _():
                 ckpt = os.path.join(work, f"ckpt_{layout}")
                 later = [make_batch(8, 12, 10, seed=s).select_idxs(rows) for s in (2, 3)]
@@ -306,7 +300,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
                     assert torch.equal(v, first_weights[k]), k
 
         if layout == "pp2":
-            @_check(results, f"{layout}/save_hf")
+            @rank_check(results, f"{layout}/save_hf")
             def _():
                 hf_dir = os.path.join(work, "hf_pp2")
                 engine.save_hf(hf_dir)
@@ -318,7 +312,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
                     for k, v in loaded.state_dict().items():
                         assert torch.equal(v, weights[k]), k
                     with torch.no_grad():
-                        _close(ref.ref_outputs(loaded, share)["log_probs"], out, "save_hf log_probs")
+                        assert_close(ref.ref_outputs(loaded, share)["log_probs"], out, "save_hf log_probs")
                 dist.barrier()
 
         dist.barrier()
