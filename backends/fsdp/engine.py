@@ -43,7 +43,6 @@ from scaletrain.protocol import DataProto
 logger = logging.getLogger(__name__)
 
 
-
 @register_backend("fsdp")
 class FSDPEngine(TrainEngine):
     dispatch = "DP_COMPUTE_PROTO"
