@@ -6,9 +6,10 @@ training objective assumes samples from the trainer's policy; weighting each tok
 pi_train / pi_rollout corrects for that. Weights are truncated (TIS: min(w, threshold)) or tokens outside
 [lower, threshold] are masked out (weight 0). Pass the weights to a policy loss as ``rollout_is_weights``.
 
-Mismatch metrics (``rollout_corr/*``): KL(pi_rollout || pi_train) estimated with k1 and k3, the importance
-ratio's mean / max / min, the truncated or masked share, the effective sample size, and the perplexities of
-the responses under both policies.
+Mismatch metrics (``rollout_corr/*``): KL(pi_rollout || pi_train) estimated with k1 and k3, the mean / max
+absolute log-prob difference (and the share of tokens above a threshold), the importance ratio's mean / max /
+min, the truncated or masked share, the effective sample size, and the perplexities of the responses under
+both policies. The trainer applies all this per step in ``scaletrain/trainer/rollout_correction.py``.
 """
 from __future__ import annotations
 
@@ -22,23 +23,36 @@ IS_MODES = ("truncate", "mask")
 
 @torch.no_grad()
 def compute_mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_probs: torch.Tensor,
-                             response_mask: torch.Tensor) -> dict:
-    """KL and perplexity metrics comparing the trainer's and the rollout engine's log-probs (floats)."""
+                             response_mask: torch.Tensor, log_prob_diff_threshold: float | None = None) -> dict:
+    """KL, log-prob difference and perplexity metrics comparing the trainer's and the rollout engine's log-probs.
+
+    ``rollout_corr/log_prob_abs_diff_mean|max`` are over the response tokens of |log pi_train - log pi_rollout|;
+    with ``log_prob_diff_threshold``, ``rollout_corr/log_prob_abs_diff_above_threshold_frac`` is the share of
+    tokens whose difference exceeds it. Floats; 0 when the mask is empty.
+    """
     mask = response_mask.to(old_log_prob.dtype)
+    valid = mask.bool()
     log_ratio = old_log_prob - rollout_log_probs                 # log(pi_train / pi_rollout)
     k1 = masked_mean(-log_ratio, mask)                           # E_rollout[log pi_rollout - log pi_train]
     clamped = log_ratio.clamp(-20.0, 20.0)
     k3 = masked_mean(torch.exp(clamped) - 1.0 - clamped, mask)
+    abs_diff = log_ratio.abs()
     has_tokens = (mask.sum(-1) > 0).to(mask.dtype)
     train_ppl = torch.exp(-masked_mean(old_log_prob, mask, dim=-1))
     rollout_ppl = torch.exp(-masked_mean(rollout_log_probs, mask, dim=-1))
-    return {
+    metrics = {
         "rollout_corr/kl_k1": float(k1),
         "rollout_corr/kl_k3": float(k3),
+        "rollout_corr/log_prob_abs_diff_mean": float(masked_mean(abs_diff, mask)),
+        "rollout_corr/log_prob_abs_diff_max": float(abs_diff[valid].max()) if valid.any() else 0.0,
         "rollout_corr/training_ppl": float(masked_mean(train_ppl, has_tokens)),
         "rollout_corr/rollout_ppl": float(masked_mean(rollout_ppl, has_tokens)),
         "rollout_corr/ppl_ratio": float(masked_mean(train_ppl / rollout_ppl, has_tokens)),
     }
+    if log_prob_diff_threshold is not None:
+        above = (abs_diff > log_prob_diff_threshold).to(mask.dtype)
+        metrics["rollout_corr/log_prob_abs_diff_above_threshold_frac"] = float(masked_mean(above, mask))
+    return metrics
 
 
 @torch.no_grad()

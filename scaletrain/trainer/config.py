@@ -93,6 +93,22 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """``algorithm.rollout_correction``: the rollout engine / trainer mismatch (verl's key names).
+
+    Checked by ``scaletrain.trainer.rollout_correction.validate_rollout_correction``; applied each step by
+    ``apply_rollout_correction`` there. Mismatch metrics are logged whenever the rollout returns log-probs."""
+    rollout_is: str | None = None           # null: metrics only | token | sequence: truncated IS weights in the loss
+    rollout_is_threshold: float = 2.0       # IS weights are truncated to min(w, threshold); >= 1
+    rollout_is_batch_normalize: bool = False  # rescale the truncated weights to mean 1 over the batch
+    rollout_rs: str | None = None           # null | token_k1 | seq_sum_k1: reject tokens / sequences out of bounds
+    rollout_rs_threshold: str | float | None = None  # "lower_upper" ratio bounds, or upper (lower = 1 / upper)
+    bypass_mode: bool = False               # only false: old log-probs are recomputed by the trainer
+    loss_type: str = "ppo_clip"             # bypass mode's loss; only ppo_clip
+    mismatch_log_prob_threshold: float = 0.1  # metrics: share of tokens with |log pi_train - log pi_rollout| above
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     gamma: float = 1.0
@@ -101,6 +117,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
@@ -133,6 +150,9 @@ class TrainerSection:
     plot_at_end: bool = True
     collective_timeout_s: float = 600.0     # a step waiting longer on a dead rank fails, naming it
     seed: int = 1
+    rollout_data_dir: str | None = None     # set: each step's scored rollouts dumped to <dir>/<step>.jsonl
+    validation_data_dir: str | None = None  # set: each validation's scored samples dumped to <dir>/<step>.jsonl
+    log_val_generations: int = 0            # validation samples (input, output, score) shown in the loggers
 
 
 @dataclass
@@ -181,6 +201,7 @@ def validate(cfg: PPOConfig) -> PPOConfig:
     from backends.rollout.base import ROLLOUTS
     from scaletrain.algos import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
     from scaletrain.reward import REWARD_MANAGERS
+    from scaletrain.trainer.rollout_correction import validate_rollout_correction
     from scaletrain.trainer.tracking import LOGGERS
 
     arr, data, trainer = cfg.actor_rollout_ref, cfg.data, cfg.trainer
@@ -233,12 +254,15 @@ def validate(cfg: PPOConfig) -> PPOConfig:
         raise ConfigError("actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward both add a KL "
                           "penalty; enable one")
     _validate_multi_turn(arr.rollout)
+    validate_rollout_correction(cfg)
     if cfg.backend.name == "megatron":
         _validate_megatron(cfg, world)
     if trainer.resume_mode not in ("auto", "disable", "resume_path"):
         raise ConfigError(f"trainer.resume_mode must be auto | disable | resume_path, got '{trainer.resume_mode}'")
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+    _validate_generation_outputs(trainer)
+    arr.rollout.val_sampling()  # raises ConfigError naming a bad val_kwargs key
     for key in ("data.train_files", "data.val_files"):
         for path in _files(getattr(data, key.split(".")[1])):
             if not os.path.exists(path):
@@ -255,6 +279,23 @@ def validate(cfg: PPOConfig) -> PPOConfig:
     if cfg.reward_model.enable and not cfg.reward_model.model.path:
         raise ConfigError("reward_model.enable needs reward_model.model.path")
     return cfg
+
+
+def _validate_generation_outputs(trainer: TrainerSection) -> None:
+    """``trainer.log_val_generations`` >= 0; the dump directories can be created (nothing is created here)."""
+    if trainer.log_val_generations < 0:
+        raise ConfigError(f"trainer.log_val_generations must be >= 0, got {trainer.log_val_generations}")
+    for key in ("rollout_data_dir", "validation_data_dir"):
+        path = getattr(trainer, key)
+        if path is None:
+            continue
+        existing = os.path.abspath(path)
+        while not os.path.exists(existing):  # the nearest existing ancestor decides
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise ConfigError(f"trainer.{key}: {existing} is not a directory, so {path} cannot be one")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"trainer.{key}: {path} cannot be written ({existing} is not writable)")
 
 
 def _validate_multi_turn(rollout) -> None:

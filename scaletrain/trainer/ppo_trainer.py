@@ -22,8 +22,11 @@ from scaletrain.reward import build_reward_manager
 from scaletrain.trainer.advantage import apply_kl_penalty, compute_advantage
 from scaletrain.trainer.checkpoint import CheckpointManager
 from scaletrain.trainer.config import HFModelConfig, PPOConfig
+from scaletrain.trainer.generations import ScoredSamples, dump_batch, dump_jsonl, pick_samples
 from scaletrain.trainer.metrics import data_metrics, device_peak_flops, throughput_metrics, timer, timing_metrics
+from scaletrain.trainer.rollout_correction import apply_rollout_correction
 from scaletrain.trainer.tracking import Tracking
+from scaletrain.trainer.val_metrics import validation_metrics
 from scaletrain.utils.typed_config import build, to_dict
 from scaletrain.workers import ActorRolloutRefConfig, ActorRolloutRefWorker, CriticConfig, CriticWorker, reduce_metrics
 
@@ -124,8 +127,9 @@ class RayPPOTrainer:
                     "seed": gen_batch.meta_info.get("seed")}
         n = rc.n
         if gen_batch.meta_info.get("validate"):
-            sampling.update({k: v for k, v in rc.val_kwargs.items() if k in sampling})
-            n = int(rc.val_kwargs.get("n", 1))
+            val_sampling = rc.val_sampling()
+            sampling.update({k: v for k, v in val_sampling.items() if k in sampling})
+            n = val_sampling.get("n", 1)
         rows = DataProto.from_dict(non_tensors=dict(batch.non_tensor_batch))
         out = self.agent_manager.generate_sequences(rows, sampling, n=n, tag=tag)
         metrics = out.meta_info.pop("metrics", {})
@@ -148,7 +152,7 @@ class RayPPOTrainer:
         self._resume()
         val_metrics: dict[str, float] = {}
         if cfg.trainer.val_before_train and self.global_step == 0:
-            val_metrics = self.initial_val_metrics = self.validate()
+            val_metrics = self.initial_val_metrics = self.validate(tracking)
             tracking.log(val_metrics, step=0)
         if self.global_step >= self.total_steps:
             logger.info("the run already reached step %d of %d; nothing to train", self.global_step, self.total_steps)
@@ -159,7 +163,7 @@ class RayPPOTrainer:
                 metrics = self.train_step(batch)
                 last = self.global_step >= self.total_steps
                 if self._due(cfg.trainer.test_freq, last):
-                    val_metrics = self.validate()
+                    val_metrics = self.validate(tracking)
                     metrics.update(val_metrics)
                 if self._due(cfg.trainer.save_freq, last):
                     self.save_checkpoint()
@@ -189,11 +193,15 @@ class RayPPOTrainer:
                 reward = self.reward_fn(batch, return_dict=True)
                 batch.batch["token_level_scores"] = reward["reward_tensor"]
                 metrics.update(reward["metrics"])
+            if cfg.trainer.rollout_data_dir:
+                with timer("dump_rollouts", timings):
+                    dump_batch(cfg.trainer.rollout_data_dir, self.global_step, batch, reward, self.tokenizer)
             with timer("old_log_prob", timings):
                 old = self.actor_rollout_wg.compute_log_prob(batch)
                 entropy = old.batch["entropys"][batch.batch["response_mask"].bool()]
                 metrics["actor/entropy"] = entropy.mean().item()
                 batch = batch.union(old.select(batch_keys=["old_log_probs"]))
+            metrics.update(apply_rollout_correction(batch, cfg.algorithm.rollout_correction))
             if self.use_ref:
                 with timer("ref", timings):
                     batch = batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
@@ -223,26 +231,37 @@ class RayPPOTrainer:
         return metrics
 
     # ----------------------------------------------------------------------------------------------- validate
-    def validate(self) -> dict[str, float]:
-        """Greedy (val_kwargs) generation on the validation set; ``val/<source>/acc`` = mean score per source."""
+    def validate(self, tracking: Tracking | None = None) -> dict[str, float]:
+        """Generation with ``val_kwargs`` on the validation set: ``val/<source>/acc`` (mean score per source) and the
+        mean@N / best@k / worst@k / maj@k figures (``val-core/...``, ``val-aux/...``, see val_metrics.py); dumps
+        the samples (``trainer.validation_data_dir``) and shows a few in the loggers (``log_val_generations``)."""
         if self.val_dataset is None:
             return {}
+        tc = self.cfg.trainer
         size = self.cfg.data.val_batch_size or len(self.val_dataset)
-        scores: dict[str, list[float]] = {}
-        lengths: list[float] = []
+        decode = bool(tc.validation_data_dir or tc.log_val_generations)
+        samples, lengths = ScoredSamples(), []
         for start in range(0, len(self.val_dataset), size):
             batch = self.val_dataset.get_batch(list(range(start, min(start + size, len(self.val_dataset)))))
+            batch.non_tensor_batch["uid"] = np.array([f"val-{start + i}" for i in range(len(batch))], dtype=object)
             gen_batch = batch.pop(batch_keys=GEN_KEYS)
             gen_batch.meta_info.update(validate=True, seed=0)
             out, _ = self._generate(batch, gen_batch, tag=f"val{start}")
-            repeat = len(out) // len(batch)
-            batch = batch.repeat(repeat, interleave=True).union(out)
-            rewards = self.reward_fn(batch, return_dict=True)["reward_tensor"].sum(-1).tolist()
-            for source, score in zip(batch.non_tensor_batch["data_source"], rewards):
-                scores.setdefault(str(source), []).append(score)
+            batch = batch.repeat(len(out) // len(batch), interleave=True).union(out)
+            samples.add(batch, self.reward_fn(batch, return_dict=True), self.tokenizer if decode else None)
             lengths += batch.batch["response_mask"].sum(-1).float().tolist()
+        scores: dict[str, list[float]] = {}
+        for source, score in zip(samples.data_sources, samples.scores):
+            scores.setdefault(source, []).append(score)
         metrics = {f"val/{source}/acc": float(np.mean(v)) for source, v in scores.items()}
         metrics["val/response_length/mean"] = float(np.mean(lengths)) if lengths else 0.0
+        metrics.update(validation_metrics(samples.data_sources, samples.uids, samples.columns()))
+        if decode:
+            records = samples.records(self.global_step)
+            if tc.validation_data_dir:
+                dump_jsonl(tc.validation_data_dir, self.global_step, records)
+            if tc.log_val_generations and tracking is not None:
+                tracking.log_generations(pick_samples(records, tc.log_val_generations), self.global_step)
         return metrics
 
     # ---------------------------------------------------------------------------------------------- checkpoint

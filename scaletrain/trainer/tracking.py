@@ -13,12 +13,14 @@ Backends (``trainer.logger=[console,jsonl,tensorboard,wandb,mlflow]``), all writ
 - ``tensorboard``: event files in ``<log_dir>/tensorboard`` (``purge_step=resume_step`` on resume).
 - ``wandb``: ``wandb.init(dir=log_dir)`` in mode ``$WANDB_MODE``, default ``offline`` (no network needed; sync later
   with ``wandb sync``). ``finish()`` also tears down wandb's service process.
-- ``mlflow``: ``$MLFLOW_TRACKING_URI`` if set, else a local SQLite store ``<log_dir>/mlruns/mlflow.db`` (artifacts in
-  ``<log_dir>/mlruns/artifacts``). MLflow experiment = ``project_name``, run = ``experiment_name`` (reused on
-  resume); params are the flattened config (``a.b.c``, values cut to 500 chars). MLflow only accepts
-  ``[A-Za-z0-9_-. /]`` in names, so metric and param names are sanitized (see ``mlflow_safe_name``):
-  ``@`` -> ``_at_``, any other character -> ``_``, ``//``, ``.`` and ``..`` path parts removed/replaced.
-  Telemetry is off unless ``MLFLOW_DISABLE_TELEMETRY`` is set otherwise.
+- ``mlflow``: a local SQLite store under ``<log_dir>/mlruns`` or ``$MLFLOW_TRACKING_URI``
+  (``scaletrain/trainer/mlflow_logger.py``, imported when selected).
+
+Validation samples (``trainer.log_val_generations``): ``Tracking.log_generations(samples, step)`` hands a list of
+``{"input", "output", "score"}`` dicts to each backend's ``log_generations`` (a no-op unless the backend defines
+it): console prints them, jsonl appends them to ``<log_dir>/val_generations.jsonl``, tensorboard adds a markdown
+text ``val/generations``, wandb logs a ``wandb.Table`` ``val/generations`` (rows of every validation so far:
+step, input, output, score) and mlflow stores ``val_generations/step_<step>.json`` as an artifact.
 
 wandb, mlflow and tensorboard are imported only when selected (``pip install scaletrain[loggers]``). Add a backend
 with ``@register_logger("name")`` on a ``LoggerBackend`` subclass taking one ``RunInfo``.
@@ -31,7 +33,6 @@ import logging
 import os
 import re
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -40,8 +41,8 @@ from scaletrain.utils.registry import Registry
 
 logger = logging.getLogger(__name__)
 
-LOGGERS = Registry("logger")
-_INSTALL_HINT = "pip install scaletrain[loggers]"
+LOGGERS = Registry("logger", lazy={"mlflow": "scaletrain.trainer.mlflow_logger"})
+INSTALL_HINT = "pip install scaletrain[loggers]"
 
 
 def register_logger(name: str, *, override: bool = False) -> Callable:
@@ -69,6 +70,9 @@ class LoggerBackend:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         raise NotImplementedError
+
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        """A few validation samples (``{"input", "output", "score"}`` dicts); backends without a view skip them."""
 
     def finish(self) -> None:
         pass
@@ -101,6 +105,12 @@ class Tracking:
         clean = to_float_metrics(metrics)
         for backend in self.backends.values():
             backend.log(clean, int(step))
+
+    def log_generations(self, samples: list[Mapping[str, Any]], step: int) -> None:
+        """Logs validation samples (``input``, ``output``, ``score``) to every backend that shows them."""
+        rows = [{"input": str(s["input"]), "output": str(s["output"]), "score": float(s["score"])} for s in samples]
+        for backend in self.backends.values():
+            backend.log_generations(rows, int(step))
 
     def finish(self) -> None:
         """Closes every backend (idempotent); one failing to close does not stop the others, its error is re-raised."""
@@ -150,12 +160,12 @@ def _plain_config(config: Mapping | None) -> dict:
     return dict(config)
 
 
-def _require(module: str, package: str, backend: str) -> Any:
+def require_module(module: str, package: str, backend: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as e:
         raise ImportError(f"the '{backend}' logger needs the '{package}' package ({e}); install it with "
-                          f"`{_INSTALL_HINT}` or `pip install {package}`") from e
+                          f"`{INSTALL_HINT}` or `pip install {package}`") from e
 
 
 # ---------------------------------------------------------------------------------------------------- console
@@ -197,8 +207,17 @@ class ConsoleLogger(LoggerBackend):
             self.bar.update(step - self.bar.n)
         self._tqdm.write(format_console_line(metrics, step, self.run.total_steps), file=sys.stdout)
 
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        lines = [f"validation samples at step {step}:"]
+        lines += [f"  [score {s['score']:.4g}] {_shorten(s['input'])!r} -> {_shorten(s['output'])!r}" for s in samples]
+        self._tqdm.write("\n".join(lines), file=sys.stdout)
+
     def finish(self) -> None:
         self.bar.close()
+
+
+def _shorten(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 # ---------------------------------------------------------------------------------------------------- jsonl
@@ -233,14 +252,21 @@ class JsonlLogger(LoggerBackend):
     def __init__(self, run: RunInfo):
         super().__init__(run)
         self.path = run.log_dir / "metrics.jsonl"
+        self.generations_path = run.log_dir / "val_generations.jsonl"
         if run.resume_step is not None:
             truncate_jsonl(self.path, run.resume_step)
+            truncate_jsonl(self.generations_path, run.resume_step)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in finish()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         record = {"step": step, **{k: v for k, v in metrics.items() if k != "step"}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        """One line per sample, ``{"step", "input", "output", "score"}``, in ``<log_dir>/val_generations.jsonl``."""
+        with open(self.generations_path, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps({"step": step, **sample}, ensure_ascii=False) + "\n" for sample in samples)
 
     def finish(self) -> None:
         self._file.close()
@@ -254,7 +280,7 @@ class TensorboardLogger(LoggerBackend):
 
     def __init__(self, run: RunInfo):
         super().__init__(run)
-        writer_cls = _require("torch.utils.tensorboard", "tensorboard", "tensorboard").SummaryWriter
+        writer_cls = require_module("torch.utils.tensorboard", "tensorboard", "tensorboard").SummaryWriter
         self.writer = writer_cls(log_dir=str(run.log_dir / "tensorboard"), purge_step=run.resume_step)
         if run.config:
             self.writer.add_text("config", "```\n" + json.dumps(run.config, indent=2, default=str) + "\n```")
@@ -262,6 +288,12 @@ class TensorboardLogger(LoggerBackend):
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        parts = [f"### Sample {i + 1} (score {s['score']:.4g})\n\n**Input:** {s['input']}\n\n**Output:** {s['output']}"
+                 for i, s in enumerate(samples)]
+        self.writer.add_text("val/generations", "\n\n---\n\n".join(parts), step)
         self.writer.flush()
 
     def finish(self) -> None:
@@ -279,97 +311,22 @@ class WandbLogger(LoggerBackend):
         mode = os.environ.get("WANDB_MODE", "offline")
         if mode != "online":
             os.environ.setdefault("WANDB_ERROR_REPORTING", "false")  # no crash reports sent from offline runs
-        self.wandb = _require("wandb", "wandb", "wandb")
+        self.wandb = require_module("wandb", "wandb", "wandb")
         self.wandb_run = self.wandb.init(project=run.project_name, name=run.experiment_name, config=run.config,
                                          dir=str(run.log_dir), mode=mode)
+        self.generation_rows: list[list] = []  # every validation's samples so far: one table shows them all
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.wandb_run.log(metrics, step=step)
+
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        self.generation_rows += [[step, s["input"], s["output"], s["score"]] for s in samples]
+        # a logged Table is frozen, so each validation logs a new one holding all rows so far
+        table = self.wandb.Table(columns=["step", "input", "output", "score"], data=self.generation_rows)
+        self.wandb_run.log({"val/generations": table}, step=step)
 
     def finish(self) -> None:
         try:
             self.wandb_run.finish()
         finally:
             self.wandb.teardown()  # stops the wandb-core service process this run started
-
-
-# ---------------------------------------------------------------------------------------------------- mlflow
-
-_MLFLOW_PARAM_CHARS = 500
-_MLFLOW_KEY_CHARS = 250
-
-
-def mlflow_safe_name(name: str) -> str:
-    """A metric / param name MLflow accepts: ``@`` -> ``_at_``, other disallowed characters -> ``_``, no empty,
-    ``.`` or ``..`` path parts (``val/gsm8k/acc@4`` -> ``val/gsm8k/acc_at_4``); at most 250 characters."""
-    name = re.sub(r"[^A-Za-z0-9_\-. /]", "_", name.replace("@", "_at_"))
-    parts = ["_" if part in (".", "..") else part for part in name.split("/") if part]
-    return "/".join(parts)[:_MLFLOW_KEY_CHARS] or "_"
-
-
-def flatten_config(config: Mapping, prefix: str = "") -> dict[str, str]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": "1"}``; lists and other leaves as ``str``, cut to 500 characters."""
-    flat = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten_config(value, name + "."))
-        else:
-            text = str(value)
-            flat[name] = text if len(text) <= _MLFLOW_PARAM_CHARS else text[:_MLFLOW_PARAM_CHARS - 3] + "..."
-    return flat
-
-
-def _chunks(items: list, size: int) -> Iterable[list]:
-    return (items[i:i + size] for i in range(0, len(items), size))
-
-
-@register_logger("mlflow")
-class MlflowLogger(LoggerBackend):
-    """One MLflow run named ``experiment_name`` in the experiment ``project_name``; see the module docstring."""
-
-    def __init__(self, run: RunInfo):
-        super().__init__(run)
-        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-        tracking = _require("mlflow.tracking", "mlflow", "mlflow")
-        self._entities = importlib.import_module("mlflow.entities")
-        local_root = None if os.environ.get("MLFLOW_TRACKING_URI") else run.log_dir / "mlruns"
-        if local_root is not None:
-            local_root.mkdir(parents=True, exist_ok=True)
-        self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(local_root / 'mlflow.db').resolve()}"
-        self.client = tracking.MlflowClient(tracking_uri=self.tracking_uri)
-        try:
-            experiment = self.client.get_experiment_by_name(run.project_name)
-        except ImportError as e:
-            raise ImportError(f"the 'mlflow' logger's store {self.tracking_uri} needs a package that is missing ({e});"
-                              f" install it with `{_INSTALL_HINT}`") from e
-        if experiment is not None:
-            experiment_id = experiment.experiment_id
-        else:
-            artifacts = (local_root / "artifacts").resolve().as_uri() if local_root is not None else None
-            experiment_id = self.client.create_experiment(run.project_name, artifact_location=artifacts)
-        self.run_id = self._resumable_run(experiment_id) if run.resume_step is not None else None
-        if self.run_id is None:
-            self.run_id = self.client.create_run(experiment_id, run_name=run.experiment_name).info.run_id
-            params = [self._entities.Param(mlflow_safe_name(k), v) for k, v in flatten_config(run.config).items()]
-            for chunk in _chunks(params, 100):  # MLflow's limit per batch
-                self.client.log_batch(self.run_id, params=chunk)
-        logger.info("mlflow run %s at %s", self.run_id, self.tracking_uri)
-
-    def _resumable_run(self, experiment_id: str) -> str | None:
-        name = self.run.experiment_name.replace("'", "\\'")
-        runs = self.client.search_runs([experiment_id], filter_string=f"attributes.run_name = '{name}'",
-                                       order_by=["attributes.start_time DESC"], max_results=1)
-        if not runs:
-            return None
-        self.client.update_run(runs[0].info.run_id, status="RUNNING")
-        return runs[0].info.run_id
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        now = int(time.time() * 1000)
-        batch = [self._entities.Metric(mlflow_safe_name(k), v, now, step) for k, v in metrics.items()]
-        for chunk in _chunks(batch, 1000):  # MLflow's limit per batch
-            self.client.log_batch(self.run_id, metrics=chunk)
-
-    def finish(self) -> None:
-        self.client.set_terminated(self.run_id)

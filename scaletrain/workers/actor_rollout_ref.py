@@ -93,7 +93,7 @@ class ActorRolloutRefWorker(Worker):
         sampling = SamplingConfig(n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                                   max_new_tokens=rc.response_length, seed=None)
         if meta.get("validate"):
-            sampling = replace(sampling, **{k: v for k, v in rc.val_kwargs.items() if k in SAMPLING_KEYS})
+            sampling = replace(sampling, **{k: v for k, v in rc.val_sampling().items() if k in SAMPLING_KEYS})
         overrides = {k: meta[k] for k in SAMPLING_KEYS if k in meta}
         if overrides.get("seed") is not None:  # one stream per DP rank
             overrides["seed"] = int(overrides["seed"]) * 1000 + self.rank

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from backends.config import EngineConfig, ModelConfig, OptimConfig
+from scaletrain.utils.typed_config import ConfigError
+
+VAL_KWARGS = ("n", "temperature", "top_p", "top_k", "do_sample")   # actor_rollout_ref.rollout.val_kwargs
 
 
 @dataclass
@@ -116,6 +119,22 @@ class RolloutWorkerConfig:
     @property
     def use_agent_loop(self) -> bool:
         return self.multi_turn.enable or self.mode == "async"
+
+    def val_sampling(self) -> dict[str, Any]:
+        """Validation's sampling overrides from ``val_kwargs`` (verl's keys: n, temperature, top_p, top_k,
+        do_sample): ``do_sample: false`` forces greedy decoding (temperature 0); without it the temperature decides.
+        Raises ConfigError naming a bad key."""
+        key = "actor_rollout_ref.rollout.val_kwargs"
+        unknown = sorted(set(self.val_kwargs) - set(VAL_KWARGS))
+        if unknown:
+            raise ConfigError(f"{key}: unknown key(s) {', '.join(unknown)}; known: {', '.join(VAL_KWARGS)}")
+        n, do_sample = self.val_kwargs.get("n", 1), self.val_kwargs.get("do_sample", True)
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ConfigError(f"{key}.n must be a positive int, got {n!r}")
+        if not isinstance(do_sample, bool):
+            raise ConfigError(f"{key}.do_sample must be true or false, got {do_sample!r}")
+        sampling = {k: v for k, v in self.val_kwargs.items() if k != "do_sample"}
+        return sampling if do_sample else {**sampling, "temperature": 0.0}
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Rule-based scorers: ``compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict``.
 
-gsm8k.py, math.py and arithmetic.py score one task family each; default.py dispatches on ``data_source``;
+gsm8k.py, math.py, arithmetic.py and reasoning_gym.py score one task family each; default.py dispatches on
+``data_source``;
 components.py holds the small scorers (format, correctness, length) that the ``multi`` manager weights.
 """
 from scaletrain.reward.scorers.components import COMPONENT_SCORERS, correctness_score, format_score, length_score

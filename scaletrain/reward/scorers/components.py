@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-from scaletrain.reward.scorers import arithmetic, gsm8k, math
+from scaletrain.reward.scorers import arithmetic, gsm8k, math, reasoning_gym
 from scaletrain.reward.scorers.default import default_compute_score
 
 _BARE_INTEGER = re.compile(r"-?\d+")
@@ -18,13 +18,16 @@ _BARE_INTEGER = re.compile(r"-?\d+")
 
 def format_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
     """1.0 if the answer is in the expected form: a bare integer for ``scaletrain/arithmetic``, ``#### n`` for
-    GSM8K, ``\\boxed{}`` for MATH; for other sources either of the last two. Else 0.0."""
+    GSM8K, ``\\boxed{}`` for MATH, ``<answer>...</answer>`` for ``reasoning_gym/*``; for other sources
+    ``#### n`` or ``\\boxed{}``. Else 0.0."""
     if data_source == arithmetic.DATA_SOURCE:
         ok = _BARE_INTEGER.fullmatch(solution_str.strip()) is not None
     elif data_source == "openai/gsm8k":
         ok = gsm8k.extract_answer(solution_str, "strict") is not None
     elif data_source in math.DATA_SOURCES:
         ok = math.last_boxed(solution_str) is not None
+    elif isinstance(data_source, str) and data_source.startswith(reasoning_gym.DATA_SOURCE_PREFIX):
+        ok = reasoning_gym.extract_answer(solution_str) is not None
     else:
         ok = gsm8k.extract_answer(solution_str, "strict") is not None or math.last_boxed(solution_str) is not None
     return 1.0 if ok else 0.0

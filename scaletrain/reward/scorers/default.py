@@ -1,10 +1,12 @@
 """``default_compute_score``: the scorer used when no ``custom_reward_function`` is configured. It dispatches
-on ``data_source``; an unknown source raises NotImplementedError naming it."""
+on ``data_source``: an exact name in ``SCORERS_BY_DATA_SOURCE``, else the first prefix in
+``SCORERS_BY_PREFIX`` it starts with (``reasoning_gym/<task>``); an unknown source raises NotImplementedError
+naming it."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from scaletrain.reward.scorers import arithmetic, gsm8k, math
+from scaletrain.reward.scorers import arithmetic, gsm8k, math, reasoning_gym
 
 
 def _gsm8k(solution_str: str, ground_truth: Any, extra_info: dict | None) -> float:
@@ -24,16 +26,23 @@ SCORERS_BY_DATA_SOURCE: dict[str, Callable[[str, Any, dict | None], float]] = {
     **{source: _math for source in math.DATA_SOURCES},
     arithmetic.DATA_SOURCE: _arithmetic,
 }
+# families of sources sharing one scorer, which also receives the data_source (it names the task)
+SCORERS_BY_PREFIX: dict[str, Callable[[str, str, Any, dict | None], float | dict]] = {
+    reasoning_gym.DATA_SOURCE_PREFIX: reasoning_gym.compute_score,
+}
 
 
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
-) -> float:
-    try:
-        scorer = SCORERS_BY_DATA_SOURCE[data_source]
-    except (KeyError, TypeError):
-        raise NotImplementedError(
-            f"default_compute_score has no scorer for data_source {data_source!r} (known: "
-            f"{sorted(SCORERS_BY_DATA_SOURCE)}); set custom_reward_function.path/name to score it"
-        ) from None
-    return scorer(solution_str, ground_truth, extra_info)
+) -> float | dict:
+    scorer = SCORERS_BY_DATA_SOURCE.get(data_source) if isinstance(data_source, str) else None
+    if scorer is not None:
+        return scorer(solution_str, ground_truth, extra_info)
+    for prefix, family_scorer in SCORERS_BY_PREFIX.items():
+        if isinstance(data_source, str) and data_source.startswith(prefix):
+            return family_scorer(data_source, solution_str, ground_truth, extra_info)
+    raise NotImplementedError(
+        f"default_compute_score has no scorer for data_source {data_source!r} (known: "
+        f"{sorted(SCORERS_BY_DATA_SOURCE)}, or any starting with {sorted(SCORERS_BY_PREFIX)}); set "
+        "custom_reward_function.path/name to score it"
+    )

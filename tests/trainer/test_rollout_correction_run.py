@@ -1,0 +1,49 @@
+"""The trainer CLI with algorithm.rollout_correction: rollout_corr/* logged every step, the IS weights reach the loss.
+
+A top-k rollout (top_k=3) samples from a renormalised distribution, so its log-probs differ from the trainer's
+full-softmax ones by a known sign (pi_rollout >= pi_train on every sampled token). Two one-step runs with the same
+seed, without and with token-level IS, share the rollout and its mismatch metrics; only the loss differs. The
+reward is a hash of the response text, so samples of one prompt differ and GRPO's advantages are not all 0.
+"""
+
+import subprocess
+
+import pytest
+
+from tests.trainer.test_ppo_resume import ROOT, command, env, metrics, task  # noqa: F401  (task is a fixture)
+
+pytestmark = pytest.mark.slow
+
+REWARD_FILE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(map(ord, solution_str)) % 97 / 97
+'''
+
+
+def run(task, run_dir, overrides):
+    keys = {o.split("=")[0] for o in overrides}
+    base = [arg for arg in command(task, run_dir, 1) if arg.split("=")[0] not in keys]  # the resume test's run
+    out = subprocess.run(base + overrides, env=env(), timeout=400, cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return metrics(run_dir)[1]
+
+
+def test_rollout_correction_metrics_and_weights_in_a_run(task, tmp_path):  # noqa: F811
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text(REWARD_FILE)
+    common = ["actor_rollout_ref.rollout.top_k=3", "trainer.val_before_train=false", "data.val_files=null",
+              "trainer.save_freq=-1", "trainer.plot_at_end=false", "trainer.save_hf_at_end=false",
+              f"custom_reward_function.path={reward_file}"]
+    plain = run(task, tmp_path / "plain", common)
+    tis = run(task, tmp_path / "tis", [*common, "algorithm.rollout_correction.rollout_is=token"])
+    # the mismatch is measured whether or not it is corrected, and both runs saw the same rollout
+    for key in ("kl_k1", "kl_k3", "log_prob_abs_diff_mean", "log_prob_abs_diff_max",
+                "log_prob_abs_diff_above_threshold_frac"):
+        assert plain[f"rollout_corr/{key}"] == pytest.approx(tis[f"rollout_corr/{key}"], rel=1e-6), key
+    assert plain["critic/score/mean"] == tis["critic/score/mean"] and plain["critic/advantages/max"] > 0
+    assert plain["rollout_corr/kl_k1"] > 0 and plain["rollout_corr/log_prob_abs_diff_above_threshold_frac"] > 0
+    assert not any(k.startswith("rollout_corr/is_") for k in plain)
+    # pi_train / pi_rollout <= 1 on every token under top-k sampling, so the weights are below 1 and change the loss
+    assert 0 < tis["rollout_corr/is_ratio_min"] <= tis["rollout_corr/is_ratio_mean"] < 1
+    assert tis["rollout_corr/is_ratio_max"] <= 1 + 1e-5
+    assert tis["actor/pg_loss"] != pytest.approx(plain["actor/pg_loss"], rel=1e-3, abs=1e-6)
