@@ -1,6 +1,8 @@
 """HF Qwen2/Llama tensors <-> Megatron-core GPTModel parameters (local layer spec), per TP rank and PP stage.
 
 Pure tensor functions (no process groups), so the mapping is testable in one process for any (tp, pp) layout.
+``check_mappable`` says which HF configs map (model types, activation, biases, RoPE); ``rope_settings`` turns the
+HF RoPE (theta, scaling) into megatron's.
 
 Megatron parameter names (local spec, layer index local to the PP stage) and their HF sources:
   embedding.word_embeddings.weight            model.embed_tokens.weight       rows padded to the vocab, split by TP
@@ -53,13 +55,70 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+# megatron's llama3 RoPE scaling (RotaryEmbedding._apply_scaling) fixes these; only the factor is a parameter
+_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def check_mappable(hf_config) -> None:
+    """Raise a ValueError naming the model type and what is supported when the HF config has a feature this
+    mapping (megatron's local spec: RMSNorm, SwiGLU, RoPE, bias on QKV only) cannot reproduce."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"the megatron backend maps model types {list(SUPPORTED_MODEL_TYPES)} (Qwen2 / Llama "
+                         f"causal LMs and their value heads), not model_type '{model_type}'")
+    problems = []
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act '{hf_config.hidden_act}' (supported: silu)")
+    if getattr(hf_config, "mlp_bias", False):
+        problems.append("mlp_bias=True (supported: no MLP bias)")
+    if model_type == "llama" and getattr(hf_config, "attention_bias", False):
+        # Llama's attention_bias also puts a bias on o_proj; megatron has a linear_proj bias only together with
+        # MLP biases (add_bias_linear)
+        problems.append("attention_bias=True (biases on q/k/v/o_proj; supported: none on Llama)")
+    if getattr(hf_config, "use_sliding_window", False):
+        problems.append("use_sliding_window=True (supported: full attention)")
+    if problems:
+        raise ValueError(f"the megatron backend cannot map this {model_type} model: {'; '.join(problems)}")
+    rope_settings(hf_config)
+
+
+def rope_settings(hf_config) -> dict:
+    """GPTModel keyword arguments reproducing the HF model's RoPE: base theta and scaling (default, linear, llama3).
+
+    transformers >= 5 keeps both in ``rope_parameters``; 4.x has ``rope_theta`` and an optional ``rope_scaling``."""
+    rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    theta = rope.get("rope_theta") or getattr(hf_config, "rope_theta", None)
+    if not theta:
+        raise ValueError(f"the {hf_config.model_type} config has no rope_theta")
+    partial = rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} is not mapped to megatron (supported: 1.0)")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    settings = {"rotary_base": float(theta)}  # HF computes theta ** (2i / d) with a float theta
+    if kind == "linear":  # HF divides the frequencies by the factor, megatron the positions: the same angles
+        settings["seq_len_interpolation_factor"] = float(rope["factor"])
+    elif kind == "llama3":
+        differs = {k: rope.get(k) for k, v in _MEGATRON_LLAMA3_ROPE.items()
+                   if rope.get(k) is None or float(rope[k]) != v}
+        if differs:
+            raise ValueError(f"llama3 rope scaling with {differs} is not mapped to megatron (it fixes "
+                             f"{_MEGATRON_LLAMA3_ROPE}; only the factor may vary)")
+        settings.update(rope_scaling=True, rope_scaling_factor=float(rope["factor"]))
+    elif kind != "default":
+        raise ValueError(f"rope_type '{kind}' ({rope}) is not mapped to megatron (supported: default, linear, llama3)")
+    return settings
+
+
 def layout_from_hf(hf_config, tp: int = 1, pp: int = 1, kind: str = "causal_lm") -> Layout:
+    """The mapping layout of an HF config (checked with ``check_mappable``) on a TP x PP grid."""
+    check_mappable(hf_config)
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     return Layout(num_layers=hf_config.num_hidden_layers, num_heads=heads,
                   num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads, head_dim=head_dim,
-                  vocab_size=hf_config.vocab_size, tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-                  tp=tp, pp=pp, kind=kind)
+                  vocab_size=hf_config.vocab_size,
+                  tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)), tp=tp, pp=pp, kind=kind)
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")

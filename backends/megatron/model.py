@@ -1,6 +1,7 @@
 """Building the Megatron-core model of an HF Qwen2/Llama checkpoint: TransformerConfig + GPTModel (local layer
-spec: torch RMSNorm, SwiGLU, RoPE with the HF theta, QKV bias for Qwen2, tied or untied embeddings) for this
-rank's TP rank and PP stage, and the 1-output value head that replaces the LM head for value models (critic).
+spec: torch RMSNorm, SwiGLU, RoPE with the HF theta and scaling, QKV bias for Qwen2, tied or untied embeddings)
+for this rank's TP rank and PP stage, and the 1-output value head that replaces the LM head for value models.
+Which HF configs map is decided in backends/megatron/hf_mapping.py (``check_mappable``).
 
 Call ``apply_cpu_shim`` (backends/megatron/cpu_shim.py) and initialise megatron's parallel state first.
 """
@@ -13,27 +14,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.megatron.hf_mapping import Layout
+from backends.megatron.hf_mapping import Layout, check_mappable, rope_settings
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED = ("qwen2", "llama")
 
 
 def transformer_config(hf_config, tp: int, pp: int, sequence_parallel: bool, params_dtype: torch.dtype,
                        compute_dtype: torch.dtype | None, recompute: bool):
     from megatron.core.transformer import TransformerConfig
 
-    model_type = getattr(hf_config, "model_type", "")
-    if model_type not in SUPPORTED:
-        raise ValueError(f"the megatron backend maps {list(SUPPORTED)} models, not '{model_type}'")
-    if getattr(hf_config, "mlp_bias", False):
-        raise ValueError("the megatron backend does not map mlp_bias=True")
-    if getattr(hf_config, "rope_scaling", None) and hf_config.rope_scaling.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_scaling {hf_config.rope_scaling} is not mapped to megatron")
+    check_mappable(hf_config)
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    qkv_bias = model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+    qkv_bias = hf_config.model_type == "qwen2"  # Qwen2 always has q/k/v biases; a Llama with biases is refused
     bf16 = compute_dtype == torch.bfloat16 or params_dtype == torch.bfloat16
     kwargs = {}
     if recompute:
@@ -113,12 +106,30 @@ def build_gpt_model(hf_config, tf_config, lo: Layout, value_bias: bool):
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
         rotary_percent=1.0,
-        rotary_base=int(getattr(hf_config, "rope_theta", None) or hf_config.rope_parameters["rope_theta"]),
+        **rope_settings(hf_config),
     )
     if lo.kind == "value" and post:
         model.output_layer = ValueHead(hf_config.hidden_size, value_bias, tf_config.params_dtype,
                                        tf_config.sequence_parallel)
+    pad = getattr(hf_config, "pad_token_id", None)
+    if pre and pad is not None:
+        stop_padding_token_input_grad(model.embedding.word_embeddings, pad)
     return model
+
+
+def stop_padding_token_input_grad(word_embeddings, pad_token_id: int) -> None:
+    """HF's Qwen2/Llama embed tokens with ``nn.Embedding(padding_idx=pad_token_id)``, whose backward gives the pad
+    token's row no gradient from the input side (a tied LM head still updates it). Megatron's embedding has no
+    padding index; this forward hook detaches the embedding output at pad-token positions, the same gradient.
+    It matters when the pad token is also a real token (SmolLM2: pad = eos = <|im_end|>, in every chat turn)."""
+    def hook(module, args, output):
+        is_pad = args[0] == pad_token_id                             # (b, s)
+        if module.reduce_scatter_embeddings:  # sequence parallel: output is this TP rank's (s / tp, b, h) chunk
+            chunk, rank = output.shape[0], module.tp_group.rank()
+            is_pad = is_pad.t()[rank * chunk:(rank + 1) * chunk]
+        return torch.where(is_pad.unsqueeze(-1), output.detach(), output)
+
+    word_embeddings.register_forward_hook(hook)
 
 
 def load_hf_weights(model, hf: dict[str, torch.Tensor], lo: Layout, tp_rank: int, pp_rank: int) -> None:
