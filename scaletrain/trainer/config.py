@@ -335,6 +335,7 @@ def _validate_megatron(cfg: PPOConfig, world: int) -> None:
     The roles are colocated in one process per device and megatron's parallel state is per process, so they share
     one layout: it is resolved here (actor section over ``backend.extra.megatron``, critic section over that) and
     written back into ``backend.extra["megatron"]``, which every role's engine config starts from."""
+    from backends.megatron.hf_mapping import check_mappable
     from backends.megatron.parallel import MegatronParallelConfig
 
     arr = cfg.actor_rollout_ref
@@ -353,6 +354,8 @@ def _validate_megatron(cfg: PPOConfig, world: int) -> None:
         try:
             layout = MegatronParallelConfig.from_extra({"megatron": section.merged(base)})
             layout.validate(world, hf_config)
+            if hf_config is not None:
+                check_mappable(hf_config)  # a model the HF <-> megatron mapping cannot reproduce fails before Ray
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{key}: {exc} (trainer.n_gpus_per_node x trainer.nnodes = {world} ranks)") from exc
         layouts.append((key, layout))

@@ -89,3 +89,12 @@ def test_model_path_must_be_a_causal_lm(tmp_path):
         validate(load_ppo_config(composed(f"actor_rollout_ref.model.path={tmp_path}")))
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.path: .* \(no config.json\)"):
         validate(load_ppo_config(composed(f"actor_rollout_ref.model.path={tmp_path.parent}")))
+
+
+def test_megatron_refuses_a_model_it_cannot_map_before_ray(tmp_path):
+    from tests.backends.tiny import save_tiny_qwen2
+
+    path = save_tiny_qwen2(str(tmp_path / "model"), with_tokenizer=False, hidden_act="gelu")
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.megatron: .*cannot map this qwen2 model: "
+                                          r"hidden_act 'gelu'"):
+        validate(load_ppo_config(composed("backend=megatron", f"actor_rollout_ref.model.path={path}")))
