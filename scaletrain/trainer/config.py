@@ -197,36 +197,10 @@ def _files(value: Any) -> list[str]:
 
 def validate(cfg: PPOConfig) -> PPOConfig:
     """Checks across keys; raises ConfigError naming the key. Returns cfg for chaining."""
-    from backends.base import BACKENDS
-    from backends.rollout.base import ROLLOUTS
-    from scaletrain.algos import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
-    from scaletrain.reward import REWARD_MANAGERS
     from scaletrain.trainer.rollout_correction import validate_rollout_correction
-    from scaletrain.trainer.tracking import LOGGERS
 
     arr, data, trainer = cfg.actor_rollout_ref, cfg.data, cfg.trainer
-    names = [
-        ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ADV_ESTIMATORS),
-        ("actor_rollout_ref.actor.policy_loss.loss_mode", arr.actor.policy_loss.loss_mode, POLICY_LOSSES),
-        ("backend.name", cfg.backend.name, BACKENDS),
-        ("actor_rollout_ref.rollout.name", arr.rollout.name, ROLLOUTS),
-        ("reward_model.reward_manager", cfg.reward_model.reward_manager, REWARD_MANAGERS),
-    ]
-    for key, name, registry in names:
-        if name not in registry:
-            raise ConfigError(f"{key}: unknown {registry.kind} '{name}'; registered: {', '.join(registry.names())}")
-    try:
-        BACKENDS.get(cfg.backend.name)  # imports a lazily registered backend: a missing package fails here
-    except ImportError as exc:
-        raise ConfigError(f"backend.name: {exc}") from exc
-    for key, mode in (("actor_rollout_ref.actor.loss_agg_mode", arr.actor.loss_agg_mode),
-                      ("critic.loss_agg_mode", cfg.critic.loss_agg_mode)):
-        if mode not in LOSS_AGG_MODES:
-            raise ConfigError(f"{key}: unknown mode '{mode}'; one of {', '.join(LOSS_AGG_MODES)}")
-    for name in trainer.logger:
-        if name not in LOGGERS:
-            raise ConfigError(f"trainer.logger: unknown logger '{name}'; registered: {', '.join(LOGGERS.names())}")
-
+    _validate_names(cfg)
     world, n = cfg.world_size, arr.rollout.n
     positive = {"data.train_batch_size": data.train_batch_size, "actor_rollout_ref.rollout.n": n,
                 "actor_rollout_ref.actor.ppo_mini_batch_size": arr.actor.ppo_mini_batch_size,
@@ -263,22 +237,61 @@ def validate(cfg: PPOConfig) -> PPOConfig:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
     _validate_generation_outputs(trainer)
     arr.rollout.val_sampling()  # raises ConfigError naming a bad val_kwargs key
-    for key in ("data.train_files", "data.val_files"):
-        for path in _files(getattr(data, key.split(".")[1])):
-            if not os.path.exists(path):
-                raise ConfigError(f"{key}: file not found: {path}")
-    for key, path in (("actor_rollout_ref.model.path", arr.model.path), ("critic.model.path", cfg.critic.model.path),
-                      ("custom_reward_function.path", cfg.custom_reward_function.path)):
-        if path is not None and not os.path.exists(path):
-            raise ConfigError(f"{key}: not found: {path}")
-    if arr.model.path is not None:
-        try:
-            check_causal_lm(arr.model.path, "actor_rollout_ref.model.path")
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
+    _validate_paths(cfg)
     if cfg.reward_model.enable and not cfg.reward_model.model.path:
         raise ConfigError("reward_model.enable needs reward_model.model.path")
     return cfg
+
+
+def _validate_names(cfg: PPOConfig) -> None:
+    """Every configured name (estimator, loss, backend, rollout, reward manager, aggregation, loggers) is registered;
+    the backend's packages import."""
+    from backends.base import BACKENDS
+    from backends.rollout.base import ROLLOUTS
+    from scaletrain.algos import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+    from scaletrain.reward import REWARD_MANAGERS
+    from scaletrain.trainer.tracking import LOGGERS
+
+    arr = cfg.actor_rollout_ref
+    names = [
+        ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ADV_ESTIMATORS),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode", arr.actor.policy_loss.loss_mode, POLICY_LOSSES),
+        ("backend.name", cfg.backend.name, BACKENDS),
+        ("actor_rollout_ref.rollout.name", arr.rollout.name, ROLLOUTS),
+        ("reward_model.reward_manager", cfg.reward_model.reward_manager, REWARD_MANAGERS),
+    ]
+    for key, name, registry in names:
+        if name not in registry:
+            raise ConfigError(f"{key}: unknown {registry.kind} '{name}'; registered: {', '.join(registry.names())}")
+    try:
+        BACKENDS.get(cfg.backend.name)  # imports a lazily registered backend: a missing package fails here
+    except ImportError as exc:
+        raise ConfigError(f"backend.name: {exc}") from exc
+    for key, mode in (("actor_rollout_ref.actor.loss_agg_mode", arr.actor.loss_agg_mode),
+                      ("critic.loss_agg_mode", cfg.critic.loss_agg_mode)):
+        if mode not in LOSS_AGG_MODES:
+            raise ConfigError(f"{key}: unknown mode '{mode}'; one of {', '.join(LOSS_AGG_MODES)}")
+    for name in cfg.trainer.logger:
+        if name not in LOGGERS:
+            raise ConfigError(f"trainer.logger: unknown logger '{name}'; registered: {', '.join(LOGGERS.names())}")
+
+
+def _validate_paths(cfg: PPOConfig) -> None:
+    """Data files, model directories and the reward function exist; the actor's model is a causal LM."""
+    for key in ("data.train_files", "data.val_files"):
+        for path in _files(getattr(cfg.data, key.split(".")[1])):
+            if not os.path.exists(path):
+                raise ConfigError(f"{key}: file not found: {path}")
+    model_path = cfg.actor_rollout_ref.model.path
+    for key, path in (("actor_rollout_ref.model.path", model_path), ("critic.model.path", cfg.critic.model.path),
+                      ("custom_reward_function.path", cfg.custom_reward_function.path)):
+        if path is not None and not os.path.exists(path):
+            raise ConfigError(f"{key}: not found: {path}")
+    if model_path is not None:
+        try:
+            check_causal_lm(model_path, "actor_rollout_ref.model.path")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
 
 
 def _validate_generation_outputs(trainer: TrainerSection) -> None:
