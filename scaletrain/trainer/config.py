@@ -153,6 +153,7 @@ class TrainerSection:
     rollout_data_dir: str | None = None     # set: each step's scored rollouts dumped to <dir>/<step>.jsonl
     validation_data_dir: str | None = None  # set: each validation's scored samples dumped to <dir>/<step>.jsonl
     log_val_generations: int = 0            # validation samples (input, output, score) shown in the loggers
+    critic_warmup: int = 0                  # the first N steps update only the critic (actor and rollout unchanged)
 
 
 @dataclass
@@ -236,6 +237,11 @@ def validate(cfg: PPOConfig) -> PPOConfig:
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
     _validate_generation_outputs(trainer)
+    if trainer.critic_warmup < 0:
+        raise ConfigError(f"trainer.critic_warmup must be >= 0, got {trainer.critic_warmup}")
+    if trainer.critic_warmup and not cfg.use_critic:
+        raise ConfigError(f"trainer.critic_warmup={trainer.critic_warmup} warms up a critic, but this run has none "
+                          f"(algorithm.adv_estimator={cfg.algorithm.adv_estimator}, critic.enable={cfg.critic.enable})")
     arr.rollout.val_sampling()  # raises ConfigError naming a bad val_kwargs key
     _validate_paths(cfg)
     if cfg.reward_model.enable and not cfg.reward_model.model.path:

@@ -219,10 +219,11 @@ class RayPPOTrainer:
             if self.critic_wg is not None:
                 with timer("update_critic", timings):
                     metrics.update(reduce_metrics(self.critic_wg.update_critic(batch)))
-            with timer("update_actor", timings):
-                metrics.update(reduce_metrics(self.actor_rollout_wg.update_actor(batch)))
-            with timer("sync_weights", timings):
-                self.actor_rollout_wg.sync_rollout_weights()
+            if self.global_step > cfg.trainer.critic_warmup:  # during the warm-up only the critic learns
+                with timer("update_actor", timings):
+                    metrics.update(reduce_metrics(self.actor_rollout_wg.update_actor(batch)))
+                with timer("sync_weights", timings):
+                    self.actor_rollout_wg.sync_rollout_weights()
 
         metrics.update(data_metrics(batch))
         metrics.update(timing_metrics(timings))

@@ -40,6 +40,8 @@ def test_yaml_defaults_build_and_validate():
     (["actor_rollout_ref.actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true"], "enable one"),
     (["actor_rollout_ref.actor.ppo_epochs=two"], "actor_rollout_ref.actor.ppo_epochs: expected int, got str"),
     (["+data.nope=1"], "unknown config key 'data.nope'"),
+    (["trainer.critic_warmup=2"], "trainer.critic_warmup=2 warms up a critic, but this run has none"),
+    (["trainer.critic_warmup=-1", "algorithm.adv_estimator=gae"], "trainer.critic_warmup must be >= 0"),
 ])
 def test_bad_configs_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as info:

@@ -126,7 +126,8 @@ def test_gae_path_with_critic_and_kl_in_reward(task, tmp_path):
     run = tmp_path / "gae"
     out = subprocess.run(
         command(task, run, 2, ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1",
-                               "algorithm.use_kl_in_reward=true", "trainer.val_before_train=false"]),
+                               "algorithm.use_kl_in_reward=true", "trainer.val_before_train=false",
+                               "trainer.critic_warmup=1"]),
         env=env(), timeout=400, cwd=ROOT, capture_output=True, text=True,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -136,3 +137,5 @@ def test_gae_path_with_critic_and_kl_in_reward(task, tmp_path):
                 "timing_s/values", "timing_s/ref", "timing_s/update_critic", "perf/mfu/actor"):
         assert key in rows[2], key
     assert (run / "global_step_2" / "critic").is_dir()
+    # trainer.critic_warmup=1: step 1 trained only the critic (no actor update, no weight sync)
+    assert "critic/vf_loss" in rows[1] and "actor/pg_loss" not in rows[1] and "timing_s/sync_weights" not in rows[1]
