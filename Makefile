@@ -43,6 +43,14 @@ test: install
 test-fast: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" $(ARGS)
 
+# The CUDA path on one GPU (<= 8 min): each backend's update vs the reference, vLLM vs trainer log-probs after a
+# weight sync, 5 GRPO steps per backend on SmolLM2, rollout TP=2 where 2 GPUs exist; prints MFU, rollout tokens/s
+# and weight-sync GiB/s (also in $(GPU_REPORT)). Every test skips, saying why, without CUDA.
+GPU_REPORT ?= gpu_report.json
+.PHONY: test-gpu
+test-gpu: install
+	SCALETRAIN_GPU_REPORT=$(abspath $(GPU_REPORT)) OMP_NUM_THREADS=4 $(PY) -m pytest -q -s -rs -m gpu tests/gpu $(ARGS)
+
 # launch/run.sh under a real 2-node SLURM cluster stood up on this machine (needs root: namespaces; installs
 # slurm-wlm + munge with apt-get if missing; ~2 min). Skips, saying why, where the machine cannot host it.
 .PHONY: test-slurm

@@ -5,7 +5,7 @@ Kept free of Hydra/OmegaConf so an engine can be built from plain Python (tests,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -13,7 +13,8 @@ from typing import Any
 class ModelConfig:
     path: str                                   # a local HF checkpoint directory
     kind: str = "causal_lm"                     # causal_lm (actor/ref) | value (critic) | reward (seq. classifier)
-    dtype: str = "float32"                      # parameter dtype: float32 | bfloat16
+    dtype: str = "auto"                         # weights: float32 | bfloat16 | auto (see resolve_precision)
+    attn_implementation: str | None = None      # sdpa | flash_attention_2 | eager; null: transformers' default
     gradient_checkpointing: bool = False
     use_remove_padding: bool = False            # pack valid tokens of a micro-batch into one sequence
     trust_remote_code: bool = False
@@ -40,10 +41,33 @@ class EngineConfig:
     micro_batch_size_per_gpu: int = 4
     use_dynamic_bsz: bool = False
     max_token_len_per_gpu: int = 16384          # token budget of one micro-batch when use_dynamic_bsz
-    mixed_precision: str | None = None          # None | bfloat16 (compute dtype; params stay in ModelConfig.dtype)
+    mixed_precision: str | None = "auto"        # None | bfloat16 | auto: the compute dtype (params stay in
+                                                # ModelConfig.dtype, gradients reduced in float32)
     param_offload: bool = False
     optimizer_offload: bool = False
     entropy_chunk_size: int = 1024
     seed: int = 1
     collective_timeout_s: float = 600.0         # a collective waiting longer (a peer died) fails
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+AUTO = "auto"
+ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
+
+
+def resolve_precision(model: ModelConfig, engine: EngineConfig, device: str,
+                      trainable: bool) -> tuple[ModelConfig, EngineConfig]:
+    """Copies with ``auto`` dtype / mixed precision filled in for ``device`` ("cuda" | "cpu").
+
+    On CUDA a trained model keeps float32 weights (the optimizer's master copy) and computes in bfloat16 (mixed
+    precision, float32 gradient reduction); a frozen one (reference policy, reward model) holds bfloat16 weights.
+    On CPU everything is float32 without mixed precision. Explicit values are kept.
+    """
+    cuda = device == "cuda"
+    dtype = model.dtype
+    if dtype == AUTO:
+        dtype = "bfloat16" if cuda and not trainable else "float32"
+    mixed = engine.mixed_precision
+    if mixed == AUTO:
+        mixed = "bfloat16" if cuda and trainable else None
+    return replace(model, dtype=dtype), replace(engine, mixed_precision=mixed)

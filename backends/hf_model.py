@@ -21,12 +21,13 @@ Two paths, numerically equal (tests/backends/test_fsdp_hf_model.py):
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import torch
 from torch import nn
 
-from backends.config import ModelConfig
+from backends.config import ATTN_IMPLEMENTATIONS, ModelConfig
 from scaletrain.algos.entropy import entropy_from_logits, logprobs_from_logits
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ def torch_dtype(name: str) -> torch.dtype:
     try:
         return DTYPES[name]
     except KeyError:
+        if name == "auto":
+            raise ValueError("dtype 'auto' is resolved per device first (backends.config.resolve_precision)") from None
         raise ValueError(f"unknown dtype '{name}'; known: {sorted(DTYPES)}") from None
 
 
@@ -74,7 +77,8 @@ def build_model(model_config: ModelConfig) -> nn.Module:
     causal_lm -> AutoModelForCausalLM; value -> AutoModelForTokenClassification (num_labels=1, a value per token);
     reward -> AutoModelForSequenceClassification (num_labels=1). A value/reward model may start from a causal-LM
     checkpoint: its head is then freshly initialised (seed the RNG identically on every rank first).
-    ``override_config["attn_implementation"]`` picks the attention kernel (default: transformers' choice).
+    ``attn_implementation`` (or verl's ``override_config["attn_implementation"]``) picks the attention kernel
+    (default: transformers' choice, sdpa); see ``attention_kwargs``.
     """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
@@ -82,9 +86,7 @@ def build_model(model_config: ModelConfig) -> nn.Module:
                "reward": AutoModelForSequenceClassification}
     if model_config.kind not in classes:
         raise ValueError(f"unknown model kind '{model_config.kind}'; known: {sorted(classes)}")
-    kwargs = {}
-    if "attn_implementation" in model_config.override_config:
-        kwargs["attn_implementation"] = model_config.override_config["attn_implementation"]
+    kwargs = attention_kwargs(model_config)
     model = classes[model_config.kind].from_pretrained(
         model_config.path,
         config=build_hf_config(model_config),
@@ -95,6 +97,21 @@ def build_model(model_config: ModelConfig) -> nn.Module:
     if model_config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def attention_kwargs(model_config: ModelConfig) -> dict[str, str]:
+    """``from_pretrained``'s attention argument; flash_attention_2 without the flash-attn package is an error
+    naming the key and the fix (transformers' own message comes later and names neither)."""
+    name = model_config.attn_implementation or model_config.override_config.get("attn_implementation")
+    if name is None:
+        return {}
+    if name not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"actor_rollout_ref.model.attn_implementation: unknown '{name}'; "
+                         f"known: {', '.join(ATTN_IMPLEMENTATIONS)}")
+    if name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ImportError("actor_rollout_ref.model.attn_implementation=flash_attention_2 needs the flash-attn "
+                          "package (`pip install flash-attn --no-build-isolation`, CUDA only); or use sdpa")
+    return {"attn_implementation": name}
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, bucketed, register_backend
 from backends.batching import Partition, grad_scales, restore_order
-from backends.config import EngineConfig, ModelConfig, OptimConfig
+from backends.config import EngineConfig, ModelConfig, OptimConfig, resolve_precision
 from backends.dist import agreed_partition, free_port, local_device, rng_state, set_rng_state
 from backends.hf_checkpoint import write_hf_checkpoint
 from backends.hf_model import build_model, check_outputs, forward_micro_batch, tied_duplicate_names
@@ -101,8 +101,10 @@ class DeepSpeedEngine(TrainEngine):
         """``optim_config=None`` builds a forward-only engine (ZeRO-3 partitioned parameters, no optimizer)."""
         import deepspeed
 
-        self.model_config, self.optim_config, self.engine_config = model_config, optim_config, engine_config
         self.device = local_device()
+        model_config, engine_config = resolve_precision(model_config, engine_config, self.device.type,
+                                                        trainable=optim_config is not None)
+        self.model_config, self.optim_config, self.engine_config = model_config, optim_config, engine_config
         init_deepspeed_distributed(self.device, engine_config.collective_timeout_s)
 
         torch.manual_seed(engine_config.seed)  # same fresh heads (value/reward) on every rank

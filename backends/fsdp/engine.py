@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, bucketed, register_backend
 from backends.batching import Partition, grad_scales, restore_order
-from backends.config import EngineConfig, ModelConfig, OptimConfig
+from backends.config import EngineConfig, ModelConfig, OptimConfig, resolve_precision
 from backends.dist import agreed_partition, init_distributed, local_device
 from backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
 from backends.hf_checkpoint import write_hf_checkpoint
@@ -49,8 +49,10 @@ class FSDPEngine(TrainEngine):
 
     def __init__(self, model_config: ModelConfig, optim_config: OptimConfig | None, engine_config: EngineConfig):
         """``optim_config=None`` builds a forward-only engine (a frozen reference policy): no optimizer state."""
-        self.model_config, self.optim_config, self.engine_config = model_config, optim_config, engine_config
         self.device = local_device()
+        model_config, engine_config = resolve_precision(model_config, engine_config, self.device.type,
+                                                        trainable=optim_config is not None)
+        self.model_config, self.optim_config, self.engine_config = model_config, optim_config, engine_config
         init_distributed(self.device, engine_config.collective_timeout_s)
         self.mesh = init_device_mesh(self.device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
         self.group = self.mesh.get_group()

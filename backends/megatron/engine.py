@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, register_backend
 from backends.batching import grad_scales, restore_order
-from backends.config import EngineConfig, ModelConfig, OptimConfig
+from backends.config import EngineConfig, ModelConfig, OptimConfig, resolve_precision
 from backends.dist import agreed_partition, init_distributed, local_device, rng_state, set_rng_state
 from backends.hf_checkpoint import write_hf_checkpoint
 from backends.hf_model import build_model, check_outputs, torch_dtype
@@ -52,11 +52,16 @@ class MegatronEngine(TrainEngine):
         """``optim_config=None`` builds a forward-only engine (a frozen reference policy)."""
         if model_config.kind not in ("causal_lm", "value"):
             raise ValueError(f"the megatron backend trains causal_lm and value models, not '{model_config.kind}'")
+        if model_config.attn_implementation:
+            raise ValueError("model.attn_implementation applies to the HF backends (fsdp, deepspeed); megatron runs "
+                             "megatron-core's own attention: leave it unset")
         if optim_config is not None and optim_config.lr_scheduler not in SCHEDULES:
             raise ValueError(f"unknown lr_scheduler '{optim_config.lr_scheduler}'; known: {list(SCHEDULES)}")
-        self.model_config, self.optim_config, self.engine_config = model_config, optim_config, engine_config
         self.parallel = MegatronParallelConfig.from_extra(engine_config.extra)
         self.device = local_device()
+        model_config, engine_config = resolve_precision(model_config, engine_config, self.device.type,
+                                                        trainable=optim_config is not None)
+        self.model_config, self.optim_config, self.engine_config = model_config, optim_config, engine_config
         init_distributed(self.device, engine_config.collective_timeout_s)
         if self.device.type == "cpu":
             from backends.megatron.cpu_shim import apply_cpu_shim

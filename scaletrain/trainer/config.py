@@ -37,7 +37,9 @@ class DataConfig:
 @dataclass
 class HFModelConfig:
     path: str | None = None                 # null: the embedded default model
-    dtype: str = "float32"
+    dtype: str = "auto"                     # auto: float32 weights for trained models, bfloat16 for frozen ones on
+                                            # CUDA (compute in bfloat16 via backend.mixed_precision=auto); float32 on CPU
+    attn_implementation: str | None = None  # sdpa | flash_attention_2 | eager (fsdp, deepspeed); null: sdpa
     use_remove_padding: bool = False
     enable_gradient_checkpointing: bool = False
     trust_remote_code: bool = False
@@ -123,7 +125,7 @@ class AlgorithmConfig:
 @dataclass
 class BackendConfig:
     name: str = "fsdp"                      # fsdp | deepspeed | megatron
-    mixed_precision: str | None = None
+    mixed_precision: str | None = "auto"    # auto: bfloat16 compute for trained models on CUDA, off on CPU | null
     param_offload: bool = False
     optimizer_offload: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -229,6 +231,10 @@ def validate(cfg: PPOConfig) -> PPOConfig:
         raise ConfigError("actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward both add a KL "
                           "penalty; enable one")
     _validate_multi_turn(arr.rollout)
+    arr.rollout.check("actor_rollout_ref.rollout", None if trainer.device == "auto" else trainer.device)
+    if world % arr.rollout.tensor_model_parallel_size:
+        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size "
+                          f"({arr.rollout.tensor_model_parallel_size}) must divide the {world} ranks")
     validate_rollout_correction(cfg)
     if cfg.backend.name == "megatron":
         _validate_megatron(cfg, world)

@@ -37,7 +37,8 @@ GEN_KEYS = ["input_ids", "attention_mask", "position_ids"]
 
 def _model_config(m: HFModelConfig, path: str, kind: str = "causal_lm") -> ModelConfig:
     return ModelConfig(path=path, kind=kind, dtype=m.dtype, gradient_checkpointing=m.enable_gradient_checkpointing,
-                       use_remove_padding=m.use_remove_padding, trust_remote_code=m.trust_remote_code)
+                       use_remove_padding=m.use_remove_padding, trust_remote_code=m.trust_remote_code,
+                       attn_implementation=m.attn_implementation)
 
 
 class RayPPOTrainer:

@@ -151,6 +151,7 @@ def validate(cfg: SFTConfig) -> SFTConfig:
     for name in trainer.logger:
         if name not in LOGGERS:
             raise ConfigError(f"trainer.logger: unknown logger '{name}'; registered: {', '.join(LOGGERS.names())}")
+    cfg.rollout.check("rollout")
     positive = {"data.train_batch_size": data.train_batch_size, "trainer.nnodes": trainer.nnodes,
                 "data.micro_batch_size_per_gpu": data.micro_batch_size_per_gpu,
                 "data.max_prompt_length": data.max_prompt_length, "data.max_response_length": data.max_response_length,
@@ -278,7 +279,8 @@ def total_steps(cfg: SFTConfig, train_rows: int) -> int:
 def worker_config(cfg: SFTConfig, train_rows: int) -> SFTWorkerConfig:
     m, b = cfg.model, cfg.backend
     model = ModelConfig(path=m.path, dtype=m.dtype, gradient_checkpointing=m.enable_gradient_checkpointing,
-                        use_remove_padding=m.use_remove_padding, trust_remote_code=m.trust_remote_code)
+                        use_remove_padding=m.use_remove_padding, trust_remote_code=m.trust_remote_code,
+                        attn_implementation=m.attn_implementation)
     engine = EngineConfig(micro_batch_size_per_gpu=cfg.data.micro_batch_size_per_gpu, seed=cfg.trainer.seed,
                           mixed_precision=b.mixed_precision, param_offload=b.param_offload,
                           optimizer_offload=b.optimizer_offload, extra=dict(b.extra))

@@ -3,7 +3,10 @@
 One instance per rank. It owns a TrainEngine for the actor (any registered backend), optionally a second one
 for the frozen reference policy, and a RolloutEngine (vllm or hf). After each actor update the trainer calls
 ``sync_rollout_weights``: the actor engine streams HF-named full tensors bucket by bucket and the rollout
-engine loads each bucket into its own layout, so the whole model never sits twice in memory.
+engine loads each bucket into its own layout, so the whole model never sits twice in memory. Who holds the
+device when is ``ColocatedRollout``'s job (colocated_rollout.py): rollout calls enter rollout mode, training
+calls (log-probs, updates, checkpoints) enter training mode first, and the rollout engine's state machine
+refuses any other order.
 
 Call path from the trainer: ``actor_rollout_wg.update_actor(batch)`` -> this worker's ``update_actor`` ->
 ``engine.train_step`` of the backend.
@@ -16,9 +19,10 @@ import os
 from dataclasses import replace
 
 from backends.base import TrainEngine, get_backend
-from backends.rollout.base import RolloutEngine, SamplingConfig, TokenOutput, TokenRequest
+from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
+from scaletrain.workers.colocated_rollout import ColocatedRollout
 from scaletrain.workers.config import ActorRolloutRefConfig
 from scaletrain.workers.dispatch import (ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO, ROLLOUT_TOKENS,
                                         declare_engine_mesh)
@@ -48,7 +52,7 @@ class ActorRolloutRefWorker(Worker):
         self.config, self.role, self.parts = config, role, set(parts)
         self.actor: TrainEngine | None = None
         self.ref: TrainEngine | None = None
-        self.rollout: RolloutEngine | None = None
+        self.rollout: ColocatedRollout | None = None
         self.tokenizer = None
 
     # ------------------------------------------------------------------------------------------------- build
@@ -74,12 +78,22 @@ class ActorRolloutRefWorker(Worker):
             if self.actor is None:
                 declare_engine_mesh(self, self.ref)
         if "rollout" in self.parts:
-            rc = cfg.rollout
-            self.rollout, self.tokenizer = build_rollout(
-                self, rc.name, cfg.model.path, dtype=rc.dtype, tensor_parallel_size=rc.tensor_model_parallel_size,
-                max_model_len=rc.prompt_length + rc.response_length, kv_cache_bytes=rc.kv_cache_bytes, seed=rc.seed,
-                trust_remote_code=cfg.model.trust_remote_code,
-            )
+            self._init_rollout()
+
+    def _init_rollout(self) -> None:
+        cfg, rc = self.config, self.config.rollout
+        engine, self.tokenizer = build_rollout(
+            self, rc.name, cfg.model.path, rc, tensor_parallel_size=rc.tensor_model_parallel_size,
+            max_model_len=rc.prompt_length + rc.response_length, trust_remote_code=cfg.model.trust_remote_code,
+        )
+        self.rollout = ColocatedRollout(engine, self.actor, free_cache_engine=rc.free_cache_engine,
+                                        offload_trainer=rc.offload_train_during_rollout,
+                                        bucket_bytes=rc.weight_bucket_bytes)
+        if rc.load_format == "dummy":  # random weights: the actor's replace them before any generation
+            if self.actor is None:
+                raise ValueError(f"rollout.load_format=dummy needs the actor in the same worker (role '{self.role}')")
+            self.rollout.push_weights()
+        self.rollout.release()
 
     def _need(self, part: str):
         engine = {"actor": self.actor, "ref": self.ref, "rollout": self.rollout}[part]
@@ -99,51 +113,52 @@ class ActorRolloutRefWorker(Worker):
             overrides["seed"] = int(overrides["seed"]) * 1000 + self.rank
         return replace(sampling, **overrides)
 
-    def _with_rollout(self, fn):
-        rollout = self._need("rollout")
-        offload = self.config.rollout.offload_train_during_rollout and self.actor is not None
-        if offload:
-            self.actor.offload()
-        rollout.wake_up()
-        try:
-            return fn(rollout)
-        finally:
-            rollout.sleep()
-            if offload:
-                self.actor.onload()
+    def _training(self, part: str):
+        """The ``part`` engine, after entering training mode (the rollout engine asleep when free_cache_engine)."""
+        if self.rollout is not None:
+            self.rollout.release()
+        return self._need(part)
 
     @register(dispatch_mode=ROLLOUT_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        return self._with_rollout(lambda rollout: rollout.generate(prompts, self._sampling(prompts.meta_info)))
+        return self._need("rollout").generate(prompts, self._sampling(prompts.meta_info))
 
     @register(dispatch_mode=ROLLOUT_TOKENS)
     def generate_tokens(self, requests: list[TokenRequest]) -> list[TokenOutput]:
-        """Token-level generation for the agent loops: this rollout DP rank's requests (sampling per request)."""
+        """Token-level generation for the agent loops: this rollout DP rank's requests (sampling per request).
+        The engine stays awake between calls: a rollout phase's flushes do not sleep and wake it."""
         if not requests:
             return []
-        return self._with_rollout(lambda rollout: rollout.generate_tokens(requests))
+        return self._need("rollout").generate_tokens(requests)
 
     @register(Dispatch.ONE_TO_ALL)
     def sync_rollout_weights(self) -> None:
-        """Actor weights -> rollout engine, streamed in buckets of ``rollout.weight_bucket_bytes``."""
-        actor, rollout = self._need("actor"), self._need("rollout")
-        rollout.update_weights(actor.export_weights(self.config.rollout.weight_bucket_bytes))
+        """Actor weights -> rollout engine, streamed in buckets of ``rollout.weight_bucket_bytes``, into woken
+        engine weights; the engine then wakes its KV cache (rollout mode)."""
+        self._need("actor")
+        self._need("rollout").push_weights()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def rollout_lifecycle(self) -> dict:
+        """The rollout engine's state and the lifecycle moves taken so far (for checks and debugging)."""
+        lifecycle = self._need("rollout").lifecycle
+        return {"state": lifecycle.state.value, "history": list(lifecycle.history)}
 
     # ------------------------------------------------------------------------------------------- log-probs
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
-        out = self._need("actor").forward(data, outputs=("log_probs", "entropy"))
+        out = self._training("actor").forward(data, outputs=("log_probs", "entropy"))
         return DataProto.from_dict({"old_log_probs": out.batch["log_probs"], "entropys": out.batch["entropy"]})
 
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        out = self._need("ref").forward(data, outputs=("log_probs",))
+        out = self._training("ref").forward(data, outputs=("log_probs",))
         return DataProto.from_dict({"ref_log_prob": out.batch["log_probs"]})
 
     # -------------------------------------------------------------------------------------------- training
     @register(dispatch_mode=ENGINE_METRIC)
     def update_actor(self, data: DataProto) -> dict[str, float]:
-        actor, cfg = self._need("actor"), self.config.actor
+        actor, cfg = self._training("actor"), self.config.actor
         keys = list(ACTOR_INPUTS)
         keys += [k for k in ("ref_log_prob", "rollout_log_probs", "token_level_rewards", "rollout_is_weights")
                  if k in data.batch.keys()]
@@ -163,16 +178,16 @@ class ActorRolloutRefWorker(Worker):
     # ---------------------------------------------------------------------------------------- checkpoints
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        self._need("actor").save(os.path.join(path, "actor"))
+        self._training("actor").save(os.path.join(path, "actor"))
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        self._need("actor").load(os.path.join(path, "actor"))
+        self._training("actor").load(os.path.join(path, "actor"))
         if self.rollout is not None:
             self.sync_rollout_weights()
 
     @register(Dispatch.ONE_TO_ALL)
     def save_hf(self, path: str) -> None:
-        self._need("actor").save_hf(path)
+        self._training("actor").save_hf(path)
         if self.rank == 0 and self.tokenizer is not None:
             self.tokenizer.save_pretrained(path)

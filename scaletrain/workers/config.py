@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from backends.config import EngineConfig, ModelConfig, OptimConfig
+from backends.rollout.base import RolloutEngineSettings
 from scaletrain.utils.typed_config import ConfigError
 
 VAL_KWARGS = ("n", "temperature", "top_p", "top_k", "do_sample")   # actor_rollout_ref.rollout.val_kwargs
@@ -97,7 +98,10 @@ class MultiTurnConfig:
 
 
 @dataclass
-class RolloutWorkerConfig:
+class RolloutWorkerConfig(RolloutEngineSettings):
+    """``actor_rollout_ref.rollout``: sampling, lengths, layout and the rollout path; the engine's memory and
+    kernel settings (dtype, gpu_memory_utilization, free_cache_engine, ...) come from RolloutEngineSettings."""
+
     name: str = "vllm"                       # vllm | hf
     mode: str = "sync"                       # sync: one batched generate | async: agent loops (see multi_turn)
     n: int = 1
@@ -106,13 +110,10 @@ class RolloutWorkerConfig:
     top_k: int = -1
     prompt_length: int = 512
     response_length: int = 512
-    dtype: str = "float32"
     tensor_model_parallel_size: int = 1
-    kv_cache_bytes: int = 64 << 20
-    seed: int = 0
     log_prob_micro_batch_size_per_gpu: int = 8
     weight_bucket_bytes: int = 256 << 20
-    offload_train_during_rollout: bool = False
+    offload_train_during_rollout: bool = False  # the actor's memory goes to CPU while the engine generates
     val_kwargs: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.0, "n": 1})
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from transformers import AutoTokenizer
 
-from backends.rollout.base import RolloutConfig, RolloutEngine, get_rollout
+from backends.rollout.base import RolloutConfig, RolloutEngine, RolloutEngineSettings, get_rollout
 from scaletrain.controller import Worker
 
 
-def build_rollout(worker: Worker, name: str, model_path: str, *, dtype: str, tensor_parallel_size: int,
-                  max_model_len: int, kv_cache_bytes: int, seed: int,
+def build_rollout(worker: Worker, name: str, model_path: str, settings: RolloutEngineSettings, *,
+                  tensor_parallel_size: int, max_model_len: int,
                   trust_remote_code: bool = False) -> tuple[RolloutEngine, Any]:
-    """(engine, tokenizer). Ranks form rollout groups of ``tensor_parallel_size``; rank 0 of each is collected."""
+    """(engine, tokenizer). Ranks form rollout groups of ``tensor_parallel_size``; rank 0 of each is collected.
+    ``settings`` is the worker's rollout section (it extends RolloutEngineSettings); each rank seeds seed + rank."""
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    config = RolloutConfig(model_path=model_path, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                           max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes, seed=seed + worker.rank)
+    shared = {f.name: getattr(settings, f.name) for f in fields(RolloutEngineSettings)}
+    shared["seed"] = settings.seed + worker.rank
+    config = RolloutConfig(**shared, model_path=model_path, tensor_parallel_size=tensor_parallel_size,
+                           max_model_len=max_model_len)
     engine = get_rollout(name)(config, tokenizer)
     tp = tensor_parallel_size
     worker.register_mesh("rollout", worker.rank // tp, worker.world_size // tp, worker.rank % tp == 0)

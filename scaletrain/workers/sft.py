@@ -4,7 +4,8 @@ One instance per rank. It owns a TrainEngine (any registered backend) trained wi
 log-likelihood of the response tokens, and a RolloutEngine (``hf`` by default) on the same model path used only
 to measure greedy accuracy. The rollout engine is refreshed from the training engine (HF-named tensors streamed
 in buckets, a collective every rank takes part in) at the start of the first ``generate`` after a training step,
-so generation always sees the current weights.
+so generation always sees the current weights. The rollout engine sleeps while training runs and wakes for
+generation (``ColocatedRollout``, colocated_rollout.py).
 
 Call path from the SFT trainer: ``sft_wg.train_batch(batch)`` -> this worker's ``train_batch`` ->
 ``engine.train_step`` of the backend with ``sft_loss_fn``.
@@ -20,10 +21,11 @@ import torch
 
 from backends.base import TrainEngine, get_backend
 from backends.config import EngineConfig, ModelConfig, OptimConfig
-from backends.rollout.base import RolloutEngine, SamplingConfig
+from backends.rollout.base import RolloutEngineSettings, SamplingConfig
 from scaletrain.algos import agg_loss
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
+from scaletrain.workers.colocated_rollout import ColocatedRollout
 from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO, declare_engine_mesh
 from scaletrain.workers.rollout_setup import build_rollout
 
@@ -34,15 +36,12 @@ SFT_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses", "respo
 
 
 @dataclass
-class GreedyRolloutConfig:
+class GreedyRolloutConfig(RolloutEngineSettings):
     """The rollout engine that measures greedy accuracy (named as in ``actor_rollout_ref.rollout``)."""
 
     name: str = "hf"                         # hf | vllm
-    dtype: str = "float32"
     tensor_model_parallel_size: int = 1
-    kv_cache_bytes: int = 64 << 20
     weight_bucket_bytes: int = 256 << 20
-    seed: int = 0
 
 
 @dataclass
@@ -66,7 +65,7 @@ class SFTWorker(Worker):
         super().__init__()
         self.config = config
         self.engine: TrainEngine | None = None
-        self.rollout: RolloutEngine | None = None
+        self.rollout: ColocatedRollout | None = None
         self._rollout_stale = True
 
     # ------------------------------------------------------------------------------------------------- build
@@ -77,12 +76,21 @@ class SFTWorker(Worker):
         declare_engine_mesh(self, self.engine)
         if cfg.rollout is not None:
             rc = cfg.rollout
-            self.rollout, _ = build_rollout(
-                self, rc.name, cfg.model.path, dtype=rc.dtype, tensor_parallel_size=rc.tensor_model_parallel_size,
-                max_model_len=cfg.max_prompt_length + cfg.max_response_length, kv_cache_bytes=rc.kv_cache_bytes,
-                seed=rc.seed, trust_remote_code=cfg.model.trust_remote_code,
+            engine, _ = build_rollout(
+                self, rc.name, cfg.model.path, rc, tensor_parallel_size=rc.tensor_model_parallel_size,
+                max_model_len=cfg.max_prompt_length + cfg.max_response_length,
+                trust_remote_code=cfg.model.trust_remote_code,
             )
+            self.rollout = ColocatedRollout(engine, self.engine, free_cache_engine=rc.free_cache_engine,
+                                            offload_trainer=False, bucket_bytes=rc.weight_bucket_bytes)
             self._rollout_stale = True  # the engine may have loaded other weights than the path (e.g. a resume)
+            self.rollout.release()
+
+    def _training(self) -> TrainEngine:
+        """The training engine, in training mode (the rollout engine asleep when free_cache_engine)."""
+        if self.rollout is not None:
+            self.rollout.release()
+        return self._need_engine()
 
     def _need_engine(self) -> TrainEngine:
         if self.engine is None:
@@ -93,7 +101,7 @@ class SFTWorker(Worker):
     @register(dispatch_mode=ENGINE_METRIC)
     def train_batch(self, data: DataProto) -> dict[str, float]:
         """One optimizer step on this rank's share of the batch; metrics ``sft/loss``, ``sft/grad_norm``, ``sft/lr``."""
-        engine = self._need_engine()
+        engine = self._training()
         batch = data.select(batch_keys=list(SFT_INPUTS), non_tensor_batch_keys=[])
         metrics = engine.train_step(batch, sft_loss_fn, outputs=("log_probs",))
         self._rollout_stale = True
@@ -103,7 +111,7 @@ class SFTWorker(Worker):
     def eval_loss(self, data: DataProto) -> DataProto:
         """No-grad NLL per row: ``nll_sum`` (summed over response tokens) and ``num_tokens``, both (B,) float."""
         batch = data.select(batch_keys=list(SFT_INPUTS), non_tensor_batch_keys=[])
-        log_probs = self._need_engine().forward(batch, outputs=("log_probs",)).batch["log_probs"]
+        log_probs = self._training().forward(batch, outputs=("log_probs",)).batch["log_probs"]
         mask = batch.batch["response_mask"].float()
         return DataProto.from_dict({"nll_sum": -(log_probs * mask).sum(-1), "num_tokens": mask.sum(-1)})
 
@@ -114,27 +122,23 @@ class SFTWorker(Worker):
         if self.rollout is None:
             raise RuntimeError("SFTWorker: no rollout engine (config.rollout is None); call init_model first")
         if self._rollout_stale:  # every rank trained, so every rank takes part in this collective export
-            self.rollout.update_weights(self._need_engine().export_weights(self.config.rollout.weight_bucket_bytes))
+            self.rollout.push_weights()
             self._rollout_stale = False
         sampling = SamplingConfig(n=1, temperature=0.0, max_new_tokens=self.config.max_response_length, seed=None)
-        self.rollout.wake_up()
-        try:
-            return self.rollout.generate(prompts, sampling)
-        finally:
-            self.rollout.sleep()
+        return self.rollout.generate(prompts, sampling)
 
     # ---------------------------------------------------------------------------------------- checkpoints
     @register(Dispatch.ONE_TO_ALL)
     def save_hf(self, path: str) -> None:
         """An HF checkpoint (config, safetensors, the source model's tokenizer files), written by rank 0."""
-        self._need_engine().save_hf(path)
+        self._training().save_hf(path)
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         """Sharded model + optimizer + LR schedule + RNG under ``path/model`` (collective)."""
-        self._need_engine().save(os.path.join(path, "model"))
+        self._training().save(os.path.join(path, "model"))
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        self._need_engine().load(os.path.join(path, "model"))
+        self._training().load(os.path.join(path, "model"))
         self._rollout_stale = True

@@ -33,7 +33,7 @@ def _reference_logprobs(model, b, temperature):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_causal_lm_packed_equals_padded_equals_reference(model_dir, batch, attn):
-    model = build_model(ModelConfig(path=model_dir, override_config={"attn_implementation": attn}))
+    model = build_model(ModelConfig(path=model_dir, dtype="float32", override_config={"attn_implementation": attn}))
     with torch.no_grad():
         padded = forward_micro_batch(model, batch, ("log_probs", "entropy"), temperature=0.7)
         packed = forward_micro_batch(model, batch, ("log_probs", "entropy"), remove_padding=True, temperature=0.7,
@@ -46,7 +46,7 @@ def test_causal_lm_packed_equals_padded_equals_reference(model_dir, batch, attn)
 
 
 def test_packed_gradients_equal_padded(model_dir, batch):
-    model = build_model(ModelConfig(path=model_dir))
+    model = build_model(ModelConfig(path=model_dir, dtype="float32"))
     grads = []
     for remove_padding in (False, True):
         model.zero_grad()
@@ -71,10 +71,10 @@ def test_value_and_reward_heads(model_dir, batch):
     R = batch["responses"].shape[1]
     resp_mask = batch["attention_mask"][:, -R:]
     torch.manual_seed(0)
-    critic = build_model(ModelConfig(path=model_dir, kind="value"))
+    critic = build_model(ModelConfig(path=model_dir, dtype="float32", kind="value"))
     assert critic.config.classifier_dropout == 0.0
     torch.manual_seed(0)
-    rm = build_model(ModelConfig(path=model_dir, kind="reward"))
+    rm = build_model(ModelConfig(path=model_dir, dtype="float32", kind="reward"))
     with torch.no_grad():
         token_values = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                               position_ids=batch["position_ids"]).logits[..., 0]

@@ -42,6 +42,15 @@ def test_yaml_defaults_build_and_validate():
     (["+data.nope=1"], "unknown config key 'data.nope'"),
     (["trainer.critic_warmup=2"], "trainer.critic_warmup=2 warms up a critic, but this run has none"),
     (["trainer.critic_warmup=-1", "algorithm.adv_estimator=gae"], "trainer.critic_warmup must be >= 0"),
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"],
+     "actor_rollout_ref.rollout.tensor_model_parallel_size (3) must divide the 2 ranks"),
+    (["actor_rollout_ref.rollout.gpu_memory_utilization=1.5"], "rollout.gpu_memory_utilization must be in (0, 1]"),
+    (["actor_rollout_ref.rollout.enable_sleep_mode=false"],
+     "rollout.free_cache_engine=true releases memory through sleep mode"),
+    (["actor_rollout_ref.rollout.load_format=gguf"], "rollout.load_format must be one of auto, safetensors, pt"),
+    (["actor_rollout_ref.rollout.enable_chunked_prefill=true", "trainer.device=cpu"],
+     "rollout.enable_chunked_prefill=true is not supported on CPU"),
+    (["+actor_rollout_ref.rollout.engine_kwargs.sglang={}"], "rollout.engine_kwargs: unknown engine(s) ['sglang']"),
 ])
 def test_bad_configs_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as info:

@@ -88,7 +88,9 @@ def test_actor_rollout_ref_ppo_update_matches_reference(ray_cluster, tmp_path, r
         backend="fsdp",
         actor=ActorConfig(ppo_mini_batch_size=len(PROMPTS), ppo_micro_batch_size_per_gpu=2, optim=optim,
                           entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1),
-        rollout=RolloutWorkerConfig(name=rollout_name, n=N, response_length=RESP, prompt_length=PLEN),
+        # the engine starts from random weights (load_format=dummy): the actor's are pushed before any generation
+        rollout=RolloutWorkerConfig(name=rollout_name, n=N, response_length=RESP, prompt_length=PLEN,
+                                    load_format="dummy"),
         engine=EngineConfig(),
     )
     with started_group(ray_cluster, 2, ActorRolloutRefWorker, config, "actor_rollout_ref", use_gpu=False,
@@ -145,6 +147,12 @@ def test_actor_rollout_ref_ppo_update_matches_reference(ray_cluster, tmp_path, r
         with torch.no_grad():
             reference_lp = response_log_probs(model, out2)
         assert torch.allclose(lp2.batch["old_log_probs"] * mask2, reference_lp * mask2, atol=1e-4)
+
+        # the engine slept for training and woke for generation, weights before KV cache, in the worker's order:
+        # init (sleep), generate, log-probs (sleep), ..., sync (weights, update, KV cache), generate, log-probs
+        wake = ["wake_weights", "wake_kv_cache"]
+        for rank in wg.rollout_lifecycle():
+            assert rank == {"state": "sleeping", "history": ["sleep"] + wake + ["sleep"] + wake + ["sleep"]}
 
 
 def test_critic_update_matches_reference(ray_cluster, tmp_path):

@@ -1,0 +1,73 @@
+"""A rollout engine sharing its process and device with a training engine: who holds the memory when (layer 2).
+
+The role workers (ActorRolloutRefWorker, SFTWorker) switch between two modes, lazily, at the first call that
+needs the other one:
+
+- rollout mode (``serve``): the engine's weights are woken, the trainer's memory is offloaded when
+  ``offload_trainer`` is set, then the KV cache is woken; generation runs.
+- training mode (``release``): the engine sleeps when ``free_cache_engine`` is set, and the trainer's memory is
+  brought back. Every training-side worker call (log-probs, update, checkpoints) enters it first.
+
+Weights are pushed into an awake engine (``push_weights``): weights woken, the trainer's buckets streamed in while
+the trainer is still on the device, then the trainer offloaded and the KV cache woken (rollout mode). The engine
+therefore stays awake across a whole rollout phase (every agent-loop flush, validation) and sleeps only when
+training needs the memory. The engine's own state machine (``backends/rollout/lifecycle.py``) refuses any other
+order.
+"""
+
+from __future__ import annotations
+
+from backends.base import TrainEngine
+from backends.rollout.base import RolloutEngine, SamplingConfig, TokenOutput, TokenRequest
+from backends.rollout.lifecycle import EngineLifecycle
+from scaletrain.protocol import DataProto
+
+
+class ColocatedRollout:
+    def __init__(self, engine: RolloutEngine, trainer: TrainEngine | None, *, free_cache_engine: bool,
+                 offload_trainer: bool, bucket_bytes: int) -> None:
+        self.engine = engine
+        self.lifecycle = EngineLifecycle(engine)
+        self.trainer = trainer
+        self.free_cache_engine = free_cache_engine
+        self.offload_trainer = offload_trainer and trainer is not None
+        self.bucket_bytes = bucket_bytes
+        self.trainer_offloaded = False
+
+    # --------------------------------------------------------------------------------------------- modes
+    def serve(self) -> RolloutEngine:
+        """Rollout mode: engine weights woken, trainer offloaded (when configured), then the KV cache woken."""
+        self.lifecycle.ensure_weights()
+        if self.offload_trainer and not self.trainer_offloaded:
+            self.trainer.offload()
+            self.trainer_offloaded = True
+        self.lifecycle.ensure_serving()
+        return self.engine
+
+    def release(self) -> None:
+        """Training mode: the engine asleep (``free_cache_engine``), the trainer's memory back on the device."""
+        if self.free_cache_engine:
+            self.lifecycle.ensure_sleeping()
+        if self.trainer_offloaded:
+            self.trainer.onload()
+            self.trainer_offloaded = False
+
+    # ------------------------------------------------------------------------------------------- weights
+    def push_weights(self) -> None:
+        """The trainer's weights into the engine (a collective on the trainer's side: every rank calls it)."""
+        if self.trainer is None:
+            raise RuntimeError("push_weights: this worker has no training engine to take the weights from")
+        if self.trainer_offloaded:
+            self.trainer.onload()
+            self.trainer_offloaded = False
+        self.lifecycle.ensure_weights()
+        self.lifecycle.require("update_weights")
+        self.engine.update_weights(self.trainer.export_weights(self.bucket_bytes))
+        self.serve()
+
+    # ------------------------------------------------------------------------------------------ generate
+    def generate(self, prompts: DataProto, sampling: SamplingConfig) -> DataProto:
+        return self.serve().generate(prompts, sampling)
+
+    def generate_tokens(self, requests: list[TokenRequest]) -> list[TokenOutput]:
+        return self.serve().generate_tokens(requests)
