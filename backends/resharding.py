@@ -4,7 +4,8 @@ Layout of each name (``shard_spec``):
 
 - column-parallel, split dim 0: ``{q,k,v}_proj.{weight,bias}``, ``{gate,up}_proj.{weight,bias}``;
 - row-parallel, split dim 1: ``o_proj.weight``, ``down_proj.weight``;
-- vocab-parallel, split dim 0: ``embed_tokens.weight``, ``lm_head.weight`` (no padding: vocab % tp must be 0);
+- vocab-parallel, split dim 0: ``embed_tokens.weight``, ``lm_head.weight`` (no padding: vocab % tp must be 0;
+  ``rank_shard(..., vocab_padding=64)`` gives vLLM's padded split instead, see ``vocab_rows``);
 - replicated: everything else (norms, row-parallel biases, ...): every rank holds the same tensor.
 
 GQA rule for ``k_proj`` / ``v_proj`` (applied when a ``config`` with the head counts is given):
@@ -15,6 +16,9 @@ GQA rule for ``k_proj`` / ``v_proj`` (applied when a ``config`` with the head co
   Merging such shards keeps one replica per kv head (ranks ``0, tp/nkv, 2 tp/nkv, ...``).
 
 Without a config, k/v are split like any column-parallel tensor (head-agnostic).
+
+``rank_shard`` is one rank's shard with its place in the full tensor: what a rollout TP rank receives in a weight
+sync (backends/rollout/vllm_engine.py).
 
 Fused vLLM layouts are per rank: ``qkv_proj = [q_r; k_r; v_r]`` and ``gate_up_proj = [gate_r; up_r]`` (dim 0).
 
@@ -106,6 +110,35 @@ def split_tensor(name: str, full: torch.Tensor, tp: int, config: Any = None) -> 
     if heads is not None and _Q.search(name) and heads[0] % tp:
         raise ValueError(f"{name}: num_attention_heads={heads[0]} is not divisible by tp={tp}")
     return _chunk(name, full, dim, tp)
+
+
+def vocab_rows(vocab: int, tp: int, rank: int, padding: int) -> tuple[int, int]:
+    """Rows [start, end) of a vocab-parallel tensor held by ``rank`` when the vocabulary is first padded to a
+    multiple of ``padding`` and the padded size split evenly (vLLM's VocabParallelEmbedding pads to 64): the last
+    ranks may hold fewer real rows, even none."""
+    padded = -(-vocab // padding) * padding
+    if padded % tp:
+        raise ValueError(f"padded vocabulary {padded} is not divisible by tp={tp}")
+    start = min(rank * (padded // tp), vocab)
+    return start, min(start + padded // tp, vocab)
+
+
+def rank_shard(name: str, full: torch.Tensor, tp: int, rank: int, config: Any = None,
+               vocab_padding: int | None = None) -> tuple[torch.Tensor, int | None, int]:
+    """``(shard, dim, start)``: ``rank``'s shard of ``full`` and where it sits in it (``full.narrow(dim, start,
+    shard.shape[dim])``); ``dim`` is None for a replicated tensor (the shard is ``full``). Vocab-parallel tensors
+    follow ``vocab_rows`` when ``vocab_padding`` is given, else the even split of ``split_tensor``."""
+    kind, dim = shard_spec(name)
+    if kind == "replicated":
+        return full, None, 0
+    if kind == "vocab" and vocab_padding is not None:
+        start, end = vocab_rows(full.shape[0], tp, rank, vocab_padding)
+        return full[start:end], 0, start
+    shard = split_tensor(name, full, tp, config)[rank]
+    heads = _heads(config)
+    if heads is not None and _KV.search(name) and tp > heads[1]:
+        return shard, 0, (rank * heads[1] // tp) * heads[2]   # the replicated kv head this rank holds
+    return shard, dim, rank * shard.shape[dim]
 
 
 def merge_shards(name: str, shards: Sequence[torch.Tensor], config: Any = None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """vLLM rollout engine: an in-process ``vllm.LLM`` behind the RolloutEngine interface.
 
 - Construction: ``VLLM_ENABLE_V1_MULTIPROCESSING`` defaults to 0 (engine core in this process) and TP=1 runs
-  with the ``uni`` executor; TP>1 uses vLLM's ``mp`` executor (GPU only). ``llm_arguments`` maps the verl-named
+  with the ``uni`` executor; TP>1 runs one shard of the engine in each trainer rank (vLLM's external launcher,
+  see vllm_tp.py: shard-only weight updates, seeds the TP ranks agree on). ``llm_arguments`` maps the verl-named
   settings (``RolloutEngineSettings``: dtype, KV-cache bytes or gpu_memory_utilization, enforce_eager,
   max_num_seqs, max_num_batched_tokens, chunked prefill, prefix caching, load_format, ``engine_kwargs.vllm``) onto
   ``vllm.LLM`` with the by-device defaults. vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op; the
@@ -28,10 +29,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -46,6 +49,7 @@ from backends.rollout.base import (
     register_rollout,
 )
 from backends.rollout.layout import build_rollout_output, eos_token_ids, pad_token_id
+from backends.rollout.vllm_tp import SPMDSeeds, launcher_env, shard_buckets
 from scaletrain.protocol import DataProto
 
 EXTENSION = "backends.rollout.vllm_extension.WeightSyncExtension"
@@ -84,8 +88,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self.pad_id = pad_token_id(tokenizer, self.eos_ids)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         tp = config.tensor_parallel_size
-        # Tensors can be handed to the worker by reference only when it runs in this process.
-        self.in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and tp == 1
+        # Tensors can be handed to the worker by reference only when it runs in this process (uni executor at
+        # TP=1, the external launcher's shard at TP>1).
+        self.in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         real_set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         vllm = import_vllm()
         from vllm.platforms import current_platform
@@ -96,13 +101,24 @@ class VLLMRolloutEngine(RolloutEngine):
         renderer_log.addFilter(_drop_chat_warmup_warning)
         try:
             self.sleep_supported = bool(current_platform.is_sleep_mode_available()) and config.enable_sleep_mode
-            kwargs = llm_arguments(config, "cpu" if current_platform.is_cpu() else "cuda", self.sleep_supported)
+            device = "cpu" if current_platform.is_cpu() else "cuda"
+            kwargs = llm_arguments(config, device, self.sleep_supported)
             kwargs.update(llm_kwargs)
-            self.llm = vllm.LLM(**kwargs)
+            with launcher_env(device) if tp > 1 else contextlib.nullcontext():
+                self.llm = vllm.LLM(**kwargs)
         finally:
             renderer_log.removeFilter(_drop_chat_warmup_warning)
             torch.set_num_threads = real_set_num_threads
             torch.set_num_threads(threads)
+        self.last_update_bytes = 0                 # bytes this rank received in the last weight update
+        self.tp_rank, self.spmd_seeds = 0, None
+        if tp > 1:
+            from transformers import AutoConfig
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.tp_rank = get_tensor_model_parallel_rank()
+            self.hf_config = AutoConfig.from_pretrained(config.model_path).get_text_config()
+            self.spmd_seeds = SPMDSeeds(config.seed)
 
     # ------------------------------------------------------------------------------------------------ generate
     def requests(self, prompts: DataProto, sampling: SamplingConfig) -> tuple[list, list]:
@@ -123,6 +139,8 @@ class VLLMRolloutEngine(RolloutEngine):
             logprobs=0,                             # only the sampled token's log-prob
             detokenize=False,
         )
+        if self.spmd_seeds is not None and not greedy:  # the TP ranks must draw the same samples
+            sampling = replace(sampling, seed=self.spmd_seeds(sampling.seed))
         input_ids = prompts.batch["input_ids"].cpu()
         attention_mask = prompts.batch["attention_mask"].cpu().bool()
         requests, params = [], []
@@ -171,7 +189,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 n=1, temperature=0.0 if greedy else float(s.temperature), top_p=1.0 if greedy else float(s.top_p),
                 top_k=0 if greedy or s.top_k <= 0 else int(s.top_k), max_tokens=s.max_new_tokens,
                 stop_token_ids=list(self.eos_ids), logprobs=0, detokenize=False,
-                seed=None if greedy or s.seed is None else int(s.seed) % (1 << 62),
+                seed=None if greedy else self._request_seed(s.seed),
             ))
         outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
         eos = set(self.eos_ids)
@@ -184,8 +202,17 @@ class VLLMRolloutEngine(RolloutEngine):
         return result
 
     # ------------------------------------------------------------------------------------------ weights, memory
+    def _request_seed(self, seed: int | None) -> int | None:
+        if self.spmd_seeds is not None:
+            seed = self.spmd_seeds(seed)
+        return None if seed is None else int(seed) % (1 << 62)
+
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
-        if self.in_process:
+        tp = self.config.tensor_parallel_size
+        if tp > 1:  # this rank's shards only, by reference (see vllm_tp.py)
+            shards = shard_buckets(buckets, tp, self.tp_rank, self.hf_config)
+            self.last_update_bytes = self.llm.collective_rpc("scaletrain_reload_shards", args=(shards,))[0]
+        elif self.in_process:
             # One reload over a lazy stream of the buckets: vLLM processes each layer once its tensors arrived.
             self.llm.collective_rpc("scaletrain_reload_weights", args=(_as_lists(buckets),))
         else:
@@ -221,7 +248,7 @@ def llm_arguments(config: RolloutConfig, device: str, sleep_mode: bool) -> dict[
         seed=config.seed,
         max_model_len=config.max_model_len,
         tensor_parallel_size=tp,
-        distributed_executor_backend="uni" if tp == 1 else "mp",
+        distributed_executor_backend="uni" if tp == 1 else "external_launcher",
         enforce_eager=settings["enforce_eager"],
         gpu_memory_utilization=settings["gpu_memory_utilization"],
         max_num_seqs=settings["max_num_seqs"],

@@ -15,6 +15,9 @@ With tied embeddings the embedding is also sent as ``lm_head.weight`` (see ``tie
 mid-update (e.g. an unknown name: vLLM's ValueError names it) puts the model back on its device before the
 error propagates, so the engine stays usable once a complete update is pushed.
 
+With tensor parallelism each rank receives only its own shards (``scaletrain_reload_shards``), by reference: the
+engine runs in the trainer rank's process (vLLM's external launcher).
+
 This module must import without vLLM (the engine names it by its dotted path; vLLM imports it in the worker).
 """
 
@@ -76,6 +79,32 @@ class WeightSyncExtension:
             self._scaletrain_finish_failed_reload()
             raise
         return count
+
+    def scaletrain_reload_shards(self, buckets: Iterable[list[tuple]]) -> int:
+        """Tensor parallelism: load this rank's shards only; returns the bytes received.
+
+        Each item is ``(hf_name, shard, dim, start, full_shape)`` (``dim`` None: a replicated tensor, ``shard`` is
+        the whole of it). vLLM's loaders take full HF tensors and narrow them to their rank's slice, so each shard
+        is placed at ``start`` along ``dim`` of an uninitialised full-shape buffer of which only that slice is ever
+        read (untouched pages of a large buffer are never made resident); buffers are made one at a time, as vLLM
+        asks for the next tensor.
+        """
+        received = 0
+
+        def expanded() -> Iterator[list[tuple[str, torch.Tensor]]]:
+            nonlocal received
+            for bucket in buckets:
+                for name, shard, dim, start, full_shape in bucket:
+                    received += shard.numel() * shard.element_size()
+                    if dim is None:
+                        yield [(name, shard)]
+                        continue
+                    full = torch.empty(full_shape, dtype=shard.dtype, device=shard.device)
+                    full.narrow(dim, start, shard.shape[dim]).copy_(shard)
+                    yield [(name, full)]
+
+        self.scaletrain_reload_weights(expanded())
+        return received
 
     def _scaletrain_finish_failed_reload(self) -> None:
         """After an error mid-reload (e.g. an unknown name), put every layer back on its device.

@@ -200,6 +200,7 @@ def _files(value: Any) -> list[str]:
 
 def validate(cfg: PPOConfig) -> PPOConfig:
     """Checks across keys; raises ConfigError naming the key. Returns cfg for chaining."""
+    from scaletrain.trainer.rollout_checks import validate_rollout
     from scaletrain.trainer.rollout_correction import validate_rollout_correction
 
     arr, data, trainer = cfg.actor_rollout_ref, cfg.data, cfg.trainer
@@ -230,11 +231,7 @@ def validate(cfg: PPOConfig) -> PPOConfig:
     if arr.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
         raise ConfigError("actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward both add a KL "
                           "penalty; enable one")
-    _validate_multi_turn(arr.rollout)
-    arr.rollout.check("actor_rollout_ref.rollout", None if trainer.device == "auto" else trainer.device)
-    if world % arr.rollout.tensor_model_parallel_size:
-        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size "
-                          f"({arr.rollout.tensor_model_parallel_size}) must divide the {world} ranks")
+    validate_rollout(arr.rollout, world, trainer.device)
     validate_rollout_correction(cfg)
     if cfg.backend.name == "megatron":
         _validate_megatron(cfg, world)
@@ -321,37 +318,6 @@ def _validate_generation_outputs(trainer: TrainerSection) -> None:
             raise ConfigError(f"trainer.{key}: {existing} is not a directory, so {path} cannot be one")
         if not os.access(existing, os.W_OK | os.X_OK):
             raise ConfigError(f"trainer.{key}: {path} cannot be written ({existing} is not writable)")
-
-
-def _validate_multi_turn(rollout) -> None:
-    """The agent-loop settings (``actor_rollout_ref.rollout.mode`` / ``multi_turn``)."""
-    from scaletrain.agent.base import AGENT_LOOPS
-    from scaletrain.agent.tool_parser import TOOL_PARSERS
-
-    key = "actor_rollout_ref.rollout"
-    mt = rollout.multi_turn
-    if rollout.mode not in ("sync", "async"):
-        raise ConfigError(f"{key}.mode must be sync | async, got '{rollout.mode}'")
-    if mt.format not in TOOL_PARSERS:
-        raise ConfigError(f"{key}.multi_turn.format: unknown tool parser '{mt.format}'; "
-                          f"registered: {', '.join(TOOL_PARSERS.names())}")
-    if mt.default_agent_loop is not None and mt.default_agent_loop not in AGENT_LOOPS:
-        raise ConfigError(f"{key}.multi_turn.default_agent_loop: unknown agent loop '{mt.default_agent_loop}'; "
-                          f"registered: {', '.join(AGENT_LOOPS.names())}")
-    if mt.tool_response_truncate_side not in ("left", "right", "middle"):
-        raise ConfigError(f"{key}.multi_turn.tool_response_truncate_side must be left | right | middle, "
-                          f"got '{mt.tool_response_truncate_side}'")
-    for name in ("max_user_turns", "max_assistant_turns"):
-        value = getattr(mt, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{key}.multi_turn.{name} must be positive or null, got {value}")
-    for name in ("max_parallel_calls", "max_tool_response_length"):
-        if getattr(mt, name) <= 0:
-            raise ConfigError(f"{key}.multi_turn.{name} must be positive, got {getattr(mt, name)}")
-    for name in ("tools_config_file", "interaction_config_file"):
-        path = getattr(mt, name)
-        if path is not None and not os.path.exists(path):
-            raise ConfigError(f"{key}.multi_turn.{name}: not found: {path}")
 
 
 def _validate_megatron(cfg: PPOConfig, world: int) -> None:

@@ -109,8 +109,8 @@ class ActorRolloutRefWorker(Worker):
         if meta.get("validate"):
             sampling = replace(sampling, **{k: v for k, v in rc.val_sampling().items() if k in SAMPLING_KEYS})
         overrides = {k: meta[k] for k in SAMPLING_KEYS if k in meta}
-        if overrides.get("seed") is not None:  # one stream per DP rank
-            overrides["seed"] = int(overrides["seed"]) * 1000 + self.rank
+        if overrides.get("seed") is not None:  # one stream per rollout DP rank (its TP ranks sample alike)
+            overrides["seed"] = int(overrides["seed"]) * 1000 + self.rank // rc.tensor_model_parallel_size
         return replace(sampling, **overrides)
 
     def _training(self, part: str):
@@ -139,10 +139,12 @@ class ActorRolloutRefWorker(Worker):
         self._need("rollout").push_weights()
 
     @register(Dispatch.ONE_TO_ALL)
-    def rollout_lifecycle(self) -> dict:
-        """The rollout engine's state and the lifecycle moves taken so far (for checks and debugging)."""
-        lifecycle = self._need("rollout").lifecycle
-        return {"state": lifecycle.state.value, "history": list(lifecycle.history)}
+    def rollout_status(self) -> dict:
+        """The rollout engine's lifecycle state, the moves taken so far and the bytes this rank received in the
+        last weight sync (for checks and debugging)."""
+        rollout = self._need("rollout")
+        return {"state": rollout.lifecycle.state.value, "history": list(rollout.lifecycle.history),
+                "last_update_bytes": getattr(rollout.engine, "last_update_bytes", None)}
 
     # ------------------------------------------------------------------------------------------- log-probs
     @register(dispatch_mode=ENGINE_PROTO)

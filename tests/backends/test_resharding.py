@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 
-from backends.resharding import (fuse_gate_up, fuse_qkv, iter_resharded_buckets, merge_shards, reshard,
-                                 shard_spec, split_qkv, split_tensor)
+from backends.resharding import (fuse_gate_up, fuse_qkv, iter_resharded_buckets, merge_shards, rank_shard, reshard,
+                                 shard_spec, split_qkv, split_tensor, vocab_rows)
 
 HIDDEN, HEADS, HEAD_DIM, INTER, VOCAB, LAYERS = 64, 8, 8, 96, 128, 2
 TPS = (1, 2, 4)
@@ -184,3 +184,27 @@ def test_buckets_bounded_and_complete(bucket_bytes):
         assert len(buckets) == 1
     with pytest.raises(ValueError):
         next(iter_resharded_buckets(src, k, m, cfg, 0))
+
+
+@pytest.mark.parametrize("nkv,tp", [(2, 2), (2, 4), (1, 4), (4, 2)])
+def test_rank_shard_places_each_shard_in_the_full_tensor(nkv, tp):
+    """Each rank's shard equals the reference split and sits where (dim, start) say; the ranks cover the tensor."""
+    sd, config = make_state(nkv), make_config(nkv)
+    for name, full in sd.items():
+        for rank in range(tp):
+            shard, dim, start = rank_shard(name, full, tp, rank, config)
+            assert torch.equal(shard, ref_split(name, full, tp, nkv)[rank]), (name, rank)
+            if dim is None:
+                assert shard is full
+            else:
+                assert torch.equal(full.narrow(dim, start, shard.shape[dim]), shard), (name, rank)
+
+
+def test_vocab_rows_pad_then_split():
+    """vLLM pads the vocabulary to a multiple of 64 before splitting: 99 rows over 2 ranks are 64 + 35."""
+    assert [vocab_rows(99, 2, r, 64) for r in range(2)] == [(0, 64), (64, 99)]
+    assert [vocab_rows(100, 4, r, 64) for r in range(4)] == [(0, 32), (32, 64), (64, 96), (96, 100)]
+    assert [vocab_rows(10, 4, r, 64) for r in range(4)] == [(0, 10), (10, 10), (10, 10), (10, 10)]
+    full = torch.arange(99 * 3.0).view(99, 3)
+    shard, dim, start = rank_shard("lm_head.weight", full, 2, 1, vocab_padding=64)
+    assert (dim, start) == (0, 64) and torch.equal(shard, full[64:])

@@ -44,6 +44,8 @@ def test_yaml_defaults_build_and_validate():
     (["trainer.critic_warmup=-1", "algorithm.adv_estimator=gae"], "trainer.critic_warmup must be >= 0"),
     (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"],
      "actor_rollout_ref.rollout.tensor_model_parallel_size (3) must divide the 2 ranks"),
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "rollout=hf"],
+     "only the vllm rollout engine shards over ranks (rollout.name=hf)"),
     (["actor_rollout_ref.rollout.gpu_memory_utilization=1.5"], "rollout.gpu_memory_utilization must be in (0, 1]"),
     (["actor_rollout_ref.rollout.enable_sleep_mode=false"],
      "rollout.free_cache_engine=true releases memory through sleep mode"),

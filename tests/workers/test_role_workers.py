@@ -151,8 +151,8 @@ def test_actor_rollout_ref_ppo_update_matches_reference(ray_cluster, tmp_path, r
         # the engine slept for training and woke for generation, weights before KV cache, in the worker's order:
         # init (sleep), generate, log-probs (sleep), ..., sync (weights, update, KV cache), generate, log-probs
         wake = ["wake_weights", "wake_kv_cache"]
-        for rank in wg.rollout_lifecycle():
-            assert rank == {"state": "sleeping", "history": ["sleep"] + wake + ["sleep"] + wake + ["sleep"]}
+        for rank in wg.rollout_status():
+            assert (rank["state"], rank["history"]) == ("sleeping", ["sleep"] + wake + ["sleep"] + wake + ["sleep"])
 
 
 def test_critic_update_matches_reference(ray_cluster, tmp_path):

@@ -1,0 +1,53 @@
+"""Checks of the ``actor_rollout_ref.rollout`` section before Ray starts (layer 4): the engine's settings, the
+rollout tensor-parallel layout against the ranks, and the agent-loop settings. Raise ConfigError naming the key."""
+
+from __future__ import annotations
+
+import os
+
+from scaletrain.utils.typed_config import ConfigError
+
+
+def validate_rollout(rollout, world: int, device: str) -> None:
+    rollout.check("actor_rollout_ref.rollout", None if device == "auto" else device)
+    _validate_rollout_tp(rollout, world)
+    _validate_multi_turn(rollout)
+
+
+def _validate_rollout_tp(rollout, world: int) -> None:
+    tp, key = rollout.tensor_model_parallel_size, "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    if tp < 1 or world % tp:
+        raise ConfigError(f"{key} ({tp}) must divide the {world} ranks")
+    if tp > 1 and rollout.name != "vllm":
+        raise ConfigError(f"{key}={tp}: only the vllm rollout engine shards over ranks (rollout.name={rollout.name})")
+
+
+def _validate_multi_turn(rollout) -> None:
+    """The agent-loop settings (``actor_rollout_ref.rollout.mode`` / ``multi_turn``)."""
+    from scaletrain.agent.base import AGENT_LOOPS
+    from scaletrain.agent.tool_parser import TOOL_PARSERS
+
+    key = "actor_rollout_ref.rollout"
+    mt = rollout.multi_turn
+    if rollout.mode not in ("sync", "async"):
+        raise ConfigError(f"{key}.mode must be sync | async, got '{rollout.mode}'")
+    if mt.format not in TOOL_PARSERS:
+        raise ConfigError(f"{key}.multi_turn.format: unknown tool parser '{mt.format}'; "
+                          f"registered: {', '.join(TOOL_PARSERS.names())}")
+    if mt.default_agent_loop is not None and mt.default_agent_loop not in AGENT_LOOPS:
+        raise ConfigError(f"{key}.multi_turn.default_agent_loop: unknown agent loop '{mt.default_agent_loop}'; "
+                          f"registered: {', '.join(AGENT_LOOPS.names())}")
+    if mt.tool_response_truncate_side not in ("left", "right", "middle"):
+        raise ConfigError(f"{key}.multi_turn.tool_response_truncate_side must be left | right | middle, "
+                          f"got '{mt.tool_response_truncate_side}'")
+    for name in ("max_user_turns", "max_assistant_turns"):
+        value = getattr(mt, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key}.multi_turn.{name} must be positive or null, got {value}")
+    for name in ("max_parallel_calls", "max_tool_response_length"):
+        if getattr(mt, name) <= 0:
+            raise ConfigError(f"{key}.multi_turn.{name} must be positive, got {getattr(mt, name)}")
+    for name in ("tools_config_file", "interaction_config_file"):
+        path = getattr(mt, name)
+        if path is not None and not os.path.exists(path):
+            raise ConfigError(f"{key}.multi_turn.{name}: not found: {path}")
