@@ -20,9 +20,11 @@ from scaletrain.protocol import DataProto
 from scaletrain.utils.registry import Registry
 
 # loss_fn(outputs, micro_batch) -> (loss, metrics). ``outputs`` holds (b, R) tensors with grad: "log_probs"
-# (and "entropy" when asked) for causal_lm models, "values" for value models. The engine scales the loss for
-# gradient accumulation (by the micro-batch's share of the mini-batch's rows), so loss_fn returns the plain
-# per-micro-batch loss.
+# (and "entropy" when asked) for causal_lm models, "values" for value models. loss_fn returns the plain loss of the
+# micro-batch, a mean over some units (tokens, sequences, rows), and may say how many units a micro-batch holds
+# with an attribute ``loss_fn.count(micro_batch) -> float`` (default: its rows). The engine weights micro-batch i
+# by count_i / (the count of the whole mini-batch on all DP ranks), so the step is the whole mini-batch's whatever
+# the split (backends/accumulation.py); the metrics it returns are the whole mini-batch's too.
 LossFn = Callable[[dict[str, torch.Tensor], DataProto], tuple[torch.Tensor, dict[str, float]]]
 
 Buckets = Iterator[list[tuple[str, torch.Tensor]]]
@@ -59,7 +61,8 @@ class TrainEngine(ABC):
     def train_step(self, mini_batch: DataProto, loss_fn: LossFn, outputs: tuple[str, ...] = ("log_probs",)) -> dict:
         """One optimizer step on a mini-batch: micro-batches, grad accumulation, clip, step, LR schedule.
 
-        Returns metrics averaged over micro-batches plus ``grad_norm`` and ``lr``.
+        Returns the mini-batch's ``loss`` and loss_fn metrics (unit-weighted over micro-batches and DP ranks, the
+        same on every rank) plus ``grad_norm``, ``lr`` and ``step_skipped``.
         """
 
     @abstractmethod

@@ -9,15 +9,9 @@ A partition is a list of micro-batches, each a sorted list of row indices into t
   lightest part (LPT). A row longer than the budget gets a part of its own (with a warning).
 - ``restore_order(partition)``: the index that puts outputs concatenated in partition order back into the
   original row order: ``torch.cat(outputs)[restore_order(partition)]``.
-- ``grad_scales(partition)``: gradient-accumulation weights, rows in the micro-batch / rows in the mini-batch.
 
-Gradient accumulation. The engine backpropagates ``loss_i * rows_i / rows`` for micro-batch i. For a loss that is
-a mean over rows (each row's own loss averaged with equal weight, e.g. "seq-mean-token-mean"), the sum is exactly
-the mini-batch loss, so any partition (fixed or dynamic, any size) gives the same gradient. For a token-mean loss
-(sum over the micro-batch's tokens / its token count) the sum weights micro-batches by rows, not tokens, so it
-equals the mini-batch token-mean only when every micro-batch has the same tokens per row; partitions then differ
-slightly. A loss_fn that needs the exact mini-batch token-mean can divide its token sum by the mini-batch's token
-count and by the micro-batch's ``grad_scale`` (the engine puts it in ``micro_batch.meta_info["grad_scale"]``).
+How micro-batches are weighted in gradient accumulation (exactly, for token-mean and seq-mean losses, over
+micro-batches and DP ranks) is backends/accumulation.py.
 """
 
 from __future__ import annotations
@@ -93,8 +87,3 @@ def restore_order(partition: Partition) -> torch.Tensor:
     inverse[flat] = torch.arange(len(flat))
     return inverse
 
-
-def grad_scales(partition: Partition) -> list[float]:
-    """Each micro-batch's share of the mini-batch's rows (the gradient-accumulation weight)."""
-    total = sum(len(p) for p in partition)
-    return [len(p) / total for p in partition]

@@ -29,6 +29,7 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0                      # <= 0 disables clipping
     warmup_steps: int = 0
+    lr_warmup_steps_ratio: float = 0.0          # verl's: warm-up = ratio x total_steps when warmup_steps is 0
     total_steps: int = 0                        # needed by cosine; 0 = unknown (constant after warm-up)
     lr_scheduler: str = "constant"              # constant | cosine
     min_lr_ratio: float = 0.0

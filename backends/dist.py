@@ -4,6 +4,7 @@ parameters in each, Megatron's pipeline schedule needs equal counts), and the RN
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -62,11 +63,29 @@ def max_over_ranks(values: list[int], device: torch.device, group=None) -> list[
     return [int(x) for x in t.tolist()]
 
 
+def sum_over_ranks(values: list[float], device: torch.device, group=None) -> list[float]:
+    """Element-wise sum of small float lists across the ranks of ``group`` (float64; no-op for one rank or
+    without an initialised process group)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [float(x) for x in values]
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return [float(x) for x in t.tolist()]
+
+
+# batch.meta_info key: micro-batch settings of one call (micro_batch_size_per_gpu / use_dynamic_bsz /
+# max_token_len_per_gpu) over the engine's own, e.g. the log-prob passes' log_prob_micro_batch_size_per_gpu
+MICRO_BATCHING = "micro_batching"
+
+
 def agreed_partition(batch, cfg, device: torch.device, group=None):
-    """Micro-batches of ``batch`` (fixed size or token budget, per ``cfg``), with the same count on every rank of
-    ``group``: a rank with fewer micro-batches would leave the others waiting in a parameter gather forever."""
+    """Micro-batches of ``batch`` (fixed size or token budget, per ``cfg`` and ``meta_info[MICRO_BATCHING]``), with
+    the same count on every rank of ``group``: a rank with fewer micro-batches would leave the others waiting in a
+    parameter gather forever."""
     from backends.batching import fixed_partition, token_budget_partition
 
+    if batch.meta_info.get(MICRO_BATCHING):
+        cfg = dataclasses.replace(cfg, **batch.meta_info[MICRO_BATCHING])
     n = len(batch)
     if not cfg.use_dynamic_bsz:
         parts = fixed_partition(n, cfg.micro_batch_size_per_gpu)

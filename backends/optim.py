@@ -4,7 +4,8 @@ Schedule, as a multiplier of ``OptimConfig.lr`` for optimizer step s (0-based: t
   - warm-up: (s + 1) / warmup_steps for s < warmup_steps, so the first step already moves the weights;
   - then ``constant``: 1, or ``cosine``: from 1 down to ``min_lr_ratio`` at ``total_steps``, flat afterwards
     (with ``total_steps`` <= 0, i.e. unknown, cosine stays at 1 after the warm-up, with a warning).
-``warmup_steps`` and ``total_steps`` count optimizer steps (``train_step`` calls), not PPO iterations.
+``warmup_steps`` and ``total_steps`` count optimizer steps (``train_step`` calls), not PPO iterations;
+``lr_warmup_steps_ratio`` (verl's key) makes the warm-up that share of ``total_steps`` when ``warmup_steps`` is 0.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig) ->
     if config.lr_scheduler == "cosine" and config.total_steps <= 0:
         logger.warning("lr_scheduler=cosine without optim.total_steps: constant learning rate after the warm-up")
     warmup, total = config.warmup_steps, config.total_steps
+    if warmup == 0 and config.lr_warmup_steps_ratio > 0:
+        if total <= 0:
+            raise ValueError("optim.lr_warmup_steps_ratio needs optim.total_steps (the trainer sets it)")
+        warmup = int(config.lr_warmup_steps_ratio * total)
     schedule, min_ratio = config.lr_scheduler, config.min_lr_ratio
 
     # a plain function (not a callable object), so the scheduler's state_dict holds only the step count and

@@ -3,8 +3,8 @@ partitioned over the data-parallel ranks (``p.ds_tensor`` holds this rank's slic
 DeepSpeed client optimizer.
 
 Same contract as the FSDP engine (backends/fsdp/engine.py): every public method is collective, micro-batches
-come from backends/batching.py (the ranks agree on one count), each micro-batch's loss is scaled by its share of
-the mini-batch's rows, and one ``train_step`` is one optimizer step.
+come from backends/batching.py (the ranks agree on one count), each micro-batch's loss is weighted by its share of
+the mini-batch's loss units over all ranks (backends/accumulation.py), and one ``train_step`` is one optimizer step.
 
 Gradient accumulation is driven by the engine, not by DeepSpeed's micro-step counter: DeepSpeed runs with
 ``managed_gradient_accumulation: false``, so ``backward`` only accumulates (reduce-scattered, averaged over
@@ -29,15 +29,15 @@ import logging
 import math
 import os
 import sys
-from collections import defaultdict
 from functools import partial
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from backends.accumulation import Accumulation
 from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, bucketed, register_backend
-from backends.batching import Partition, grad_scales, restore_order
+from backends.batching import Partition, restore_order
 from backends.config import EngineConfig, ModelConfig, OptimConfig, resolve_precision
 from backends.dist import agreed_partition, free_port, local_device, rng_state, set_rng_state
 from backends.hf_checkpoint import write_hf_checkpoint
@@ -162,24 +162,22 @@ class DeepSpeedEngine(TrainEngine):
         return DataProto.from_dict({k: torch.cat([r[k] for r in results])[order] for k in outputs})
 
     def train_step(self, mini_batch: DataProto, loss_fn: LossFn, outputs: tuple[str, ...] = ("log_probs",)) -> dict:
-        """Metrics as the FSDP engine's: row-weighted loss_fn metrics and ``loss``, the global ``grad_norm``
-        (before clipping), the ``lr`` this step used, ``step_skipped`` (non-finite gradient norm)."""
+        """Metrics as the FSDP engine's: the whole mini-batch's ``loss`` and loss_fn metrics, the global
+        ``grad_norm`` (before clipping), the ``lr`` this step used, ``step_skipped`` (non-finite gradient norm)."""
         if self.optim_config is None:
             raise RuntimeError("train_step on a forward-only engine (built with optim_config=None)")
         outputs = check_outputs(self.model_config.kind, outputs)
         temperature = float(mini_batch.meta_info.get("temperature", 1.0))
         self.ds.train()
-        parts = self._partition(mini_batch)
-        sums: dict[str, float] = defaultdict(float)
-        for part, scale in zip(parts, grad_scales(parts)):
-            micro = mini_batch.select_idxs(part).to(self.device)
-            micro.meta_info["grad_scale"] = scale
+        micros = [mini_batch.select_idxs(part) for part in self._partition(mini_batch)]
+        acc = Accumulation(loss_fn, micros, self.device)
+        for i, micro in enumerate(micros):
+            micro = micro.to(self.device)
             out = self._forward(micro, outputs, temperature)
             loss, metrics = loss_fn(out, micro)
-            self.ds.backward(loss * scale, scale_wrt_gas=False)
-            sums["loss"] += float(loss.detach()) * scale
-            for key, value in metrics.items():
-                sums[key] += float(value) * scale
+            self.ds.backward(loss * acc.grad_scale(i), scale_wrt_gas=False)
+            acc.add(i, loss.detach(), metrics)
+        sums = acc.metrics()
         lr = self.scheduler.get_last_lr()[0]
         self.ds.step()  # the boundary: clip, AdamW, LR schedule, zero the gradients
         skipped = not self.ds.was_step_applied()

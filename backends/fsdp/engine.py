@@ -3,8 +3,9 @@ data-parallel mesh, trained with torch AdamW.
 
 One engine per process; every public method is collective (all ranks of the world call it together, with
 their own share of the batch). Sharding: each decoder layer is its own FSDP unit, then the root (embeddings,
-final norm, head). Gradients are reduce-scattered after every micro-batch's backward and averaged over ranks, so
-with per-row-mean losses and equal rows per rank the step equals a single-process step on the whole batch.
+final norm, head). Gradients are reduce-scattered after every micro-batch's backward and averaged over ranks; each
+micro-batch's loss is weighted by its share of the mini-batch's loss units over all ranks (tokens for a token-mean
+loss; backends/accumulation.py), so the step equals a single-process step on the whole batch.
 
 Batches are DataProtos in verl's layout (see backends/base.py); ``meta_info["temperature"]`` (default 1) divides
 the logits before log-probs/entropy. Micro-batches: ``micro_batch_size_per_gpu`` rows, or with
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections import defaultdict
 from functools import partial
 
 import torch
@@ -29,8 +29,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from backends.accumulation import Accumulation
 from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, bucketed, register_backend
-from backends.batching import Partition, grad_scales, restore_order
+from backends.batching import Partition, restore_order
 from backends.config import EngineConfig, ModelConfig, OptimConfig, resolve_precision
 from backends.dist import agreed_partition, init_distributed, local_device
 from backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
@@ -119,26 +120,24 @@ class FSDPEngine(TrainEngine):
         return DataProto.from_dict({k: torch.cat([r[k] for r in results])[order] for k in outputs})
 
     def train_step(self, mini_batch: DataProto, loss_fn: LossFn, outputs: tuple[str, ...] = ("log_probs",)) -> dict:
-        """Metrics are this rank's: loss_fn's metrics and ``loss`` averaged over micro-batches weighted by their rows
-        (the plain mean for equal micro-batches), plus the global ``grad_norm`` (before clipping), the ``lr`` this
-        step used and ``step_skipped`` (1.0 when a non-finite gradient norm skipped the optimizer step)."""
+        """Metrics are the whole mini-batch's (all DP ranks; backends/accumulation.py): ``loss`` and loss_fn's
+        metrics, plus the global ``grad_norm`` (before clipping), the ``lr`` this step used and ``step_skipped``
+        (1.0 when a non-finite gradient norm skipped the optimizer step)."""
         if self.optimizer is None:
             raise RuntimeError("train_step on a forward-only engine (built with optim_config=None)")
         outputs = check_outputs(self.model_config.kind, outputs)
         temperature = float(mini_batch.meta_info.get("temperature", 1.0))
         with self._on_device(optimizer=True):
             self.model.train()
-            parts = self._partition(mini_batch)
-            sums: dict[str, float] = defaultdict(float)
-            for part, scale in zip(parts, grad_scales(parts)):
-                micro = mini_batch.select_idxs(part).to(self.device)
-                micro.meta_info["grad_scale"] = scale
+            micros = [mini_batch.select_idxs(part) for part in self._partition(mini_batch)]
+            acc = Accumulation(loss_fn, micros, self.device, self.group)
+            for i, micro in enumerate(micros):
+                micro = micro.to(self.device)
                 out = self._forward(micro, outputs, temperature)
                 loss, metrics = loss_fn(out, micro)
-                (loss * scale).backward()
-                sums["loss"] += float(loss.detach()) * scale
-                for key, value in metrics.items():
-                    sums[key] += float(value) * scale
+                (loss * acc.grad_scale(i)).backward()
+                acc.add(i, loss.detach(), metrics)
+            sums = acc.metrics()
             grad_norm = self._clip_grads()
             lr = self.scheduler.get_last_lr()[0]
             skipped = not math.isfinite(grad_norm)

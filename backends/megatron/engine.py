@@ -6,8 +6,9 @@ Same contract as the FSDP/DeepSpeed engines (every public method is collective; 
 ``engine_config.extra["megatron"]`` (backends/megatron/parallel.py). Every rank of one DP group gets the same rows
 (dispatch "MEGATRON_COMPUTE_PROTO"; the workers' mesh is (dp_rank, dp_size, collects_output)). Micro-batches are
 the other engines' (backends/batching.py, agreed over the DP group); with PP > 1 they are padded to equal rows.
-Micro-batch i backpropagates ``loss_i * rows_i / rows`` (megatron divides by the micro-batch count, undone here) and
-DDP averages over DP, so the gradient equals the other engines'. forward() and train_step() results are computed
+Micro-batch i backpropagates its loss times its share of the mini-batch's loss units over the DP group, times the DP
+size (backends/accumulation.py; megatron divides by the micro-batch count, undone here) and DDP averages over DP,
+so the gradient equals the other engines'. forward() and train_step() results are computed
 on the last PP stage and broadcast to the other stages (small: (B, R) tensors and a metrics dict), so every rank
 returns the same; the controller keeps TP rank 0 of the last stage (``collects_output``).
 
@@ -21,14 +22,14 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections import defaultdict
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
+from backends.accumulation import Accumulation
 from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, register_backend
-from backends.batching import grad_scales, restore_order
+from backends.batching import restore_order
 from backends.config import EngineConfig, ModelConfig, OptimConfig, resolve_precision
 from backends.dist import agreed_partition, init_distributed, local_device, rng_state, set_rng_state
 from backends.hf_checkpoint import write_hf_checkpoint
@@ -44,19 +45,23 @@ from scaletrain.protocol import DataProto
 logger = logging.getLogger(__name__)
 
 
+def _check_supported(model_config: ModelConfig, optim_config: OptimConfig | None) -> None:
+    if model_config.kind not in ("causal_lm", "value", "reward"):
+        raise ValueError(f"the megatron backend runs causal_lm, value and reward models, not '{model_config.kind}'")
+    if model_config.attn_implementation:
+        raise ValueError("model.attn_implementation applies to the HF backends (fsdp, deepspeed); megatron runs "
+                         "megatron-core's own attention: leave it unset")
+    if optim_config is not None and optim_config.lr_scheduler not in SCHEDULES:
+        raise ValueError(f"unknown lr_scheduler '{optim_config.lr_scheduler}'; known: {list(SCHEDULES)}")
+
+
 @register_backend("megatron")
 class MegatronEngine(TrainEngine):
     dispatch = "MEGATRON_COMPUTE_PROTO"
 
     def __init__(self, model_config: ModelConfig, optim_config: OptimConfig | None, engine_config: EngineConfig):
         """``optim_config=None`` builds a forward-only engine (a frozen reference policy)."""
-        if model_config.kind not in ("causal_lm", "value"):
-            raise ValueError(f"the megatron backend trains causal_lm and value models, not '{model_config.kind}'")
-        if model_config.attn_implementation:
-            raise ValueError("model.attn_implementation applies to the HF backends (fsdp, deepspeed); megatron runs "
-                             "megatron-core's own attention: leave it unset")
-        if optim_config is not None and optim_config.lr_scheduler not in SCHEDULES:
-            raise ValueError(f"unknown lr_scheduler '{optim_config.lr_scheduler}'; known: {list(SCHEDULES)}")
+        _check_supported(model_config, optim_config)
         self.parallel = MegatronParallelConfig.from_extra(engine_config.extra)
         self.device = local_device()
         model_config, engine_config = resolve_precision(model_config, engine_config, self.device.type,
@@ -80,8 +85,11 @@ class MegatronEngine(TrainEngine):
         self.ps = ps
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         self.tp_group, self.pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+        # a reward model (HF sequence classifier, head ``score``) runs as a value model: the same per-token head,
+        # read at each row's last valid token (ops.response_outputs) instead of before each response token
         self.layout = layout_from_hf(self.hf_config, self.parallel.tensor_model_parallel_size,
-                                     self.parallel.pipeline_model_parallel_size, model_config.kind)
+                                     self.parallel.pipeline_model_parallel_size,
+                                     "value" if model_config.kind == "reward" else model_config.kind)
         self.tf_config = transformer_config(
             self.hf_config, self.layout.tp, self.layout.pp, self.parallel.sequence_parallel,
             torch_dtype(model_config.dtype),
@@ -144,45 +152,47 @@ class MegatronEngine(TrainEngine):
     # -------------------------------------------------------------------------------------------- compute
     def _run(self, batch: DataProto, outputs: tuple[str, ...], loss_fn: LossFn | None):
         """Forward (and backward when ``loss_fn``) over the micro-batches of ``batch``; returns (partition, the
-        per-micro-batch results of the last stage: (outputs, metrics) dicts; [] on other stages)."""
+        Accumulation (None without ``loss_fn``), the per-micro-batch results of the last stage: (outputs, metrics)
+        dicts; [] on other stages)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         temperature = float(batch.meta_info.get("temperature", 1.0))
-        parts = agreed_partition(batch, self.engine_config, self.device, self.ps.get_data_parallel_group())
-        scales = grad_scales(parts)
+        dp_group = self.ps.get_data_parallel_group()
+        parts = agreed_partition(batch, self.engine_config, self.device, dp_group)
         rows = max(len(p) for p in parts) if self.layout.pp > 1 else 0
         seq_multiple = self.layout.tp if self.parallel.sequence_parallel else 1
         keys = [k for k in MODEL_INPUTS if k in batch.batch.keys()]
         micros = []
-        for part, scale in zip(parts, scales):
+        for i, part in enumerate(parts):
             micro = batch.select_idxs(part)
-            micro.meta_info["grad_scale"] = scale
             prepared = prepare_micro_batch({k: micro.batch[k] for k in keys}, max(rows, len(part)), seq_multiple,
                                            pad_id=getattr(self.hf_config, "pad_token_id", None) or 0)
-            micros.append((micro, prepared))
+            micros.append((i, micro, prepared))
         n = len(micros)
+        # every stage and TP rank of a DP rank holds the same rows, so all agree on the weights
+        acc = Accumulation(loss_fn, [m[1] for m in micros], self.device, dp_group) if loss_fn is not None else None
 
-        def loss_func(micro, prepared, output):
+        def loss_func(i, micro, prepared, output):
             out = response_outputs(output, prepared, outputs, self.model_config.kind, temperature,
                                    self.layout.vocab_size, self.tp_rank, self.tp_group)
             if loss_fn is None:
                 return output.sum() * 0.0, ({k: v.detach() for k, v in out.items()}, {})
             loss, metrics = loss_fn(out, micro)
-            scale = micro.meta_info["grad_scale"]
-            # megatron divides by the micro-batch count; the gradient-accumulation weight is the row share
-            return loss * scale * n, (None, {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}})
+            # megatron divides by the micro-batch count, undone by the factor n
+            return loss * acc.grad_scale(i) * n, (None, {"loss": float(loss.detach()),
+                                                         **{k: float(v) for k, v in metrics.items()}})
 
         def forward_step(data_iterator, model):
-            micro, prepared = next(data_iterator)
+            i, micro, prepared = next(data_iterator)
             output = model(input_ids=prepared["input_ids"].to(self.device),
                            position_ids=prepared["position_ids"].to(self.device), attention_mask=None)
-            return output, partial(loss_func, micro, prepared)
+            return output, partial(loss_func, i, micro, prepared)
 
-        seq = micros[0][1]["input_ids"].shape[1]
+        seq = micros[0][2]["input_ids"].shape[1]
         results = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micros), model=[self.model], num_microbatches=n,
-            seq_length=seq, micro_batch_size=micros[0][1]["input_ids"].shape[0], forward_only=loss_fn is None)
-        return parts, scales, results
+            seq_length=seq, micro_batch_size=micros[0][2]["input_ids"].shape[0], forward_only=loss_fn is None)
+        return parts, acc, results
 
     def _from_last_stage(self, obj):
         """``obj`` of the last PP stage, on every stage of this rank's pipeline."""
@@ -204,8 +214,8 @@ class MegatronEngine(TrainEngine):
         return DataProto.from_dict(self._from_last_stage(tensors))
 
     def train_step(self, mini_batch: DataProto, loss_fn: LossFn, outputs: tuple[str, ...] = ("log_probs",)) -> dict:
-        """Metrics like the FSDP engine's: loss_fn's metrics and ``loss`` weighted by micro-batch rows (this DP
-        rank's), the global ``grad_norm`` (before clipping), the ``lr`` of this step and ``step_skipped``."""
+        """Metrics like the FSDP engine's: the whole mini-batch's ``loss`` and loss_fn metrics (all DP ranks), the
+        global ``grad_norm`` (before clipping), the ``lr`` of this step and ``step_skipped``."""
         if self.optimizer is None:
             raise RuntimeError("train_step on a forward-only engine (built with optim_config=None)")
         outputs = check_outputs(self.model_config.kind, outputs)
@@ -217,12 +227,13 @@ class MegatronEngine(TrainEngine):
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        _, scales, results = self._run(mini_batch, outputs, loss_fn)
-        sums: dict[str, float] = defaultdict(float)
-        for (_, metrics), scale in zip(results, scales):
-            for key, value in metrics.items():
-                sums[key] += value * scale
-        sums = self._from_last_stage(dict(sums))
+        _, acc, results = self._run(mini_batch, outputs, loss_fn)
+        sums = None
+        if self.ps.is_pipeline_last_stage():  # the loss exists there only; the DP group is last-stage ranks
+            for i, (_, metrics) in enumerate(results):
+                acc.add(i, metrics.pop("loss"), metrics)
+            sums = acc.metrics()
+        sums = self._from_last_stage(sums)
         self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
         skipped = not math.isfinite(grad_norm)

@@ -76,7 +76,7 @@ class RolloutEngineSettings:
     enable_chunked_prefill: bool | None = None  # null: on on CUDA, off on CPU (true on CPU is refused)
     enable_prefix_caching: bool = True
     load_format: str = "auto"                   # auto | safetensors | pt | dummy (random init, synced at start)
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # {"vllm": {...}}: more vllm.LLM arguments
+    engine_kwargs: dict[str, Any] = field(default_factory=lambda: {"vllm": {}})  # more vllm.LLM arguments
     seed: int = 0
 
     def resolved_for(self, device: str) -> dict[str, Any]:

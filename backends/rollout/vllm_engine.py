@@ -106,6 +106,10 @@ class VLLMRolloutEngine(RolloutEngine):
             kwargs.update(llm_kwargs)
             with launcher_env(device) if tp > 1 else contextlib.nullcontext():
                 self.llm = vllm.LLM(**kwargs)
+        except Exception as error:
+            # vLLM's config errors carry pydantic objects Ray cannot pickle: the driver would see a pickling
+            # error instead of the reason; keep the reason as plain text
+            raise RuntimeError(f"vLLM engine for {config.model_path} failed to start: {error}") from None
         finally:
             renderer_log.removeFilter(_drop_chat_warmup_warning)
             torch.set_num_threads = real_set_num_threads

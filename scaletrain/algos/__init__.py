@@ -20,7 +20,7 @@ from scaletrain.algos.advantage import (
     get_adv_estimator,
     register_adv_est,
 )
-from scaletrain.algos.agg import LOSS_AGG_MODES, agg_loss
+from scaletrain.algos.agg import LOSS_AGG_MODES, agg_count, agg_loss
 from scaletrain.algos.entropy import entropy_from_logits, logprobs_from_logits
 from scaletrain.algos.group_advantage import group_ids, group_mean_std
 from scaletrain.algos.kl import (
@@ -50,6 +50,7 @@ __all__ = [
     "register_policy_loss",
     "get_policy_loss",
     "LOSS_AGG_MODES",
+    "agg_count",
     "agg_loss",
     "kl_penalty",
     "compute_kl_loss",

@@ -11,6 +11,12 @@ Modes (``actor.loss_agg_mode``):
   stays a per-sequence average so it is on the same scale as the other modes.
 
 The seq-mean modes average over sequences that have at least one unmasked token; an empty mask gives 0.
+
+Every mode is a mean over some units: tokens (token-mean), sequences with a token (seq-mean-token-sum/-mean), rows
+(seq-mean-token-sum-norm, whose length divisor is a constant). ``agg_count`` counts them; a training engine weights
+each micro-batch's aggregate by its count over the mini-batch's (all micro-batches, all DP ranks: see
+backends/accumulation.py), which makes the mini-batch loss and gradient exactly this function's on the whole
+mini-batch.
 """
 from __future__ import annotations
 
@@ -37,4 +43,16 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
         seq_loss = token_sum if loss_agg_mode == "seq-mean-token-sum" else token_sum / token_count.clamp(min=1)
         has_tokens = (token_count > 0).to(loss_mat.dtype)
         return masked_mean(seq_loss, has_tokens)
+    raise ValueError(f"unknown loss_agg_mode '{loss_agg_mode}'; expected one of: {', '.join(LOSS_AGG_MODES)}")
+
+
+def agg_count(loss_mask: torch.Tensor, loss_agg_mode: str = "token-mean") -> float:
+    """How many units ``agg_loss`` averages over for this mask: valid tokens (token-mean), sequences with at least
+    one valid token (seq-mean-token-sum / seq-mean-token-mean) or rows (seq-mean-token-sum-norm)."""
+    if loss_agg_mode == "token-mean":
+        return float(loss_mask.sum())
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        return float((loss_mask.sum(-1) > 0).sum())
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        return float(loss_mask.shape[0])
     raise ValueError(f"unknown loss_agg_mode '{loss_agg_mode}'; expected one of: {', '.join(LOSS_AGG_MODES)}")

@@ -15,7 +15,8 @@ wants, so letting the tokenizer add them again would double them.
 
 ``dataset[i]`` is a dict: ``input_ids`` / ``attention_mask`` / ``position_ids`` (1-D, left-padded to
 ``max_prompt_length``; position ids count valid tokens from 0) plus the non-tensor fields ``data_source``,
-``reward_model``, ``extra_info``, ``ability``, ``raw_prompt`` (the messages), ``raw_prompt_ids`` (unpadded token
+``reward_model``, ``extra_info``, ``ability``, ``raw_prompt`` (the messages; left out with
+``return_raw_chat=False``), ``raw_prompt_ids`` (unpadded token
 ids), ``index`` (``extra_info["index"]`` when present, else ``row_id``), ``row_id`` (the row's position across all
 files, unique, counted before filtering) and ``agent_name`` when any file has that column.
 ``collate_fn`` turns a list of those into a DataProto.
@@ -160,6 +161,7 @@ class RLDataset:
         truncation: str = "error",
         max_samples: int | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        return_raw_chat: bool = True,
     ):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
@@ -174,6 +176,7 @@ class RLDataset:
         self.tokenizer = tokenizer
         self.max_prompt_length = int(max_prompt_length)
         self.prompt_key = prompt_key
+        self.return_raw_chat = return_raw_chat
         self.filter_overlong_prompts = filter_overlong_prompts
         self.truncation = truncation
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
@@ -263,11 +266,12 @@ class RLDataset:
             reward_model=copy.deepcopy(row["reward_model"]),
             extra_info=copy.deepcopy(row["extra_info"]),
             ability=row["ability"],
-            raw_prompt=copy.deepcopy(row["raw_prompt"]),
             raw_prompt_ids=list(ids),
             index=row["index"],
             row_id=row["row_id"],
         )
+        if self.return_raw_chat:  # data.return_raw_chat: the chat messages travel with the row
+            item["raw_prompt"] = copy.deepcopy(row["raw_prompt"])
         if self.has_agent_name:
             item["agent_name"] = row["agent_name"]
         return item

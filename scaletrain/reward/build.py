@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,3 +31,17 @@ def build_reward_manager(
             compute_score = functools.partial(compute_score, **dict(reward_kwargs))
     manager_cls = get_reward_manager(reward_manager)
     return manager_cls(tokenizer, compute_score=compute_score, num_examine=num_examine, **manager_kwargs)
+
+
+def unknown_manager_kwargs(reward_manager: str, kwargs: Mapping[str, Any]) -> list[str]:
+    """The names in ``kwargs`` that reward manager ``reward_manager`` does not take (checked before anything
+    starts). A manager whose ``__init__`` forwards ``**kwargs`` takes what its base classes take."""
+    accepted: set[str] = set()
+    for cls in get_reward_manager(reward_manager).__mro__:
+        if "__init__" not in vars(cls):
+            continue
+        params = inspect.signature(vars(cls)["__init__"]).parameters.values()
+        accepted |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return sorted(set(kwargs) - accepted)
+    return []

@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from scaletrain.models.prepare import check_causal_lm
+from scaletrain.trainer.rollout_checks import validate_rollout, validate_rollout_model
 from scaletrain.utils.typed_config import ConfigError, build
-from scaletrain.workers.config import ActorConfig, MegatronConfig, RefConfig, RolloutWorkerConfig
+from scaletrain.workers.config import ActorConfig, FSDPConfig, MegatronConfig, RefConfig, RolloutWorkerConfig
 
 
 @dataclass
@@ -30,6 +31,7 @@ class DataConfig:
     shuffle: bool = True
     seed: int = 1
     prompt_key: str = "prompt"
+    return_raw_chat: bool = True            # rows keep their chat messages (raw_prompt); the agent loops need them
     max_samples: int | None = None
     val_max_samples: int | None = None
 
@@ -46,6 +48,21 @@ class HFModelConfig:
 
 
 @dataclass
+class RoleModelConfig(HFModelConfig):
+    """``critic.model`` / ``reward_model.model``: a model section with its own offload keys (verl's layout)."""
+
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class RewardModelModelConfig(RoleModelConfig):
+    """``reward_model.model``: an HF sequence classifier (num_labels=1) and the tokenizer its inputs come from."""
+
+    input_tokenizer: str | None = None      # null: the RM reads the policy's tokens (same vocabulary, checked);
+                                            # set (the policy's tokenizer): decode, re-apply the RM's chat template
+
+
+@dataclass
 class ActorRolloutRefSection:
     model: HFModelConfig = field(default_factory=HFModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
@@ -56,7 +73,8 @@ class ActorRolloutRefSection:
 @dataclass
 class CriticSection:
     enable: bool | None = None              # null: on for estimators that need values (gae)
-    model: HFModelConfig = field(default_factory=HFModelConfig)   # path null: the actor's model
+    strategy: str | None = None             # as actor_rollout_ref.actor.strategy; the roles share one backend
+    model: RoleModelConfig = field(default_factory=RoleModelConfig)   # path null: the actor's model
     ppo_mini_batch_size: int | None = None  # null: the actor's
     ppo_micro_batch_size_per_gpu: int = 4
     ppo_epochs: int | None = None
@@ -70,9 +88,13 @@ class CriticSection:
 
 @dataclass
 class RewardModelSection:
-    enable: bool = False                    # a model-based reward (RewardModelWorker) added to rule scores
-    model: HFModelConfig = field(default_factory=HFModelConfig)
-    micro_batch_size_per_gpu: int = 8
+    enable: bool = False                    # the RM's score replaces the rule reward (verl), or is added to
+                                            # custom_reward_function's score when that is set; see rm_reward.py
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    micro_batch_size_per_gpu: int = 8       # rows per RM forward on one device
+    max_length: int | None = None           # re-tokenized RM inputs keep their last max_length tokens; null: all
+    use_dynamic_bsz: bool = False           # micro-batches by tokens (forward_max_token_len_per_gpu) instead
+    forward_max_token_len_per_gpu: int = 16384
     reward_manager: str = "naive"           # naive | prime | batch | dapo | multi
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 30.0
@@ -111,6 +133,14 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """``algorithm.filter_groups``: DAPO's dynamic sampling (verl's keys; scaletrain/trainer/dynamic_sampling.py)."""
+    enable: bool = False                    # drop groups whose metric is equal for all n samples, refill the batch
+    metric: str = "acc"                     # seq_reward | seq_final_reward | a key of the reward's extra info
+    max_num_gen_batches: int = 0            # generation batches per step before failing; <= 0: no limit
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     gamma: float = 1.0
@@ -120,6 +150,8 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    filter_overlong_responses: bool = False  # truncated responses (no EOS) out of the loss (trainer/overlong.py)
 
 
 @dataclass
@@ -141,7 +173,7 @@ class TrainerSection:
     nnodes: int = 1
     device: str = "auto"                    # auto | cpu | cuda
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"  # verl's
     save_freq: int = -1                     # steps between checkpoints; -1: only at the end
     test_freq: int = -1                     # steps between validations; -1: only at the end
     val_before_train: bool = True
@@ -156,6 +188,7 @@ class TrainerSection:
     validation_data_dir: str | None = None  # set: each validation's scored samples dumped to <dir>/<step>.jsonl
     log_val_generations: int = 0            # validation samples (input, output, score) shown in the loggers
     critic_warmup: int = 0                  # the first N steps update only the critic (actor and rollout unchanged)
+    balance_batch: bool = False             # reorder rows so each DP rank gets a similar number of tokens
 
 
 @dataclass
@@ -200,7 +233,9 @@ def _files(value: Any) -> list[str]:
 
 def validate(cfg: PPOConfig) -> PPOConfig:
     """Checks across keys; raises ConfigError naming the key. Returns cfg for chaining."""
-    from scaletrain.trainer.rollout_checks import validate_rollout
+    from scaletrain.trainer.dynamic_sampling import validate_filter_groups
+    from scaletrain.trainer.rm_reward import validate_reward_model
+    from scaletrain.trainer.role_checks import validate_roles
     from scaletrain.trainer.rollout_correction import validate_rollout_correction
 
     arr, data, trainer = cfg.actor_rollout_ref, cfg.data, cfg.trainer
@@ -232,7 +267,9 @@ def validate(cfg: PPOConfig) -> PPOConfig:
         raise ConfigError("actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward both add a KL "
                           "penalty; enable one")
     validate_rollout(arr.rollout, world, trainer.device)
+    validate_roles(cfg)
     validate_rollout_correction(cfg)
+    validate_filter_groups(cfg)
     if cfg.backend.name == "megatron":
         _validate_megatron(cfg, world)
     if trainer.resume_mode not in ("auto", "disable", "resume_path"):
@@ -247,8 +284,7 @@ def validate(cfg: PPOConfig) -> PPOConfig:
                           f"(algorithm.adv_estimator={cfg.algorithm.adv_estimator}, critic.enable={cfg.critic.enable})")
     arr.rollout.val_sampling()  # raises ConfigError naming a bad val_kwargs key
     _validate_paths(cfg)
-    if cfg.reward_model.enable and not cfg.reward_model.model.path:
-        raise ConfigError("reward_model.enable needs reward_model.model.path")
+    validate_reward_model(cfg)  # after _validate_megatron: the RM shares the resolved layout
     return cfg
 
 
@@ -301,6 +337,7 @@ def _validate_paths(cfg: PPOConfig) -> None:
             check_causal_lm(model_path, "actor_rollout_ref.model.path")
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+        validate_rollout_model(cfg.actor_rollout_ref.rollout, model_path)
 
 
 def _validate_generation_outputs(trainer: TrainerSection) -> None:

@@ -1,8 +1,8 @@
 """Entry point: ``python -m scaletrain.trainer.main_ppo [hydra overrides]`` (layer 4).
 
-Composes configs/ppo_trainer.yaml with the overrides, builds and validates the typed config before Ray starts,
-fills null model/data paths with the embedded default, then trains and writes the run's outputs (metrics,
-checkpoints, an HF export, curves).
+Composes configs/ppo_trainer.yaml with the overrides (verl's command-line forms translated first: verl_compat.py),
+builds and validates the typed config before Ray starts, fills null model/data paths with the embedded default,
+then trains and writes the run's outputs (metrics, checkpoints, an HF export, curves).
 """
 
 from __future__ import annotations
@@ -87,5 +87,21 @@ def main(config: DictConfig) -> None:
     print_summary(summary)
 
 
+def verl_overrides(argv: list[str]) -> list[str]:
+    """The command line's overrides as Hydra should see them (verl's strategy keys, ``+`` on known keys,
+    unsupported verl keys refused: scaletrain/trainer/verl_compat.py)."""
+    from scaletrain.trainer.verl_compat import translate_overrides
+    from scaletrain.utils.typed_config import leaf_fields
+
+    return translate_overrides(argv, {key for key, _, _ in leaf_fields(PPOConfig)})
+
+
 if __name__ == "__main__":
+    from scaletrain.utils.typed_config import ConfigError
+
+    try:
+        sys.argv[1:] = verl_overrides(sys.argv[1:])
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        sys.exit(2)
     sys.exit(main())

@@ -10,25 +10,33 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 
 from backends.config import EngineConfig, ModelConfig, OptimConfig
+from backends.rollout.layout import eos_token_ids
 from scaletrain.algos import build_kl_controller
 from scaletrain.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, create_colocated_worker_cls
 from scaletrain.data import StatefulDataLoader
 from scaletrain.protocol import DataProto
 from scaletrain.reward import build_reward_manager
 from scaletrain.trainer.advantage import apply_kl_penalty, compute_advantage
+from scaletrain.trainer.balance import actor_dp_size, balance_batch
 from scaletrain.trainer.checkpoint import CheckpointManager
 from scaletrain.trainer.config import HFModelConfig, PPOConfig
+from scaletrain.trainer.dynamic_sampling import Scored, collect_groups
 from scaletrain.trainer.generations import ScoredSamples, dump_batch, dump_jsonl, pick_samples
 from scaletrain.trainer.metrics import data_metrics, device_peak_flops, throughput_metrics, timer, timing_metrics
+from scaletrain.trainer.overlong import mask_overlong_responses
+from scaletrain.trainer.remax import greedy_baseline
+from scaletrain.trainer.rm_reward import RewardWithRM, rm_worker_config
 from scaletrain.trainer.rollout_correction import apply_rollout_correction
 from scaletrain.trainer.tracking import Tracking
 from scaletrain.trainer.val_metrics import validation_metrics
 from scaletrain.utils.typed_config import build, to_dict
-from scaletrain.workers import ActorRolloutRefConfig, ActorRolloutRefWorker, CriticConfig, CriticWorker, reduce_metrics
+from scaletrain.workers import (ActorRolloutRefConfig, ActorRolloutRefWorker, CriticConfig, CriticWorker,
+                                RewardModelWorker, reduce_metrics)
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +71,10 @@ class RayPPOTrainer:
         self.device = cfg.trainer.device
         self.initial_val_metrics: dict[str, float] = {}  # validation before the first step
         self.agent_manager = None                          # the multi-turn rollout path (init_workers)
+        self.rm_wg = None                                  # reward_model.enable (init_workers)
+        self.train_reward_fn = self.reward_fn              # the rollouts' reward: with the RM's score once it is up
+        self.eos_ids = (eos_token_ids(tokenizer, cfg.actor_rollout_ref.model.path)  # what ends a response
+                        if cfg.algorithm.filter_overlong_responses else [])
 
     # ------------------------------------------------------------------------------------------------ workers
     def _worker_configs(self) -> tuple[ActorRolloutRefConfig, CriticConfig | None]:
@@ -77,13 +89,15 @@ class RayPPOTrainer:
         if not cfg.use_critic:
             return actor_cfg, None
         c = cfg.critic
+        mini, epochs = c.ppo_mini_batch_size or arr.actor.ppo_mini_batch_size, c.ppo_epochs or arr.actor.ppo_epochs
+        optim = build(OptimConfig, c.optim, "critic.optim")
+        optim = replace(optim, total_steps=self.total_steps * (cfg.data.train_batch_size // mini) * epochs)
         critic_cfg = CriticConfig(
             model=_model_config(c.model, c.model.path or arr.model.path, kind="value"), backend=cfg.backend.name,
-            ppo_mini_batch_size=c.ppo_mini_batch_size or arr.actor.ppo_mini_batch_size,
-            ppo_micro_batch_size_per_gpu=c.ppo_micro_batch_size_per_gpu, ppo_epochs=c.ppo_epochs or arr.actor.ppo_epochs,
+            ppo_mini_batch_size=mini, ppo_micro_batch_size_per_gpu=c.ppo_micro_batch_size_per_gpu, ppo_epochs=epochs,
             use_dynamic_bsz=c.use_dynamic_bsz, ppo_max_token_len_per_gpu=c.ppo_max_token_len_per_gpu,
             cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode, rollout_n=arr.rollout.n,
-            optim=build(OptimConfig, c.optim, "critic.optim"), engine=engine,
+            optim=optim, engine=c.model.fsdp_config.applied(engine),
         )
         return actor_cfg, critic_cfg
 
@@ -95,6 +109,10 @@ class RayPPOTrainer:
         roles = {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, actor_cfg, role)}
         if critic_cfg is not None:
             roles["critic"] = RayClassWithInitArgs(CriticWorker, critic_cfg)
+        rm_cfg = rm_worker_config(cfg, actor_cfg.engine, _model_config(cfg.reward_model.model,
+                                                                       cfg.reward_model.model.path, kind="reward"))
+        if rm_cfg is not None:  # the reward model: one more colocated role on the same processes
+            roles["rm"] = RayClassWithInitArgs(RewardModelWorker, rm_cfg)
         self.pool = RayResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes,
                                     use_gpu=self.device == "cuda")
         self.wg_dict = RayWorkerGroup(self.pool, create_colocated_worker_cls(roles), name_prefix="colocated")
@@ -104,6 +122,10 @@ class RayPPOTrainer:
         if self.critic_wg is not None:
             self.critic_wg.init_model()
         self.actor_rollout_wg.init_model()
+        if rm_cfg is not None:
+            self.rm_wg = groups["rm"]
+            self.rm_wg.init_model()
+            self.train_reward_fn = RewardWithRM(self.rm_wg, self.reward_fn if cfg.custom_reward_function.path else None)
         if cfg.actor_rollout_ref.rollout.use_agent_loop:
             self.agent_manager = self._build_agent_manager()
         self.actor_params = self._count_params(actor_cfg.model.path)
@@ -131,6 +153,10 @@ class RayPPOTrainer:
             val_sampling = rc.val_sampling()
             sampling.update({k: v for k, v in val_sampling.items() if k in sampling})
             n = val_sampling.get("n", 1)
+        # explicit overrides, as the worker's generate_sequences honours them (ReMax's greedy baseline)
+        meta = gen_batch.meta_info
+        sampling.update({k: meta[k] for k in ("temperature", "top_p", "top_k") if k in meta})
+        n = meta.get("n", n)
         rows = DataProto.from_dict(non_tensors=dict(batch.non_tensor_batch))
         out = self.agent_manager.generate_sequences(rows, sampling, n=n, tag=tag)
         metrics = out.meta_info.pop("metrics", {})
@@ -176,33 +202,57 @@ class RayPPOTrainer:
     def _due(self, freq: int, last: bool) -> bool:
         return last or (freq > 0 and self.global_step % freq == 0)
 
+    def _rollout(self, batch: DataProto, gen_index: int, timings: dict[str, float]) -> Scored:
+        """n samples per prompt of ``batch`` (plus ReMax's greedy baseline), scored. ``gen_index`` > 0: a later
+        generation batch of the same step (dynamic sampling), with its own uids and seed."""
+        cfg, step = self.cfg, self.global_step
+        suffix = f"-{gen_index}" if gen_index else ""
+        batch.non_tensor_batch["uid"] = np.array([f"{step}{suffix}-{i}" for i in range(len(batch))], dtype=object)
+        gen_batch = batch.pop(batch_keys=GEN_KEYS)
+        gen_batch.meta_info["seed"] = cfg.trainer.seed * 100003 + step + gen_index * 1000003
+        with timer("gen", timings):
+            gen_out, metrics = self._generate(batch, gen_batch, tag=f"step{step}{suffix}")
+        baseline = None
+        if cfg.algorithm.adv_estimator == "remax":
+            with timer("gen_max", timings):
+                baseline, baseline_metrics = greedy_baseline(self._generate, self.train_reward_fn, batch, gen_batch,
+                                                             tag=f"step{step}{suffix}")
+                metrics.update(baseline_metrics)
+        n = cfg.actor_rollout_ref.rollout.n
+        batch = batch.repeat(n, interleave=True).union(gen_out)
+        batch.meta_info["temperature"] = cfg.actor_rollout_ref.rollout.temperature
+        if baseline is not None:
+            batch.batch["reward_baselines"] = baseline.repeat_interleave(n)
+        with timer("reward", timings):
+            reward = self.train_reward_fn(batch, return_dict=True)
+            batch.batch["token_level_scores"] = reward["reward_tensor"]
+        return Scored(batch, reward, {**metrics, **reward["metrics"]})
+
     def train_step(self, batch: DataProto) -> dict[str, float]:
         cfg, metrics, timings = self.cfg, {}, {}
-        n = cfg.actor_rollout_ref.rollout.n
         with timer("step", timings):
-            batch.non_tensor_batch["uid"] = np.array(
-                [f"{self.global_step}-{i}" for i in range(len(batch))], dtype=object)
-            gen_batch = batch.pop(batch_keys=GEN_KEYS)
-            gen_batch.meta_info["seed"] = cfg.trainer.seed * 100003 + self.global_step
-            with timer("gen", timings):
-                gen_out, gen_metrics = self._generate(batch, gen_batch, tag=f"step{self.global_step}")
-                metrics.update(gen_metrics)
-            batch = batch.repeat(n, interleave=True).union(gen_out)
-            batch.meta_info["temperature"] = cfg.actor_rollout_ref.rollout.temperature
-
-            with timer("reward", timings):
-                reward = self.reward_fn(batch, return_dict=True)
-                batch.batch["token_level_scores"] = reward["reward_tensor"]
-                metrics.update(reward["metrics"])
+            if cfg.algorithm.filter_groups.enable:  # DAPO dynamic sampling: more prompts until enough groups vary
+                scored, sampling_metrics = collect_groups(  # extra prompts advance the loader: resumable
+                    batch, partial(self._rollout, timings=timings), lambda: next(iter(self.loader)),
+                    cfg.algorithm.filter_groups, cfg.data.train_batch_size)
+                metrics.update(sampling_metrics)
+            else:
+                scored = self._rollout(batch, 0, timings)
+            batch, reward = scored.batch, scored.reward
+            metrics.update(scored.metrics)
             if cfg.trainer.rollout_data_dir:
                 with timer("dump_rollouts", timings):
                     dump_batch(cfg.trainer.rollout_data_dir, self.global_step, batch, reward, self.tokenizer)
+            if cfg.trainer.balance_batch:  # each DP rank gets a similar number of tokens
+                metrics.update(balance_batch(batch, actor_dp_size(cfg)))
             with timer("old_log_prob", timings):
                 old = self.actor_rollout_wg.compute_log_prob(batch)
                 entropy = old.batch["entropys"][batch.batch["response_mask"].bool()]
                 metrics["actor/entropy"] = entropy.mean().item()
                 batch = batch.union(old.select(batch_keys=["old_log_probs"]))
             metrics.update(apply_rollout_correction(batch, cfg.algorithm.rollout_correction))
+            if cfg.algorithm.filter_overlong_responses:
+                metrics.update(mask_overlong_responses(batch, self.eos_ids))
             if self.use_ref:
                 with timer("ref", timings):
                     batch = batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))

@@ -14,6 +14,25 @@ def validate_rollout(rollout, world: int, device: str) -> None:
     _validate_multi_turn(rollout)
 
 
+def validate_rollout_model(rollout, model_path: str) -> None:
+    """What the rollout engine would refuse later, in a worker: lengths beyond the model's positions, a TP size
+    the attention heads do not split into."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    key = "actor_rollout_ref.rollout"
+    positions = getattr(config, "max_position_embeddings", None)
+    total = rollout.prompt_length + rollout.response_length
+    if positions is not None and total > positions:
+        raise ConfigError(f"{key}.prompt_length + response_length = {total} (data.max_prompt_length + "
+                          f"max_response_length) exceeds the model's max_position_embeddings ({positions})")
+    tp, heads = rollout.tensor_model_parallel_size, config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if heads % tp or (kv % tp if tp <= kv else tp % kv):
+        raise ConfigError(f"{key}.tensor_model_parallel_size={tp} does not split the model's {heads} attention "
+                          f"heads / {kv} KV heads")
+
+
 def _validate_rollout_tp(rollout, world: int) -> None:
     tp, key = rollout.tensor_model_parallel_size, "actor_rollout_ref.rollout.tensor_model_parallel_size"
     if tp < 1 or world % tp:

@@ -23,7 +23,7 @@ def _dataset(files: Any, tokenizer, cfg: PPOConfig, max_samples: int | None) -> 
         return None
     return RLDataset(files, tokenizer, cfg.data.max_prompt_length, prompt_key=cfg.data.prompt_key,
                      filter_overlong_prompts=cfg.data.filter_overlong_prompts, truncation=cfg.data.truncation,
-                     max_samples=max_samples)
+                     max_samples=max_samples, return_raw_chat=cfg.data.return_raw_chat)
 
 
 def train(cfg: PPOConfig) -> dict[str, Any]:

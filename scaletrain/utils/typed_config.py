@@ -102,3 +102,15 @@ def build(cls: type, data: dict[str, Any] | None, path: str = "") -> Any:
 def to_dict(obj: Any) -> Any:
     """The plain-dict form of a (nested) dataclass, for logging and checkpoints."""
     return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+
+
+def leaf_fields(cls, prefix: str = ""):
+    """(dotted key, declaring dataclass, field) of each leaf field of dataclass ``cls``, nested dataclasses walked
+    (a dict-typed field is a leaf)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        inner = [a for a in typing.get_args(hints[f.name]) if dataclasses.is_dataclass(a)] or [hints[f.name]]
+        if dataclasses.is_dataclass(inner[0]):
+            yield from leaf_fields(inner[0], f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", cls, f

@@ -19,6 +19,7 @@ import os
 from dataclasses import replace
 
 from backends.base import TrainEngine, get_backend
+from backends.dist import MICRO_BATCHING
 from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
@@ -61,7 +62,7 @@ class ActorRolloutRefWorker(Worker):
         cfg = self.config
         backend = get_backend(cfg.backend)
         engine_cfg = replace(
-            cfg.engine,
+            cfg.actor.fsdp_config.applied(cfg.engine),
             micro_batch_size_per_gpu=cfg.actor.ppo_micro_batch_size_per_gpu,
             use_dynamic_bsz=cfg.actor.use_dynamic_bsz,
             max_token_len_per_gpu=cfg.actor.ppo_max_token_len_per_gpu,
@@ -73,8 +74,7 @@ class ActorRolloutRefWorker(Worker):
                 cfg.actor.ppo_mini_batch_size, cfg.rollout.n, self.actor.dp_size, "actor.ppo_mini_batch_size"
             )
         if "ref" in self.parts:
-            ref_engine = replace(engine_cfg, micro_batch_size_per_gpu=cfg.ref.log_prob_micro_batch_size_per_gpu)
-            self.ref = backend(cfg.model, None, ref_engine)
+            self.ref = backend(cfg.model, None, cfg.ref.fsdp_config.applied(cfg.engine))
             if self.actor is None:
                 declare_engine_mesh(self, self.ref)
         if "rollout" in self.parts:
@@ -149,11 +149,15 @@ class ActorRolloutRefWorker(Worker):
     # ------------------------------------------------------------------------------------------- log-probs
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
+        data = data.select()
+        data.meta_info[MICRO_BATCHING] = self.config.rollout.micro_batching()
         out = self._training("actor").forward(data, outputs=("log_probs", "entropy"))
         return DataProto.from_dict({"old_log_probs": out.batch["log_probs"], "entropys": out.batch["entropy"]})
 
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        data = data.select()
+        data.meta_info[MICRO_BATCHING] = self.config.ref.micro_batching()
         out = self._training("ref").forward(data, outputs=("log_probs",))
         return DataProto.from_dict({"ref_log_prob": out.batch["log_probs"]})
 

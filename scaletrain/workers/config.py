@@ -41,12 +41,35 @@ class MegatronConfig:
     pipeline_model_parallel_size: int | None = None
     sequence_parallel: bool | None = None
     use_distributed_optimizer: bool | None = None
+    # verl's offload keys: megatron offload is not implemented, true fails before Ray (rollout_checks.py)
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    grad_offload: bool = False
 
     def merged(self, extra: dict[str, Any]) -> dict[str, Any]:
-        """``extra["megatron"]`` with this section's set keys on top."""
+        """``extra["megatron"]`` with this section's set layout keys on top."""
         out = dict(extra.get("megatron") or {})
-        out.update({f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None})
+        out.update({f.name: getattr(self, f.name) for f in fields(self)
+                    if f.name in LAYOUT_KEYS and getattr(self, f.name) is not None})
         return out
+
+
+LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
+               "use_distributed_optimizer")
+
+
+@dataclass
+class FSDPConfig:
+    """``*.fsdp_config.*`` (verl's name; backends fsdp and deepspeed): keep the role's parameters / optimizer
+    state in CPU memory between uses. Null: the backend section's ``param_offload`` / ``optimizer_offload``."""
+
+    param_offload: bool | None = None
+    optimizer_offload: bool | None = None
+
+    def applied(self, engine: EngineConfig) -> EngineConfig:
+        """``engine`` with this section's set keys on top."""
+        return replace(engine, **{f.name: getattr(self, f.name) for f in fields(self)
+                                  if getattr(self, f.name) is not None})
 
 
 def with_megatron(engine: EngineConfig, backend: str, section: MegatronConfig) -> EngineConfig:
@@ -58,6 +81,8 @@ def with_megatron(engine: EngineConfig, backend: str, section: MegatronConfig) -
 
 @dataclass
 class ActorConfig:
+    strategy: str | None = None              # verl's backend selector: fsdp | fsdp2 | deepspeed | megatron; null:
+                                             # the backend group's (configs/backend, the `backend=` short form)
     ppo_mini_batch_size: int = 8             # prompts per mini-batch (x rollout.n rows), over all DP ranks
     ppo_micro_batch_size_per_gpu: int = 4    # rows per micro-batch on one rank
     ppo_epochs: int = 1
@@ -77,6 +102,7 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # also the ref policy's layout
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass
@@ -111,11 +137,19 @@ class RolloutWorkerConfig(RolloutEngineSettings):
     prompt_length: int = 512
     response_length: int = 512
     tensor_model_parallel_size: int = 1
-    log_prob_micro_batch_size_per_gpu: int = 8
+    log_prob_micro_batch_size_per_gpu: int = 8   # rows per micro-batch of the old-log-prob pass
+    log_prob_use_dynamic_bsz: bool = False       # that pass batches by tokens instead (log_prob_max_token_len_per_gpu)
+    log_prob_max_token_len_per_gpu: int = 16384
     weight_bucket_bytes: int = 256 << 20
     offload_train_during_rollout: bool = False  # the actor's memory goes to CPU while the engine generates
     val_kwargs: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.0, "n": 1})
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+
+    def micro_batching(self) -> dict[str, Any]:
+        """The old-log-prob pass's micro-batch settings (see backends/dist.py ``MICRO_BATCHING``)."""
+        return {"micro_batch_size_per_gpu": self.log_prob_micro_batch_size_per_gpu,
+                "use_dynamic_bsz": self.log_prob_use_dynamic_bsz,
+                "max_token_len_per_gpu": self.log_prob_max_token_len_per_gpu}
 
     @property
     def use_agent_loop(self) -> bool:
@@ -141,6 +175,16 @@ class RolloutWorkerConfig(RolloutEngineSettings):
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 8
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # must match the actor's layout (colocated)
+
+    def micro_batching(self) -> dict[str, Any]:
+        """The reference log-prob pass's micro-batch settings (see backends/dist.py ``MICRO_BATCHING``)."""
+        return {"micro_batch_size_per_gpu": self.log_prob_micro_batch_size_per_gpu,
+                "use_dynamic_bsz": self.log_prob_use_dynamic_bsz,
+                "max_token_len_per_gpu": self.log_prob_max_token_len_per_gpu}
 
 
 @dataclass
@@ -180,7 +224,13 @@ class CriticConfig:
 
 @dataclass
 class RewardModelConfig:
+    """The reward-model worker's settings (the trainer fills them from ``reward_model.*``)."""
+
     model: ModelConfig
     backend: str = "fsdp"
     micro_batch_size_per_gpu: int = 8
+    use_dynamic_bsz: bool = False
+    forward_max_token_len_per_gpu: int = 16384
+    input_tokenizer: str | None = None       # set: the policy's tokenizer; rollouts are re-tokenized for the RM
+    max_length: int | None = None            # re-tokenized inputs longer than this keep their last tokens
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -1,7 +1,10 @@
 """Per-micro-batch losses the role workers hand to their TrainEngine (layer 2).
 
 Each builder returns ``loss_fn(outputs, micro_batch) -> (loss, metrics)`` as ``backends.base.LossFn`` expects;
-the pieces (policy loss, aggregation, KL, value loss) come from ``scaletrain.algos``.
+the pieces (policy loss, aggregation, KL, value loss) come from ``scaletrain.algos``. Each loss is aggregated over
+``response_mask`` with its ``loss_agg_mode``, and ``aggregated(mode)`` tells the engine how many units (tokens,
+sequences) a micro-batch holds, so the engine's step is exactly the whole mini-batch's loss_agg_mode loss across
+micro-batches and DP ranks (backends/accumulation.py).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Callable
 import torch
 
 from backends.base import LossFn
-from scaletrain.algos import agg_loss, compute_value_loss, get_policy_loss, kl_penalty
+from scaletrain.algos import agg_count, agg_loss, compute_value_loss, get_policy_loss, kl_penalty
 from scaletrain.protocol import DataProto
 from scaletrain.workers.config import ActorConfig, CriticConfig
 
@@ -21,11 +24,21 @@ ACTOR_INPUTS = ("responses", "input_ids", "attention_mask", "position_ids", "res
 CRITIC_INPUTS = ("responses", "input_ids", "attention_mask", "position_ids", "response_mask", "values", "returns")
 
 
+def aggregated(mode: str, mask_key: str = "response_mask") -> Callable[[Callable], Callable]:
+    """Decorator for a loss_fn that aggregates over ``mb.batch[mask_key]`` with ``mode``: gives it the
+    ``count(micro_batch)`` the engines weight micro-batches by (backends/base.py ``LossFn``)."""
+    def wrap(loss_fn: Callable) -> Callable:
+        loss_fn.count = lambda mb: agg_count(mb.batch[mask_key], mode)
+        return loss_fn
+    return wrap
+
+
 def actor_loss_fn(config: ActorConfig) -> LossFn:
     """PPO-family policy loss (registered ``policy_loss.loss_mode``) - entropy bonus + KL loss."""
     policy_loss = get_policy_loss(config.policy_loss.loss_mode)
     mode = config.loss_agg_mode
 
+    @aggregated(mode)
     def loss_fn(outputs: dict[str, torch.Tensor], mb: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         log_prob = outputs["log_probs"]
         mask = mb.batch["response_mask"]
@@ -58,6 +71,7 @@ def actor_outputs(config: ActorConfig) -> tuple[str, ...]:
 def critic_loss_fn(config: CriticConfig) -> Callable:
     """Clipped value loss against the returns."""
 
+    @aggregated(config.loss_agg_mode)
     def loss_fn(outputs: dict[str, torch.Tensor], mb: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         vpreds = outputs["values"]
         loss, clipfrac = compute_value_loss(

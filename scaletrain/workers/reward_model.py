@@ -1,12 +1,16 @@
 """RewardModelWorker: a sequence-classification model that scores whole responses (layer 2).
 
-Forward only: one TrainEngine of kind ``reward`` (no optimizer) built by the configured backend. Each rank scores
-its share of the rows (one scalar per sequence, read at its last valid token) and the worker places the score at
-the last valid response token, the layout reward managers use, as ``rm_scores`` (B, R).
+Forward only: one TrainEngine of kind ``reward`` (no optimizer) built by the configured backend (fsdp, deepspeed,
+megatron). Each rank scores its share of the rows (one scalar per sequence, read at its last valid token) and the
+worker places the score at the last valid response token, the layout reward managers use, as ``rm_scores`` (B, R).
+The RM reads the policy's tokens, or, with ``input_tokenizer`` set, the rollout re-tokenized with its own tokenizer
+and chat template (scaletrain/workers/rm_inputs.py); micro-batches follow ``micro_batch_size_per_gpu`` (or
+``forward_max_token_len_per_gpu`` tokens with ``use_dynamic_bsz``).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import torch
@@ -16,6 +20,9 @@ from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
 from scaletrain.workers.config import RewardModelConfig
 from scaletrain.workers.dispatch import ENGINE_PROTO, declare_engine_mesh
+from scaletrain.workers.rm_inputs import policy_inputs, retokenized_inputs
+
+logger = logging.getLogger(__name__)
 
 
 def place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -32,18 +39,33 @@ class RewardModelWorker(Worker):
         super().__init__()
         self.config = config
         self.engine = None
+        self.tokenizers = None  # (the policy's, the RM's) when re-tokenizing
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         cfg = self.config
         model = replace(cfg.model, kind="reward")
-        engine_cfg = replace(cfg.engine, micro_batch_size_per_gpu=cfg.micro_batch_size_per_gpu)
+        engine_cfg = replace(cfg.engine, micro_batch_size_per_gpu=cfg.micro_batch_size_per_gpu,
+                             use_dynamic_bsz=cfg.use_dynamic_bsz,
+                             max_token_len_per_gpu=cfg.forward_max_token_len_per_gpu)
         self.engine = get_backend(cfg.backend)(model, None, engine_cfg)
         declare_engine_mesh(self, self.engine)
+        if cfg.input_tokenizer:
+            from transformers import AutoTokenizer
+
+            self.tokenizers = tuple(AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+                                    for path in (cfg.input_tokenizer, cfg.model.path))
 
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:
         resp_len = data.batch["responses"].shape[1]
-        scores = self.engine.forward(data, outputs=("scores",)).batch["scores"]
+        if self.tokenizers is None:
+            inputs = policy_inputs(data)
+        else:
+            inputs, truncated = retokenized_inputs(data, *self.tokenizers, self.config.max_length)
+            if truncated:
+                logger.warning("reward model: %d of %d re-tokenized rows were longer than reward_model.max_length=%s "
+                               "and keep only their last tokens", truncated, len(data), self.config.max_length)
+        scores = self.engine.forward(inputs, outputs=("scores",)).batch["scores"]
         response_mask = data.batch["attention_mask"][:, -resp_len:]
         return DataProto.from_dict({"rm_scores": place_at_last_token(scores, response_mask)})

@@ -27,6 +27,7 @@ from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
 from scaletrain.workers.colocated_rollout import ColocatedRollout
 from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO, declare_engine_mesh
+from scaletrain.workers.losses import aggregated
 from scaletrain.workers.rollout_setup import build_rollout
 
 logger = logging.getLogger(__name__)
@@ -55,8 +56,10 @@ class SFTWorkerConfig:
     max_response_length: int = 8             # also the greedy generation's max_new_tokens
 
 
+@aggregated("token-mean")
 def sft_loss_fn(outputs: dict[str, torch.Tensor], mb: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-mean NLL over the response tokens of one micro-batch (the engine reports it as ``loss``)."""
+    """Token-mean NLL over the response tokens of one micro-batch; the engine weights micro-batches by their tokens,
+    so its step and reported ``loss`` are the token-mean over the whole batch (all ranks)."""
     return agg_loss(-outputs["log_probs"], mb.batch["response_mask"], "token-mean"), {}
 
 

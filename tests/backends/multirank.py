@@ -99,8 +99,9 @@ def assert_ranks_passed(results: dict[int, dict], check: str) -> None:
 
 def assert_step_matches_reference(metrics: dict, loss: float, weights: dict, ref_loss: float, ref_norm: float,
                                   ref_sd: dict, optim) -> None:
-    """An engine's train_step (its metrics, its DP-mean ``loss``, its exported ``weights``) equals the reference
-    step (tests/backends/reference.py ``ref_step``), which must have exercised gradient clipping."""
+    """An engine's train_step (its metrics, the ``loss`` this rank reports: the whole batch's, its exported
+    ``weights``) equals the reference step (tests/backends/reference.py ``ref_step``), which must have exercised
+    gradient clipping."""
     import torch
 
     assert_close(torch.tensor(loss), torch.tensor(ref_loss), "loss")

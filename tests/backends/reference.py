@@ -1,25 +1,36 @@
 """The single-process reference the engine tests compare against: a plain HF model, torch AdamW, the same losses.
 
-``actor_loss`` / ``value_loss`` are per-row-mean losses (so any micro-batch split gives the reference gradient),
-``ref_outputs`` / ``ref_values`` compute log-probs, entropy and values with plain torch ops, ``ref_step`` is one
-clipped AdamW step on the whole batch.
+``actor_loss`` / ``value_loss`` are token-means over the response tokens of the batch they get (on the whole batch:
+the reference loss), written with plain torch ops independently of scaletrain.algos; their ``count`` (the batch's
+response tokens) lets an engine weight micro-batches so that any split over micro-batches and ranks must give the
+reference step exactly (backends/accumulation.py). ``ref_outputs`` / ``ref_values`` compute log-probs, entropy and
+values with plain torch ops, ``ref_step`` is one (clipped) AdamW step on the whole batch.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+
+def response_tokens(mb) -> float:
+    return float(mb.batch["response_mask"].sum())
 
 
 def actor_loss(out, mb):
     m = mb.batch["response_mask"].float()
-    pg = (out["log_probs"] * mb.batch["advantages"] * m).sum(-1) / m.sum(-1)
-    ent = (out["entropy"] * m).sum(-1) / m.sum(-1)
-    return -(pg + 0.01 * ent).mean(), {"pg": float(pg.mean())}
+    pg = (out["log_probs"] * mb.batch["advantages"] * m).sum() / m.sum()
+    ent = (out["entropy"] * m).sum() / m.sum()
+    return -(pg + 0.01 * ent), {"pg": float(pg)}
 
 
 def value_loss(out, mb):
     m = mb.batch["response_mask"].float()
-    return (((out["values"] - mb.batch["advantages"]) ** 2 * m).sum(-1) / m.sum(-1)).mean(), {}
+    return ((out["values"] - mb.batch["advantages"]) ** 2 * m).sum() / m.sum(), {}
+
+
+actor_loss.count = value_loss.count = response_tokens
 
 
 def ref_outputs(model, data):
@@ -42,11 +53,13 @@ def ref_values(model, data):
 
 
 def ref_step(model, data, loss_fn, outputs_fn, optim):
-    """One step of torch AdamW (``optim``: an OptimConfig, constant lr) on ``data``; returns (loss, grad_norm)."""
+    """One step of torch AdamW (``optim``: an OptimConfig, constant lr; ``grad_clip`` <= 0: no clipping) on
+    ``data``; returns (loss, grad_norm)."""
     opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, eps=optim.eps, weight_decay=optim.weight_decay,
                             betas=tuple(optim.betas))
+    model.zero_grad(set_to_none=True)
     loss, _ = loss_fn(outputs_fn(model, data), data)
     loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip if optim.grad_clip > 0 else math.inf)
     opt.step()
     return float(loss), float(norm)

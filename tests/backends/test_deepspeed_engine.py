@@ -2,7 +2,8 @@
 
 One 2-process launch (~30 s: imports and ``deepspeed.initialize``) runs every check in ``run_rank``; each rank
 writes a JSON of {check: error or null} and the tests below report one check each. Each rank gets half of the
-rows, so the ZeRO-3 step (gradients averaged over ranks) must equal the reference step on the whole batch.
+rows, so the ZeRO-3 step must equal the reference step on the whole batch (a token-mean loss), whatever the
+micro-batch split (``exact_aggregation``: 1 vs 4 micro-batches vs dynamic batch sizes, to 1e-6 relative).
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ pytestmark = pytest.mark.slow  # a multi-process launch (setup.cfg: `pytest -m "
 
 WORLD = 2
 CHECKS = ("partitioned", "forward_logprobs", "train_step_matches_reference", "export_buckets", "forward_only",
-          "resume_exact", "save_hf")
+          "reward_scores", "exact_aggregation", "resume_exact", "save_hf")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     pytest.importorskip("deepspeed")
-    from tests.backends.tiny import save_tiny_qwen2
+    from tests.backends.tiny import save_tiny_qwen2, save_tiny_reward_model
 
     work = tmp_path_factory.mktemp("deepspeed_2rank")
     save_tiny_qwen2(str(work / "model"), seed=0, initializer_range=0.1)
+    save_tiny_reward_model(str(work / "rm"))
     return launch("tests.backends.test_deepspeed_engine", work, WORLD, timeout_s=300)
 
 
@@ -49,7 +51,8 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
     from backends.base import get_backend
     from backends.config import EngineConfig, ModelConfig, OptimConfig
     from tests.backends import reference
-    from tests.backends.tiny import make_batch
+    from tests.backends.exactness import check_exact_aggregation
+    from tests.backends.tiny import make_batch, reference_rm_scores
 
     model_dir = os.path.join(work, "model")
     DS = get_backend("deepspeed")
@@ -64,11 +67,6 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
 
     def exported(engine, bucket_bytes=1 << 30):
         return {k: v for bucket in engine.export_weights(bucket_bytes) for k, v in bucket}
-
-    def mean_over_ranks(x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t) / dist.get_world_size()
 
     # ---- reference: one step on the whole batch in this process
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -98,7 +96,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
     @rank_check(results, "train_step_matches_reference")
     def _():
         metrics = engine.train_step(share, actor_loss, ("log_probs", "entropy"))  # 2 micro-batches: 3 + 1 rows
-        assert_step_matches_reference(metrics, mean_over_ranks(metrics["loss"]), exported(engine), ref_loss,
+        assert_step_matches_reference(metrics, metrics["loss"], exported(engine), ref_loss,
                                       ref_norm, ref_sd, optim)
 
     @rank_check(results, "export_buckets")
@@ -130,6 +128,18 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
                 p.ds_tensor.zero_()
         frozen.load(os.path.join(work, "frozen_ckpt"))
         assert_close(frozen.forward(share, ("log_probs",)).batch["log_probs"], ref_before["log_probs"], "frozen reload")
+
+    @rank_check(results, "reward_scores")
+    def _():  # the reward model's engine: frozen ZeRO-3 sequence classifier, scored at each row's last token
+        rm_dir = os.path.join(work, "rm")
+        rm = DS(ModelConfig(path=rm_dir, kind="reward"), None, EngineConfig(micro_batch_size_per_gpu=3))
+        assert_close(rm.forward(share, ("scores",)).batch["scores"], reference_rm_scores(rm_dir, share), "rm scores",
+                     tol=1e-4)
+
+    @rank_check(results, "exact_aggregation")
+    def _():  # 1 vs 4 micro-batches vs dynamic bsz, 2 ranks vs 1 process (tests/backends/exactness.py)
+        check_exact_aggregation(lambda opt, **kw: DS(ModelConfig(path=model_dir), opt, EngineConfig(**kw)),
+                                model_dir, rank, WORLD)
 
     ckpt, hf_dir = os.path.join(work, "ckpt"), os.path.join(work, "hf")
     later = [make_batch(8, 12, 10, seed=s).select_idxs(rows) for s in (2, 3)]

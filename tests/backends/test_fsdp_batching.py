@@ -1,5 +1,6 @@
-"""Single-process unit tests of micro-batch partitioning (backends/batching.py), the LR schedule
-(backends/optim.py) and the backend registry, as the FSDP engine uses them."""
+"""Single-process unit tests of micro-batch partitioning (backends/batching.py), micro-batch weighting
+(backends/accumulation.py), the LR schedule (backends/optim.py) and the backend registry, as the FSDP engine uses
+them."""
 
 from __future__ import annotations
 
@@ -10,15 +11,18 @@ import random
 import pytest
 import torch
 
+from backends.accumulation import Accumulation
 from backends.batching import (
     balanced_partition,
     fixed_partition,
-    grad_scales,
     restore_order,
     token_budget_partition,
 )
 from backends.config import OptimConfig
 from backends.optim import build_lr_scheduler, build_optimizer, lr_multiplier
+from scaletrain.algos import LOSS_AGG_MODES, agg_count, agg_loss
+from scaletrain.protocol import DataProto
+from scaletrain.workers.losses import aggregated
 
 
 def _is_partition(parts, n):
@@ -69,24 +73,76 @@ def test_oversized_row_is_alone_with_warning(caplog):
         token_budget_partition(lengths, 128, min_parts=5)
 
 
-def test_restore_order_and_grad_scales():
+def test_restore_order():
     lengths = [3, 17, 5, 11, 2, 8, 13]
     parts = token_budget_partition(lengths, 20)
     rows = torch.arange(len(lengths)) * 10
     per_part = [rows[p] for p in parts]                 # what a forward would return per micro-batch
     assert torch.equal(torch.cat(per_part)[restore_order(parts)], rows)
-    scales = grad_scales(parts)
-    assert math.isclose(sum(scales), 1.0) and scales == [len(p) / 7 for p in parts]
 
 
-def test_per_row_mean_loss_is_partition_invariant():
-    """The documented guarantee: scaled micro-batch per-row-mean losses sum to the mini-batch loss."""
+def _agg_batch():
     g = torch.Generator().manual_seed(0)
-    row_losses = torch.rand(9, generator=g)
-    lengths = torch.randint(1, 40, (9,), generator=g).tolist()
-    for parts in (fixed_partition(9, 2), fixed_partition(9, 4), token_budget_partition(lengths, 45)):
-        total = sum(row_losses[p].mean() * s for p, s in zip(parts, grad_scales(parts)))
-        assert torch.allclose(total, row_losses.mean())
+    lengths = torch.randint(1, 7, (9,), generator=g)
+    mask = (torch.arange(6)[None, :] < lengths[:, None]).float()
+    mask[4] = 0  # a row without response tokens: seq-mean modes do not count it
+    return DataProto.from_dict({"response_mask": mask, "x": torch.rand(9, 6, generator=g)}), lengths.tolist()
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_accumulation_is_partition_invariant(mode):
+    """Micro-batch aggregates weighted as the engines weight them (backends/accumulation.py, one process) sum to
+    the whole mini-batch's aggregate for any partition; metrics are weighted the same way (a constant stays)."""
+    data, lengths = _agg_batch()
+    whole = agg_loss(data.batch["x"], data.batch["response_mask"], mode)
+
+    @aggregated(mode)
+    def loss_fn(_, mb):
+        return agg_loss(mb.batch["x"], mb.batch["response_mask"], mode), {"const": 2.0}
+
+    for parts in (fixed_partition(9, 2), fixed_partition(9, 4), fixed_partition(9, 9),
+                  token_budget_partition(lengths, 8)):
+        micros = [data.select_idxs(p) for p in parts]
+        acc = Accumulation(loss_fn, micros, torch.device("cpu"))
+        total = 0.0
+        for i, micro in enumerate(micros):
+            loss, metrics = loss_fn(None, micro)
+            total = total + loss * acc.grad_scale(i)
+            acc.add(i, loss, metrics)
+        assert torch.allclose(total, whole, rtol=1e-6), (mode, parts)
+        assert math.isclose(acc.metrics()["loss"], float(whole), rel_tol=1e-6)
+        assert math.isclose(acc.metrics()["const"], 2.0, rel_tol=1e-12)
+    if mode != "seq-mean-token-sum-norm":  # the former row-share weighting is not exact here
+        micros = [data.select_idxs([i]) for i in range(9)]
+        assert not torch.isclose(sum(loss_fn(None, m)[0] for m in micros) / 9, whole, rtol=1e-3)
+
+
+def test_accumulation_defaults_to_row_shares():
+    data, _ = _agg_batch()
+    micros = [data.select_idxs(p) for p in fixed_partition(9, 4)]
+    assert Accumulation(lambda out, mb: None, micros, torch.device("cpu")).weights == [4 / 9, 4 / 9, 1 / 9]
+    empty = data.select_idxs([4, 4, 4])  # no unit in the whole mini-batch: row shares, so metrics stay finite
+    token_mean = aggregated("token-mean")(lambda out, mb: None)
+    acc = Accumulation(token_mean, [empty.select_idxs([0]), empty.select_idxs([1, 2])], torch.device("cpu"))
+    assert acc.weights == [1 / 3, 2 / 3]
+    with pytest.raises(ValueError, match="unknown loss_agg_mode"):
+        agg_count(data.batch["response_mask"], "token-sum-bogus")
+
+
+def test_worker_losses_declare_their_units():
+    """The actor, critic and SFT losses tell the engines the units of their loss_agg_mode (an empty row is no
+    sequence), so all three are weighted exactly."""
+    from backends.config import ModelConfig
+    from scaletrain.workers.config import ActorConfig, CriticConfig
+    from scaletrain.workers.losses import actor_loss_fn, critic_loss_fn
+    from scaletrain.workers.sft import sft_loss_fn
+
+    data, lengths = _agg_batch()
+    tokens = float(sum(lengths) - lengths[4])
+    assert sft_loss_fn.count(data) == actor_loss_fn(ActorConfig()).count(data) == tokens
+    assert actor_loss_fn(ActorConfig(loss_agg_mode="seq-mean-token-mean")).count(data) == 8.0
+    critic = CriticConfig(model=ModelConfig(path="unused"), loss_agg_mode="seq-mean-token-sum-norm")
+    assert critic_loss_fn(critic).count(data) == 9.0
 
 
 def test_lr_multiplier_warmup_constant_cosine():

@@ -2,8 +2,9 @@
 
 One 2-process launch (a launch costs ~15 s of imports) runs every check in ``run_rank``; each rank writes a JSON
 of {check: error or null} and the tests below report one check each. Reference = the same model, optimizer
-and loss on the whole batch in one process, with log-probs from a plain log_softmax; each rank gets half of the
-rows, so the FSDP step (gradients averaged over ranks) must equal the reference step.
+and loss (a token-mean over the whole batch) in one process, with log-probs from a plain log_softmax; each rank gets
+half of the rows, so the FSDP step must equal the reference step whatever the micro-batch split
+(``exact_aggregation``: 1 vs 4 micro-batches vs dynamic batch sizes, to 1e-6 relative).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow  # a multi-process launch (setup.cfg: `pytest -m "
 WORLD = 2
 CHECKS = ("forward_logprobs", "train_step_matches_reference", "export_buckets", "dynamic_bsz", "remove_padding",
           "dynamic_rmpad_checkpointing", "nonfinite_grad_skips_step", "mixed_precision_bf16", "value_model",
-          "reward_model", "resume_exact", "save_hf")
+          "reward_model", "exact_aggregation", "resume_exact", "save_hf")
 TOL = 1e-5
 
 
@@ -57,6 +58,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
     from backends.base import get_backend
     from backends.config import EngineConfig, ModelConfig, OptimConfig
     from tests.backends import reference
+    from tests.backends.exactness import check_exact_aggregation
     from tests.backends.tiny import make_batch
 
     model_dir = os.path.join(work, "model")
@@ -77,11 +79,6 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
     def exported(engine, bucket_bytes=1 << 30):
         return {k: v for bucket in engine.export_weights(bucket_bytes) for k, v in bucket}
 
-    def mean_over_ranks(x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t) / dist.get_world_size()
-
     # ---- reference: one step on the whole batch in this process
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
@@ -91,7 +88,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
 
     def check_step(engine, what):
         metrics = engine.train_step(share, actor_loss, ("log_probs", "entropy"))
-        assert_close(torch.tensor(mean_over_ranks(metrics["loss"])), torch.tensor(ref_loss), f"{what} loss")
+        assert_close(torch.tensor(metrics["loss"]), torch.tensor(ref_loss), f"{what} loss")  # every rank's
         assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), f"{what} grad_norm")
         assert metrics["lr"] == optim.lr and metrics["step_skipped"] == 0.0 and "pg" in metrics, metrics
         weights = exported(engine)
@@ -203,7 +200,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
                       EngineConfig(micro_batch_size_per_gpu=3, seed=7))
         assert_close(critic.forward(share, ("values",)).batch["values"], before, "values")
         metrics = critic.train_step(share, value_loss, ("values",))
-        assert_close(torch.tensor(mean_over_ranks(metrics["loss"])), torch.tensor(loss), "value loss")
+        assert_close(torch.tensor(metrics["loss"]), torch.tensor(loss), "value loss")
         assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(norm), "value grad_norm")
         for k, v in exported(critic).items():
             assert_close(v, critic_ref.state_dict()[k], f"critic weight {k}")
@@ -221,6 +218,11 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
             alone = torch.stack([rm_ref(input_ids=b["input_ids"][i][b["attention_mask"][i].bool()][None]).logits[0, 0]
                                  for i in range(len(share))])
         assert_close(scores, alone, "reward scores")
+
+    @rank_check(results, "exact_aggregation")
+    def _():  # 1 vs 4 micro-batches vs dynamic bsz, 2 ranks vs 1 process (tests/backends/exactness.py)
+        check_exact_aggregation(lambda opt, **kw: FSDP(ModelConfig(path=model_dir), opt, EngineConfig(**kw)),
+                                model_dir, rank, WORLD)
 
     ckpt, hf_dir = os.path.join(work, "ckpt"), os.path.join(work, "hf")
     later = [make_batch(8, 12, 10, seed=s).select_idxs(rows) for s in (2, 3)]

@@ -8,7 +8,9 @@
   the reference (loss, grad norm, exported HF weights), and where noted save -> load -> next steps are bit-exact.
   Each layout also builds one more engine for another path: bf16 compute (TP=2), dynamic batch size with unequal
   micro-batches padded for the pipeline + a skipped non-finite step (PP=2), activation recompute (DP=2), and a
-  forward-only reference policy (TP=2 x PP=2); TP=2 also checks a Llama model's log-probs.
+  forward-only reference policy (TP=2 x PP=2); TP=2 also checks a Llama model's log-probs. PP=2 and DP=2 also
+  check exact loss aggregation (tests/backends/exactness.py: 1 vs 4 micro-batches vs dynamic batch sizes, to 1e-6
+  relative; the reference loss is a token-mean over the whole batch).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ LAYOUTS = {  # name -> (world, megatron settings, model dir, micro batch)
     "tp2_pp2": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), "untied", 3),
 }
 CHECKS = ("forward", "train_step", "export_buckets", "critic", "resume_exact", "save_hf", "bf16", "dynamic_bsz",
-          "recompute", "forward_only", "llama")
+          "recompute", "forward_only", "llama", "exact_aggregation")
+EXACT_LAYOUTS = ("pp2", "dp2_distopt")  # tests/backends/exactness.py: PP=2 with padded micro-batches; DP=2
 TOL = 1e-5
 
 
@@ -135,7 +138,7 @@ def test_layout(results, layout):
             key = f"{layout}/{check}"
             if key in results[rank] and results[rank][key] is not None:
                 failures.append(f"rank {rank} {key}: {results[rank][key]}")
-        for check in ("forward", "train_step", "export_buckets"):
+        for check in ("forward", "train_step", "export_buckets") + (("exact_aggregation",) * (layout in EXACT_LAYOUTS)):
             assert f"{layout}/{check}" in results[rank], f"rank {rank} did not run {layout}/{check}"
     assert not failures, "\n".join(failures)
 
@@ -152,6 +155,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
     from backends.base import get_backend
     from backends.config import EngineConfig, ModelConfig, OptimConfig
     from tests.backends import reference as ref
+    from tests.backends.exactness import check_exact_aggregation
     from tests.backends.tiny import make_batch
 
     Megatron = get_backend("megatron")
@@ -160,11 +164,6 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
 
     def exported(engine, bucket_bytes=1 << 30):
         return {k: v for bucket in engine.export_weights(bucket_bytes) for k, v in bucket}
-
-    def mean_over_dp(engine, x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t, group=engine.ps.get_data_parallel_group())
-        return float(t) / engine.dp_size
 
     for layout in open(os.path.join(work, "layouts")).read().split(","):
         _, settings, model_name, micro = LAYOUTS[layout]
@@ -193,7 +192,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
         @rank_check(results, f"{layout}/train_step")
         def _():
             metrics = engine.train_step(share, ref.actor_loss, ("log_probs", "entropy"))
-            assert_step_matches_reference(metrics, mean_over_dp(engine, metrics["loss"]), exported(engine), ref_loss,
+            assert_step_matches_reference(metrics, metrics["loss"], exported(engine), ref_loss,
                                           ref_norm, ref_sd, optim)
 
         @rank_check(results, f"{layout}/export_buckets")
@@ -272,12 +271,18 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
                                   EngineConfig(micro_batch_size_per_gpu=micro, seed=7, extra={"megatron": settings}))
                 assert_close(critic.forward(share, ("values",)).batch["values"], values, "values")
                 metrics = critic.train_step(share, ref.value_loss, ("values",))
-                assert_close(torch.tensor(mean_over_dp(critic, metrics["loss"])), torch.tensor(loss), "value loss")
+                assert_close(torch.tensor(metrics["loss"]), torch.tensor(loss), "value loss")
                 assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(norm), "value grad_norm")
                 weights = exported(critic)
                 assert list(weights) == list(critic_ref.state_dict())
                 for k, v in weights.items():
                     assert_close(v, critic_ref.state_dict()[k], f"critic weight {k}")
+
+        if layout in EXACT_LAYOUTS:
+            @rank_check(results, f"{layout}/exact_aggregation")
+            def _():  # 1 vs 4 micro-batches vs dynamic bsz against 1 process
+                check_exact_aggregation(lambda opt, **kw: Megatron(ModelConfig(path=model_dir), opt, EngineConfig(
+                    **kw, extra={"megatron": settings})), model_dir, dp_rank, dp_size)
 
         if layout in ("tp2_sp", "dp2_distopt", "tp2_pp2"):
             @rank_check(results, f"{layout}/resume_exact")

@@ -177,7 +177,7 @@ def _check_engine(engine, work, rank, batch, reference, results, figures) -> Non
     def _():
         metrics = engine.train_step(share, ref.actor_loss, ("log_probs", "entropy"))
         loss = torch.tensor([metrics["loss"]], dtype=torch.float64)
-        dist.all_reduce(loss)  # every rank of a DP group reports its rows' loss; megatron's model ranks repeat it
+        dist.all_reduce(loss)  # every rank reports the whole batch's loss (backends/accumulation.py): so does the mean
         loss = float(loss) / dist.get_world_size()
         figures["loss_diff"] = abs(loss - reference["loss"])
         figures["grad_norm"], figures["ref_grad_norm"] = metrics["grad_norm"], reference["grad_norm"]

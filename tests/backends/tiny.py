@@ -4,6 +4,8 @@
   character-level tokenizer with a chat template, written with ``save_pretrained`` so every loader
   (``from_pretrained``, vLLM, the engines) reads it like a real checkpoint. No hub access.
 - ``make_tokenizer()``: the character-level ``PreTrainedTokenizerFast`` alone.
+- ``save_tiny_reward_model(path)`` / ``reference_rm_scores(path, batch)``: the same Qwen2 as a sequence classifier
+  (num_labels=1, a reward model) with the tokenizer, and transformers' score of each unpadded row of a batch.
 - ``make_batch(...)``: a random batch in verl's layout: prompts left-padded, responses right-padded,
   ``input_ids`` / ``attention_mask`` / ``position_ids`` of shape (B, P + R), ``responses`` / ``response_mask`` (B, R),
   plus float ``advantages`` and ``old_log_probs`` (B, R) for loss functions.
@@ -115,3 +117,26 @@ def make_batch(
         },
         meta_info={"temperature": 1.0},
     )
+
+
+def save_tiny_reward_model(path: str, seed: int = 2, **config_overrides) -> str:
+    """A random-init tiny Qwen2ForSequenceClassification (num_labels=1; head weights large enough that rows score
+    visibly differently) + tokenizer at ``path``; returns ``path``."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = tiny_qwen2_config(num_labels=1, **{"initializer_range": 0.2, **config_overrides})
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+def reference_rm_scores(path: str, batch: DataProto) -> torch.Tensor:
+    """(B,) transformers' AutoModelForSequenceClassification score of each row's valid tokens, one unpadded sequence
+    at a time (HF pools at its last token)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+    ids, mask = batch.batch["input_ids"], batch.batch["attention_mask"].bool()
+    with torch.no_grad():
+        return torch.tensor([model(input_ids=row[m][None]).logits[0, 0].item() for row, m in zip(ids, mask)])

@@ -19,7 +19,9 @@ STEPS = 150
 def test_embedded_default_learns(tmp_path):
     pytest.importorskip("vllm")
     run_dir = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), SCALETRAIN_CACHE=str(tmp_path / "cache"))
+    # the scaletrain cache every embedded-default run of the session shares: on a fresh machine the first such run
+    # (this one or another) builds the model and the SFT warm-up, as `make run` does
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     out = subprocess.run(
         [sys.executable, "-m", "scaletrain.trainer.main_ppo", f"trainer.total_training_steps={STEPS}",
          f"trainer.default_local_dir={run_dir}", "trainer.test_freq=-1", "trainer.save_freq=-1"],

@@ -46,6 +46,19 @@ def test_yaml_defaults_build_and_validate():
      "actor_rollout_ref.rollout.tensor_model_parallel_size (3) must divide the 2 ranks"),
     (["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "rollout=hf"],
      "only the vllm rollout engine shards over ranks (rollout.name=hf)"),
+    (["actor_rollout_ref.actor.strategy=megatron"],
+     "actor_rollout_ref.actor.strategy=megatron selects backend megatron, but backend.name is fsdp"),
+    (["actor_rollout_ref.actor.megatron.param_offload=true"],
+     "actor_rollout_ref.actor.megatron.param_offload=true: offloading is not implemented for the megatron backend"),
+    (["backend=megatron", "actor_rollout_ref.actor.fsdp_config.param_offload=true"],
+     "actor_rollout_ref.actor.fsdp_config.param_offload=true: the megatron backend does not offload"),
+    (["backend=megatron", "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"],
+     "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2 differs from the actor's (1)"),
+    (["data.return_raw_chat=false", "actor_rollout_ref.rollout.mode=async"], "data.return_raw_chat=false"),
+    (["critic.optim.lr_scheduler=linear"], "critic.optim.lr_scheduler: unknown 'linear'"),
+    (["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=2"], "lr_warmup_steps_ratio must be in [0, 1]"),
+    (["+reward_model.reward_kwargs.overlong_buffer=4"],
+     "reward_model.reward_kwargs: ['overlong_buffer'] are not arguments of reward manager 'naive'"),
     (["actor_rollout_ref.rollout.gpu_memory_utilization=1.5"], "rollout.gpu_memory_utilization must be in (0, 1]"),
     (["actor_rollout_ref.rollout.enable_sleep_mode=false"],
      "rollout.free_cache_engine=true releases memory through sleep mode"),
@@ -111,3 +124,17 @@ def test_megatron_refuses_a_model_it_cannot_map_before_ray(tmp_path):
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.megatron: .*cannot map this qwen2 model: "
                                           r"hidden_act 'gelu'"):
         validate(load_ppo_config(composed("backend=megatron", f"actor_rollout_ref.model.path={path}")))
+
+
+def test_rollout_checks_against_the_model_before_ray(tmp_path):
+    from tests.backends.tiny import save_tiny_qwen2
+
+    path = save_tiny_qwen2(str(tmp_path / "model"), with_tokenizer=False, max_position_embeddings=64)
+    base = [f"actor_rollout_ref.model.path={path}"]
+    with pytest.raises(ConfigError, match=r"prompt_length \+ response_length = 1536 .* max_position_embeddings \(64\)"):
+        validate(load_ppo_config(composed(*base, "data.max_prompt_length=512", "data.max_response_length=1024")))
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 does not split the model's 3 attention heads"):
+        save_tiny_qwen2(str(tmp_path / "odd"), with_tokenizer=False, num_attention_heads=3, num_key_value_heads=1,
+                        hidden_size=96)
+        validate(load_ppo_config(composed(f"actor_rollout_ref.model.path={tmp_path / 'odd'}",
+                                          "actor_rollout_ref.rollout.tensor_model_parallel_size=2")))

@@ -1,8 +1,8 @@
 """Role workers on real Ray + torch.distributed (gloo, 2 ranks, FSDP2): rollout, log-probs, PPO updates.
 
-One PPO update of the actor and of the critic through the worker groups must equal a single-process reference
-on the same batch (same micro-batch split, same optimizer); the actor's log-probs must equal the rollout
-engine's on the same weights, before and after a weight sync.
+One PPO update of the actor and of the critic through the worker groups (2 ranks, 2 micro-batches each, unequal
+response lengths) must equal a single-process step on the whole batch (loss_agg_mode token-mean, same optimizer);
+the actor's log-probs must equal the rollout engine's on the same weights, before and after a weight sync.
 """
 
 import numpy as np
@@ -54,21 +54,16 @@ def response_log_probs(model, batch: DataProto) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
 
 
-def reference_step(model, batch, loss_fn, outputs_fn, optim: OptimConfig, micro: int, ranks: int = 2):
-    """One optimizer step the way 2 FSDP ranks take it: rank shares, micro-batches, grads averaged over ranks."""
+def reference_step(model, batch, loss_fn, outputs_fn, optim: OptimConfig):
+    """One optimizer step on the whole batch in one process, with its metrics and ``loss``: what 2 FSDP ranks with
+    any micro-batch split must take (the loss is the whole mini-batch's loss_agg_mode aggregate)."""
     opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
                             weight_decay=optim.weight_decay)
-    share = len(batch) // ranks
-    metrics = []
-    for r in range(ranks):
-        rank_rows = batch[r * share:(r + 1) * share]
-        for mb in rank_rows.split(micro):
-            loss, m = loss_fn(outputs_fn(model, mb), mb)
-            (loss * len(mb) / share / ranks).backward()
-            metrics.append(m)
+    loss, metrics = loss_fn(outputs_fn(model, batch), batch)
+    loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
     opt.step()
-    return {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+    return {**metrics, "loss": float(loss.detach())}
 
 
 def hf_weights(path: str, cls=AutoModelForCausalLM) -> dict[str, torch.Tensor]:
@@ -128,8 +123,9 @@ def test_actor_rollout_ref_ppo_update_matches_reference(ray_cluster, tmp_path, r
                        position_ids=mb.batch["position_ids"]).logits[:, -RESP - 1:-1].float()
             ent = torch.logsumexp(logits, -1) - (F.softmax(logits, -1) * logits).sum(-1)
             return {"log_probs": lps, "entropy": ent}
-        expected = reference_step(model, batch, actor_loss_fn(config.actor), outputs, optim, micro=2)
-        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac"):
+        expected = reference_step(model, batch, actor_loss_fn(config.actor), outputs, optim)
+        expected["actor/loss"] = expected.pop("loss")
+        for key in ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac"):
             assert metrics[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
         wg.save_hf(str(tmp_path / "hf"))
         trained = hf_weights(str(tmp_path / "hf"))
@@ -182,8 +178,9 @@ def test_critic_update_matches_reference(ray_cluster, tmp_path):
         batch.batch["values"] = values
         batch.batch["returns"] = values + torch.randn_like(values) * mask
         metrics = reduce_metrics(wg.update_critic(batch))
-        expected = reference_step(model, batch, critic_loss_fn(config), outputs, optim, micro=2)
+        expected = reference_step(model, batch, critic_loss_fn(config), outputs, optim)
         assert metrics["critic/vf_loss"] == pytest.approx(expected["critic/vf_loss"], rel=1e-4)
+        assert metrics["critic/loss"] == pytest.approx(expected["loss"], rel=1e-4)
         assert metrics["critic/vf_clipfrac"] == pytest.approx(expected["critic/vf_clipfrac"], abs=1e-6)
         after = wg.compute_values(batch).batch["values"]
         with torch.no_grad():

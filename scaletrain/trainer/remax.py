@@ -1,0 +1,36 @@
+"""ReMax's greedy baseline in the single controller (layer 4): ``algorithm.adv_estimator=remax``.
+
+ReMax (Li et al. 2023) subtracts from each sample's return the reward of the greedy response to the same prompt.
+For every generation batch the trainer therefore decodes one greedy response per prompt (n = 1, temperature 0)
+through the same rollout path as the samples (the worker group's batched generate, whose ``meta_info`` overrides
+the sampling, or the agent loops, which read the same overrides), scores it with the same reward function and puts
+the score, repeated for the prompt's n samples, into the batch as ``reward_baselines``: the input the registered
+``remax`` estimator (scaletrain/algos/advantage.py) reads. The greedy responses are not trained on.
+
+Metric ``critic/remax_baseline/mean`` (the greedy responses' mean score); timing ``timing_s/gen_max`` (verl's name).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from scaletrain.protocol import DataProto
+
+GREEDY = {"n": 1, "temperature": 0.0}   # sampling overrides the rollout honours on both paths
+
+
+def greedy_baseline(generate: Callable[[DataProto, DataProto, str], tuple[DataProto, dict]], reward_fn: Any,
+                    batch: DataProto, gen_batch: DataProto, tag: str) -> tuple[torch.Tensor, dict[str, float]]:
+    """The reward (len(batch),) of one greedy response per prompt row of ``batch`` (the prompts' non-tensor
+    fields) / ``gen_batch`` (their ids), generated with ``generate(batch, gen_batch, tag)`` like the samples."""
+    greedy = DataProto(batch=gen_batch.batch, non_tensor_batch=dict(gen_batch.non_tensor_batch),
+                       meta_info={**gen_batch.meta_info, **GREEDY})
+    out, _ = generate(batch, greedy, f"{tag}-greedy")
+    if len(out) != len(batch):
+        raise RuntimeError(f"remax: the greedy rollout returned {len(out)} rows for {len(batch)} prompts")
+    rows = DataProto(batch=out.batch, non_tensor_batch={**batch.non_tensor_batch, **out.non_tensor_batch},
+                     meta_info=dict(out.meta_info))
+    scores = reward_fn(rows, return_dict=True)["reward_tensor"].sum(-1).float()
+    return scores, {"critic/remax_baseline/mean": scores.mean().item()}

@@ -1,0 +1,113 @@
+"""verl command lines, read before Hydra composes the config (layer 4).
+
+A verl launch script ports by changing the module name. Three things need the raw override list:
+
+- ``actor_rollout_ref.actor.strategy=X`` / ``critic.strategy=X`` pick the backend config group (``backend=Y``,
+  the short form), so the group's own defaults load; an explicit ``backend=`` that disagrees is an error.
+- ``+key=value`` for a key the config already has (Hydra refuses to "add" it) is taken as ``key=value``; verl
+  names this project spells otherwise are renamed (``RENAMED``).
+- verl keys this project does not support fail here, naming the key and what to use instead
+  (``UNSUPPORTED``); where verl's default value means "off", that value is accepted and dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from scaletrain.trainer.role_checks import backend_of_strategy
+from scaletrain.utils.typed_config import ConfigError
+
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+    instead: str                    # what to use instead
+    accepted: tuple = ()            # values that mean "off" in verl: accepted and dropped
+
+
+UNSUPPORTED = {
+    "trainer.use_legacy_worker_impl": Unsupported("remove it: scaletrain has one worker implementation", ("auto",)),
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": Unsupported(
+        "Ulysses sequence parallelism is not implemented: use backend=megatron with "
+        "actor_rollout_ref.actor.megatron.sequence_parallel=true", ("1",)),
+    "critic.ulysses_sequence_parallel_size": Unsupported(
+        "Ulysses sequence parallelism is not implemented: use backend=megatron with "
+        "critic.megatron.sequence_parallel=true", ("1",)),
+    "actor_rollout_ref.model.use_fused_kernels": Unsupported(
+        "fused log-prob kernels are not implemented; log-probs are computed in chunks "
+        "(remove the key)", ("false", "False")),
+    "actor_rollout_ref.model.fused_kernel_options.impl_backend": Unsupported(
+        "fused log-prob kernels are not implemented (remove the key)"),
+    "algorithm.use_pf_ppo": Unsupported("policy-filtration PPO is not implemented (remove the key)", ("false", "False")),
+    "algorithm.pf_ppo": Unsupported("policy-filtration PPO is not implemented (remove the key)"),
+    "reward_model.use_reward_loop": Unsupported(
+        "generative reward models are not supported; a discriminative one runs with reward_model.enable=true and "
+        "reward_model.model.path", ("false", "False")),
+    "reward_model.rollout": Unsupported("generative reward models (a rollout for the reward model) are not "
+                                        "supported; use a discriminative reward_model.model.path"),
+    "reward_model.num_workers": Unsupported("reward computation runs in reward_model.num_processes worker processes "
+                                            "(the reward loop of verl is not implemented)"),
+}
+
+
+# verl's name -> this project's (same meaning); verl's lr_warmup_steps=-1 ("use the ratio") is our 0
+RENAMED = {
+    "actor_rollout_ref.actor.optim.lr_warmup_steps": "actor_rollout_ref.actor.optim.warmup_steps",
+    "critic.optim.lr_warmup_steps": "critic.optim.warmup_steps",
+    "actor_rollout_ref.actor.grad_clip": "actor_rollout_ref.actor.optim.grad_clip",
+    "critic.grad_clip": "critic.optim.grad_clip",
+}
+
+
+def _renamed(key: str, value: str) -> tuple[str, str]:
+    if key not in RENAMED:
+        return key, value
+    if key.endswith("lr_warmup_steps") and value.strip("'\"") == "-1":
+        value = "0"
+    return RENAMED[key], value
+
+
+def translate_overrides(overrides: list[str], known: set[str]) -> list[str]:
+    """The override list Hydra should see; ``known`` holds the dotted keys of the typed config's leaves."""
+    out, backend, strategies = [], None, {}
+    for item in overrides:
+        plus, body = _split_plus(item)
+        key, sep, value = body.partition("=")
+        if not sep:
+            out.append(item)
+            continue
+        rule = _unsupported(key)
+        if rule is not None:
+            if value.strip("'\"") in rule.accepted:
+                continue
+            raise ConfigError(f"{key}={value}: not supported by scaletrain; {rule.instead}")
+        if key in RENAMED:
+            key, value = _renamed(key, value)
+            body, item = f"{key}={value}", f"{key}={value}"
+        if key == "backend":
+            backend = value
+        elif key in ("actor_rollout_ref.actor.strategy", "critic.strategy"):
+            strategies[key] = backend_of_strategy(value, key)
+        out.append(body if plus and key in known else item)
+    chosen = set(strategies.values())
+    if len(chosen) > 1:
+        raise ConfigError(f"{' and '.join(f'{k}' for k in strategies)} select different backends "
+                          f"({', '.join(sorted(chosen))}): the roles share one backend")
+    if chosen:
+        (wanted,) = chosen
+        if backend is not None and backend != wanted:
+            raise ConfigError(f"backend={backend} conflicts with {next(iter(strategies))} (backend {wanted}): "
+                              f"set one of the two")
+        if backend is None:
+            out.insert(0, f"backend={wanted}")
+    return out
+
+
+def _split_plus(item: str) -> tuple[str, str]:
+    stripped = item.lstrip("+")
+    return item[: len(item) - len(stripped)], stripped
+
+
+def _unsupported(key: str) -> Unsupported | None:
+    for prefix, rule in UNSUPPORTED.items():
+        if key == prefix or key.startswith(prefix + "."):
+            return rule
+    return None

@@ -1,0 +1,91 @@
+"""verl command lines (scaletrain/trainer/verl_compat.py): strategy keys, ``+`` on known keys, unsupported verl keys
+refused before anything starts, and the overrides of verl's GRPO example (Qwen3-8B, FSDP, vLLM, KL loss, 5
+samples) running one step on the embedded default with only the model and data paths removed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scaletrain.trainer.main_ppo import verl_overrides
+from scaletrain.utils.typed_config import ConfigError
+from tests.trainer.test_ppo_resume import ROOT, env
+
+# verl's examples/grpo_trainer/run_qwen3-8b.sh, its overrides less the model and data paths
+VERL_GRPO_EXAMPLE = """
+algorithm.adv_estimator=grpo data.train_batch_size=1024 data.max_prompt_length=512 data.max_response_length=1024
+data.filter_overlong_prompts=True data.truncation=error actor_rollout_ref.actor.optim.lr=1e-6
+actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=256
+actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32 actor_rollout_ref.actor.use_kl_loss=True
+actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl
+actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.model.enable_gradient_checkpointing=True
+actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.rollout.tensor_model_parallel_size=2
+actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.ref.fsdp_config.param_offload=True
+algorithm.use_kl_in_reward=False trainer.critic_warmup=0 trainer.logger=["console","wandb"]
+trainer.project_name=verl_grpo_example_gsm8k trainer.experiment_name=qwen3_8b_function_rm trainer.n_gpus_per_node=8
+trainer.nnodes=1 trainer.save_freq=20 trainer.test_freq=5 trainer.total_epochs=15
+""".split()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["actor_rollout_ref.actor.strategy=megatron", "x.y=1"],
+     ["backend=megatron", "actor_rollout_ref.actor.strategy=megatron", "x.y=1"]),
+    (["actor_rollout_ref.actor.strategy=fsdp2", "critic.strategy=fsdp", "backend=fsdp"],
+     ["actor_rollout_ref.actor.strategy=fsdp2", "critic.strategy=fsdp", "backend=fsdp"]),
+    (["+trainer.balance_batch=true", "+actor_rollout_ref.rollout.val_kwargs.do_sample=false", "+new.key=1"],
+     ["trainer.balance_batch=true", "+actor_rollout_ref.rollout.val_kwargs.do_sample=false", "+new.key=1"]),
+    (["actor_rollout_ref.actor.optim.lr_warmup_steps=-1", "+critic.optim.lr_warmup_steps=5",
+      "actor_rollout_ref.actor.grad_clip=0.5"],
+     ["actor_rollout_ref.actor.optim.warmup_steps=0", "critic.optim.warmup_steps=5",
+      "actor_rollout_ref.actor.optim.grad_clip=0.5"]),
+    (["trainer.use_legacy_worker_impl=auto", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1",
+      "actor_rollout_ref.model.use_fused_kernels=False"], []),
+])
+def test_translation(argv, expected):
+    assert verl_overrides(argv) == expected
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["actor_rollout_ref.actor.strategy=megatron", "backend=fsdp"], "backend=fsdp conflicts with"),
+    (["actor_rollout_ref.actor.strategy=megatron", "critic.strategy=fsdp"], "select different backends"),
+    (["actor_rollout_ref.actor.strategy=jax"], "unknown strategy 'jax'"),
+    (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "use backend=megatron with"),
+    (["algorithm.pf_ppo.weight_pow=2.0"], "policy-filtration PPO is not implemented"),
+    (["reward_model.rollout.name=vllm"], "generative reward models"),
+])
+def test_unsupported_and_conflicting_keys_are_named(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        verl_overrides(argv)
+
+
+def test_cli_refuses_before_starting():
+    out = subprocess.run([sys.executable, "-m", "scaletrain.trainer.main_ppo", "algorithm.use_pf_ppo=True"],
+                         env=env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "algorithm.use_pf_ppo=True: not supported" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_verl_grpo_example_runs_one_step(tmp_path):
+    """The example's keys as they are, then the sizes a 2-core machine and the embedded model (64 positions) can
+    run (later overrides win)."""
+    scale = ["trainer.n_gpus_per_node=2", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+             "data.max_prompt_length=8", "data.max_response_length=5",
+             "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.plot_at_end=false",
+             "trainer.balance_batch=True",  # verl's seq-balance examples add this
+             'trainer.logger=["console","wandb","jsonl"]']  # jsonl too, to read the step's metrics here
+    out = subprocess.run([sys.executable, "-m", "scaletrain.trainer.main_ppo", *VERL_GRPO_EXAMPLE, *scale],
+                         env={**env(), "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    run_dir = Path(tmp_path, "checkpoints", "verl_grpo_example_gsm8k", "qwen3_8b_function_rm")  # verl's layout
+    assert list(run_dir.glob("wandb/offline-run-*")), "the example's wandb logger ran (offline)"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step = [row for row in rows if row["step"] == 1][0]
+    assert step["actor/kl_loss"] >= 0 and "rollout_corr/log_prob_abs_diff_mean" in step
+    assert step["training/seq_balance/imbalance_after"] <= step["training/seq_balance/imbalance_before"]
