@@ -23,10 +23,7 @@ def actor_dp_size(cfg) -> int:
     """Data-parallel ranks of the actor: the world, divided by megatron's TP x PP where it runs."""
     if cfg.backend.name != "megatron":
         return cfg.world_size
-    from backends.megatron.parallel import MegatronParallelConfig
-
-    layout = MegatronParallelConfig.from_extra({"megatron": cfg.actor_rollout_ref.actor.megatron.merged(
-        cfg.backend.extra)})
+    layout = cfg.actor_rollout_ref.actor.megatron.resolved(cfg.backend.extra)
     return cfg.world_size // (layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size)
 
 

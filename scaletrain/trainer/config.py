@@ -364,7 +364,6 @@ def _validate_megatron(cfg: PPOConfig, world: int) -> None:
     one layout: it is resolved here (actor section over ``backend.extra.megatron``, critic section over that) and
     written back into ``backend.extra["megatron"]``, which every role's engine config starts from."""
     from backends.megatron.hf_mapping import check_mappable
-    from backends.megatron.parallel import MegatronParallelConfig
 
     arr = cfg.actor_rollout_ref
     sections = [("actor_rollout_ref.actor.megatron", arr.actor.megatron, arr.model.path)]
@@ -380,7 +379,7 @@ def _validate_megatron(cfg: PPOConfig, world: int) -> None:
         # the critic's unset keys follow the actor's layout (they must match anyway)
         base = {"megatron": asdict(layouts[0][1])} if layouts else cfg.backend.extra
         try:
-            layout = MegatronParallelConfig.from_extra({"megatron": section.merged(base)})
+            layout = section.resolved(base)
             layout.validate(world, hf_config)
             if hf_config is not None:
                 check_mappable(hf_config)  # a model the HF <-> megatron mapping cannot reproduce fails before Ray

@@ -90,10 +90,7 @@ def _validate_offload(cfg) -> None:
 
 def _validate_ref_layout(cfg) -> None:
     """The reference policy shares the actor's process and megatron's per-process parallel state."""
-    from backends.megatron.parallel import MegatronParallelConfig
-
-    actor = MegatronParallelConfig.from_extra({"megatron": cfg.actor_rollout_ref.actor.megatron.merged(
-        cfg.backend.extra)})
+    actor = cfg.actor_rollout_ref.actor.megatron.resolved(cfg.backend.extra)
     ref = cfg.actor_rollout_ref.ref.megatron
     for name in LAYOUT_KEYS:
         mine, theirs = getattr(ref, name), getattr(actor, name)

@@ -24,7 +24,7 @@ from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
 from scaletrain.workers.colocated_rollout import ColocatedRollout
-from scaletrain.workers.config import ActorRolloutRefConfig
+from scaletrain.workers.config import ActorRolloutRefConfig, log_prob_micro_batching
 from scaletrain.workers.dispatch import (ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO, ROLLOUT_TOKENS,
                                         declare_engine_mesh)
 from scaletrain.workers.losses import ACTOR_INPUTS, actor_loss_fn, actor_outputs
@@ -150,14 +150,14 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         data = data.select()
-        data.meta_info[MICRO_BATCHING] = self.config.rollout.micro_batching()
+        data.meta_info[MICRO_BATCHING] = log_prob_micro_batching(self.config.rollout)
         out = self._training("actor").forward(data, outputs=("log_probs", "entropy"))
         return DataProto.from_dict({"old_log_probs": out.batch["log_probs"], "entropys": out.batch["entropy"]})
 
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         data = data.select()
-        data.meta_info[MICRO_BATCHING] = self.config.ref.micro_batching()
+        data.meta_info[MICRO_BATCHING] = log_prob_micro_batching(self.config.ref)
         out = self._training("ref").forward(data, outputs=("log_probs",))
         return DataProto.from_dict({"ref_log_prob": out.batch["log_probs"]})
 

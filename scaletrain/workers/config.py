@@ -53,6 +53,13 @@ class MegatronConfig:
                     if f.name in LAYOUT_KEYS and getattr(self, f.name) is not None})
         return out
 
+    def resolved(self, extra: dict[str, Any]):
+        """The engine's layout (a MegatronParallelConfig) from ``merged(extra)``, its defaults filling the rest;
+        unknown or invalid settings raise ValueError."""
+        from backends.megatron.parallel import MegatronParallelConfig
+
+        return MegatronParallelConfig.from_extra({"megatron": self.merged(extra)})
+
 
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
                "use_distributed_optimizer")
@@ -145,12 +152,6 @@ class RolloutWorkerConfig(RolloutEngineSettings):
     val_kwargs: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.0, "n": 1})
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
-    def micro_batching(self) -> dict[str, Any]:
-        """The old-log-prob pass's micro-batch settings (see backends/dist.py ``MICRO_BATCHING``)."""
-        return {"micro_batch_size_per_gpu": self.log_prob_micro_batch_size_per_gpu,
-                "use_dynamic_bsz": self.log_prob_use_dynamic_bsz,
-                "max_token_len_per_gpu": self.log_prob_max_token_len_per_gpu}
-
     @property
     def use_agent_loop(self) -> bool:
         return self.multi_turn.enable or self.mode == "async"
@@ -172,6 +173,14 @@ class RolloutWorkerConfig(RolloutEngineSettings):
         return sampling if do_sample else {**sampling, "temperature": 0.0}
 
 
+def log_prob_micro_batching(section) -> dict[str, Any]:
+    """A log-prob pass's micro-batch settings (backends/dist.py ``MICRO_BATCHING``) from its section's
+    ``log_prob_*`` keys (``actor_rollout_ref.rollout`` for old log-probs, ``actor_rollout_ref.ref``)."""
+    return {"micro_batch_size_per_gpu": section.log_prob_micro_batch_size_per_gpu,
+            "use_dynamic_bsz": section.log_prob_use_dynamic_bsz,
+            "max_token_len_per_gpu": section.log_prob_max_token_len_per_gpu}
+
+
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 8
@@ -179,12 +188,6 @@ class RefConfig:
     log_prob_max_token_len_per_gpu: int = 16384
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # must match the actor's layout (colocated)
-
-    def micro_batching(self) -> dict[str, Any]:
-        """The reference log-prob pass's micro-batch settings (see backends/dist.py ``MICRO_BATCHING``)."""
-        return {"micro_batch_size_per_gpu": self.log_prob_micro_batch_size_per_gpu,
-                "use_dynamic_bsz": self.log_prob_use_dynamic_bsz,
-                "max_token_len_per_gpu": self.log_prob_max_token_len_per_gpu}
 
 
 @dataclass

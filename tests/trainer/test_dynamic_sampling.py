@@ -11,7 +11,6 @@ from scaletrain.trainer.config import FilterGroupsConfig, load_ppo_config, valid
 from scaletrain.trainer.dynamic_sampling import Scored, collect_groups, kept_rows, metric_values
 from scaletrain.trainer.overlong import mask_overlong_responses, truncated_rows
 from scaletrain.trainer.remax import greedy_baseline
-from scaletrain.utils.typed_config import ConfigError
 from tests.trainer.test_ppo_config import composed
 
 N = 2  # samples per prompt
@@ -125,23 +124,6 @@ def test_collect_groups_averages_metrics_and_stops_at_once_when_the_first_batch_
                                      FilterGroupsConfig(enable=True, metric="seq_reward"), 4)
     assert metrics == {"train/num_gen_batches": 1.0, "train/kept_group_ratio": 1.0}
     assert scored.metrics == {"reward/score_mean": 0.5} and len(calls) == 1
-
-
-@pytest.mark.parametrize("overrides,message", [
-    (["algorithm.filter_groups.enable=true", "actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=remax"],
-     "algorithm.filter_groups.enable drops groups whose samples all agree: set actor_rollout_ref.rollout.n >= 2"),
-    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward",
-      "algorithm.use_kl_in_reward=true"], "algorithm.filter_groups.metric=seq_final_reward: groups are filtered"),
-    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=''"],
-     "algorithm.filter_groups.metric must name a per-sample value"),
-    (["algorithm.filter_groups.max_num_gen_batches=two"],
-     "algorithm.filter_groups.max_num_gen_batches: expected int, got str"),
-    (["algorithm.filter_overlong_responses=maybe"], "algorithm.filter_overlong_responses: expected bool"),
-])
-def test_bad_filter_settings_name_the_key(overrides, message):
-    with pytest.raises(ConfigError) as info:
-        validate(load_ppo_config(composed(*overrides)))
-    assert message in str(info.value)
 
 
 def test_filter_defaults_match_verl_and_validate():

@@ -66,6 +66,15 @@ def test_yaml_defaults_build_and_validate():
     (["actor_rollout_ref.rollout.enable_chunked_prefill=true", "trainer.device=cpu"],
      "rollout.enable_chunked_prefill=true is not supported on CPU"),
     (["+actor_rollout_ref.rollout.engine_kwargs.sglang={}"], "rollout.engine_kwargs: unknown engine(s) ['sglang']"),
+    (["algorithm.filter_groups.enable=true", "actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=remax"],
+     "algorithm.filter_groups.enable drops groups whose samples all agree: set actor_rollout_ref.rollout.n >= 2"),
+    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward",
+      "algorithm.use_kl_in_reward=true"], "algorithm.filter_groups.metric=seq_final_reward: groups are filtered"),
+    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=''"],
+     "algorithm.filter_groups.metric must name a per-sample value"),
+    (["algorithm.filter_groups.max_num_gen_batches=two"],
+     "algorithm.filter_groups.max_num_gen_batches: expected int, got str"),
+    (["algorithm.filter_overlong_responses=maybe"], "algorithm.filter_overlong_responses: expected bool"),
 ])
 def test_bad_configs_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as info:
