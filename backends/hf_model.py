@@ -42,8 +42,16 @@ def check_outputs(kind: str, outputs) -> tuple[str, ...]:
     if not outputs or any(o not in allowed for o in outputs):
         raise ValueError(f"a {kind} model gives {list(allowed)}, asked for {list(outputs)}")
     return outputs
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -82,8 +90,11 @@ def build_model(model_config: ModelConfig) -> nn.Module:
     """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
-    classes = {"causal_lm": AutoModelForCausalLM, "value": AutoModelForTokenClassification,
-               "reward": AutoModelForSequenceClassification}
+    classes = {
+        "causal_lm": AutoModelForCausalLM,
+        "value": AutoModelForTokenClassification,
+        "reward": AutoModelForSequenceClassification,
+    }
     if model_config.kind not in classes:
         raise ValueError(f"unknown model kind '{model_config.kind}'; known: {sorted(classes)}")
     kwargs = attention_kwargs(model_config)
@@ -106,11 +117,14 @@ def attention_kwargs(model_config: ModelConfig) -> dict[str, str]:
     if name is None:
         return {}
     if name not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(f"actor_rollout_ref.model.attn_implementation: unknown '{name}'; "
-                         f"known: {', '.join(ATTN_IMPLEMENTATIONS)}")
+        raise ValueError(
+            f"actor_rollout_ref.model.attn_implementation: unknown '{name}'; known: {', '.join(ATTN_IMPLEMENTATIONS)}"
+        )
     if name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        raise ImportError("actor_rollout_ref.model.attn_implementation=flash_attention_2 needs the flash-attn "
-                          "package (`pip install flash-attn --no-build-isolation`, CUDA only); or use sdpa")
+        raise ImportError(
+            "actor_rollout_ref.model.attn_implementation=flash_attention_2 needs the flash-attn "
+            "package (`pip install flash-attn --no-build-isolation`, CUDA only); or use sdpa"
+        )
     return {"attn_implementation": name}
 
 
@@ -165,7 +179,7 @@ def forward_micro_batch(
     position_ids = micro["position_ids"]
     b, T = input_ids.shape
     R = micro["responses"].shape[1] if "responses" in micro else 0
-    resp_valid = attention_mask[:, T - R:].bool()                 # (b, R): response tokens that exist
+    resp_valid = attention_mask[:, T - R :].bool()  # (b, R): response tokens that exist
 
     if kind == "reward":
         return {"scores": _reward_scores(model, input_ids, attention_mask, position_ids, remove_padding)}
@@ -173,22 +187,26 @@ def forward_micro_batch(
     if remove_padding:
         ids, pos, packed_index = pack(input_ids, attention_mask, position_ids)
         # response token (i, T-R+j) is predicted at packed position of token (i, T-R+j-1)
-        predict_at = packed_index[:, T - R - 1:T - 1][resp_valid]  # (n_valid,)
+        predict_at = packed_index[:, T - R - 1 : T - 1][resp_valid]  # (n_valid,)
         if kind == "causal_lm":
             out = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=predict_at)
-            logits = out.logits[0]                                  # (n_valid, V)
+            logits = out.logits[0]  # (n_valid, V)
         else:
             out = model(input_ids=ids, position_ids=pos, use_cache=False)
-            logits = out.logits[0, predict_at]                      # (n_valid, 1)
+            logits = out.logits[0, predict_at]  # (n_valid, 1)
     else:
         if kind == "causal_lm":
-            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        use_cache=False, logits_to_keep=R + 1)
-            logits = out.logits[:, :-1][resp_valid]                 # (n_valid, V)
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=R + 1,
+            )
+            logits = out.logits[:, :-1][resp_valid]  # (n_valid, V)
         else:
-            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        use_cache=False)
-            logits = out.logits[:, T - R - 1:T - 1][resp_valid]     # (n_valid, 1)
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+            logits = out.logits[:, T - R - 1 : T - 1][resp_valid]  # (n_valid, 1)
 
     if kind == "value":
         return {"values": _scatter_rows(logits[:, 0].float(), resp_valid)}
@@ -217,9 +235,9 @@ def _reward_scores(model, input_ids, attention_mask, position_ids, remove_paddin
             model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     finally:
         handle.remove()
-    token_scores = captured[0][..., 0].float()                      # (b, T) or (1, total)
+    token_scores = captured[0][..., 0].float()  # (b, T) or (1, total)
     T = input_ids.shape[1]
-    last = T - 1 - attention_mask.flip(-1).long().argmax(-1)       # column of each row's last valid token
+    last = T - 1 - attention_mask.flip(-1).long().argmax(-1)  # column of each row's last valid token
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)
     if remove_padding:
         return token_scores[0, packed_index[rows, last]]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR

@@ -29,7 +29,8 @@ replicated kv heads are the same storage on every rank): clone before mutating i
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -123,8 +124,9 @@ def vocab_rows(vocab: int, tp: int, rank: int, padding: int) -> tuple[int, int]:
     return start, min(start + padded // tp, vocab)
 
 
-def rank_shard(name: str, full: torch.Tensor, tp: int, rank: int, config: Any = None,
-               vocab_padding: int | None = None) -> tuple[torch.Tensor, int | None, int]:
+def rank_shard(
+    name: str, full: torch.Tensor, tp: int, rank: int, config: Any = None, vocab_padding: int | None = None
+) -> tuple[torch.Tensor, int | None, int]:
     """``(shard, dim, start)``: ``rank``'s shard of ``full`` and where it sits in it (``full.narrow(dim, start,
     shard.shape[dim])``); ``dim`` is None for a replicated tensor (the shard is ``full``). Vocab-parallel tensors
     follow ``vocab_rows`` when ``vocab_padding`` is given, else the even split of ``split_tensor``."""
@@ -137,7 +139,7 @@ def rank_shard(name: str, full: torch.Tensor, tp: int, rank: int, config: Any = 
     shard = split_tensor(name, full, tp, config)[rank]
     heads = _heads(config)
     if heads is not None and _KV.search(name) and tp > heads[1]:
-        return shard, 0, (rank * heads[1] // tp) * heads[2]   # the replicated kv head this rank holds
+        return shard, 0, (rank * heads[1] // tp) * heads[2]  # the replicated kv head this rank holds
     return shard, dim, rank * shard.shape[dim]
 
 
@@ -161,8 +163,9 @@ def merge_shards(name: str, shards: Sequence[torch.Tensor], config: Any = None) 
     return torch.cat(shards, dim=dim)
 
 
-def split_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_kv_heads: int,
-              head_dim: int, tp: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def split_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, tp: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per-rank ``(q_r, k_r, v_r)`` (weights or biases) with GQA grouping kept.
 
     Rank r gets q heads ``[r * num_heads / tp, (r + 1) * num_heads / tp)``; k/v follow the module rule
@@ -214,8 +217,9 @@ def reshard_one(name: str, shards: Sequence[torch.Tensor], k: int, m: int, confi
     return out
 
 
-def reshard(named_shards: Mapping[str, Sequence[torch.Tensor]], k: int, m: int,
-            config: Any = None) -> dict[str, list[torch.Tensor]]:
+def reshard(
+    named_shards: Mapping[str, Sequence[torch.Tensor]], k: int, m: int, config: Any = None
+) -> dict[str, list[torch.Tensor]]:
     """Every name from TP size k to TP size m (k == m: shard-to-shard, the same tensor objects, no gather).
 
     Names are processed one at a time (merge one, split it, drop it), so peak memory beyond the inputs held by
@@ -229,9 +233,13 @@ def _nbytes(shards: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in shards)
 
 
-def iter_resharded_buckets(named_shards_iter: Iterable[tuple[str, Sequence[torch.Tensor]]] | Mapping,
-                           k: int, m: int, config: Any, bucket_bytes: int
-                           ) -> Iterator[list[tuple[str, list[torch.Tensor]]]]:
+def iter_resharded_buckets(
+    named_shards_iter: Iterable[tuple[str, Sequence[torch.Tensor]]] | Mapping,
+    k: int,
+    m: int,
+    config: Any,
+    bucket_bytes: int,
+) -> Iterator[list[tuple[str, list[torch.Tensor]]]]:
     """Reshard lazily and yield buckets ``[(name, m shards), ...]`` whose output bytes are <= ``bucket_bytes``.
 
     Output bytes count every rank's shard (what is sent). A name bigger than the bound is its own bucket.

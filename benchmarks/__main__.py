@@ -1,4 +1,5 @@
 """``python -m benchmarks [--quick] [--readme]``: run every benchmark script (see benchmarks/run_all.py)."""
+
 import sys
 
 from benchmarks.run_all import main

@@ -48,8 +48,13 @@ def rows_for(questions: list[str], agent_name: str) -> DataProto:
         return arr
 
     raw = obj([[{"role": "user", "content": q}] for q in questions])
-    return DataProto.from_dict(non_tensors={"raw_prompt": raw, "agent_name": obj([agent_name] * len(questions)),
-                                            "extra_info": obj([{} for _ in questions])})
+    return DataProto.from_dict(
+        non_tensors={
+            "raw_prompt": raw,
+            "agent_name": obj([agent_name] * len(questions)),
+            "extra_info": obj([{} for _ in questions]),
+        }
+    )
 
 
 def median_s(fn, repeats: int) -> float:
@@ -72,16 +77,19 @@ def main() -> None:
     tok = make_agent_tokenizer()
     tmp = tempfile.mkdtemp(prefix="bench-agent-")
     model_dir = build_tool_model(os.path.join(tmp, "model"), steps=150)
-    engine = get_rollout(args.engine)(RolloutConfig(model_path=model_dir, max_model_len=256,
-                                                    kv_cache_bytes=64 << 20), tok)
+    engine = get_rollout(args.engine)(
+        RolloutConfig(model_path=model_dir, max_model_len=256, kv_cache_bytes=64 << 20), tok
+    )
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     questions = [f"{a}+{b}" for a, b in rng.integers(10, 100, (prompts_n, 2))]
     trajectories = prompts_n * n
 
     # sync single-turn path: one batched generate
-    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-             for q in questions]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in questions
+    ]
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     width = max(map(len, ids))
     input_ids = torch.tensor([[0] * (width - len(x)) + x for x in ids])
@@ -92,8 +100,9 @@ def main() -> None:
     tools = os.path.join(tmp, "tools.yaml")
     Path(tools).write_text("tools:\n  - class_name: calculator\n")
     cfg = MultiTurnConfig(enable=True, tools_config_file=tools, max_assistant_turns=2)
-    manager = AgentLoopManager(cfg, AsyncServerManager(LocalEngineBackend([engine])), tok, prompt_length=32,
-                               response_length=RESPONSE)
+    manager = AgentLoopManager(
+        cfg, AsyncServerManager(LocalEngineBackend([engine])), tok, prompt_length=32, response_length=RESPONSE
+    )
     params = {"temperature": 1.0, "seed": 0}
     single_s = median_s(lambda: manager.generate_sequences(rows_for(questions, "single_turn_agent"), params, n), reps)
     tool_rows = rows_for(questions, "tool_agent")
@@ -105,28 +114,56 @@ def main() -> None:
     tool_s = median_s(tool_run, reps)
     metrics = last["out"].meta_info["metrics"]
     one = rows_for(questions[:1], "tool_agent")
-    seq_s = median_s(lambda: [manager.generate_sequences(one, params, 1) for _ in range(min(8, trajectories))],
-                     1) / min(8, trajectories) * trajectories
+    seq_s = (
+        median_s(lambda: [manager.generate_sequences(one, params, 1) for _ in range(min(8, trajectories))], 1)
+        / min(8, trajectories)
+        * trajectories
+    )
 
     sync_tps, single_tps, tool_tps, seq_tps = (trajectories / s for s in (sync_s, single_s, tool_s, seq_s))
-    print(f"\n{prompts_n} prompts x n={n} = {trajectories} trajectories, {args.engine} engine, tiny tool-calling "
-          f"Qwen2, response <= {RESPONSE} tokens, 1 thread; median of {reps}")
-    print(f"tool_agent: {metrics['num_turns/mean']:.2f} turns/trajectory, "
-          f"{metrics['agent/tool_calls_per_traj']:.2f} tool calls/trajectory, "
-          f"{metrics['agent/generate_batches']:.0f} engine batches (mean {metrics['agent/mean_batch_size']:.1f})")
+    print(
+        f"\n{prompts_n} prompts x n={n} = {trajectories} trajectories, {args.engine} engine, tiny tool-calling "
+        f"Qwen2, response <= {RESPONSE} tokens, 1 thread; median of {reps}"
+    )
+    print(
+        f"tool_agent: {metrics['num_turns/mean']:.2f} turns/trajectory, "
+        f"{metrics['agent/tool_calls_per_traj']:.2f} tool calls/trajectory, "
+        f"{metrics['agent/generate_batches']:.0f} engine batches (mean {metrics['agent/mean_batch_size']:.1f})"
+    )
     print(f"\n{'path':<42}{'traj/s':>10}{'vs sync single-turn':>22}")
-    table = [("sync single-turn generate (baseline)", sync_tps), ("agent single_turn_agent (async path)", single_tps),
-             ("agent tool_agent, concurrent (2 turns)", tool_tps), ("agent tool_agent, one at a time", seq_tps)]
+    table = [
+        ("sync single-turn generate (baseline)", sync_tps),
+        ("agent single_turn_agent (async path)", single_tps),
+        ("agent tool_agent, concurrent (2 turns)", tool_tps),
+        ("agent tool_agent, one at a time", seq_tps),
+    ]
     for name, value in table:
         print(f"{name:<42}{value:>10.1f}{value / sync_tps:>21.2f}x")
-    emit_results([
-        {"measure": "agent single_turn_agent traj/s", "ours": single_tps, "baseline": sync_tps,
-         "baseline_name": "sync single-turn generate", "unit": "traj/s"},
-        {"measure": "agent tool_agent concurrent traj/s", "ours": tool_tps, "baseline": sync_tps,
-         "baseline_name": "sync single-turn generate", "unit": "traj/s"},
-        {"measure": "agent tool_agent one-at-a-time traj/s", "ours": seq_tps, "baseline": tool_tps,
-         "baseline_name": "tool_agent concurrent", "unit": "traj/s"},
-    ])
+    emit_results(
+        [
+            {
+                "measure": "agent single_turn_agent traj/s",
+                "ours": single_tps,
+                "baseline": sync_tps,
+                "baseline_name": "sync single-turn generate",
+                "unit": "traj/s",
+            },
+            {
+                "measure": "agent tool_agent concurrent traj/s",
+                "ours": tool_tps,
+                "baseline": sync_tps,
+                "baseline_name": "sync single-turn generate",
+                "unit": "traj/s",
+            },
+            {
+                "measure": "agent tool_agent one-at-a-time traj/s",
+                "ours": seq_tps,
+                "baseline": tool_tps,
+                "baseline_name": "tool_agent concurrent",
+                "unit": "traj/s",
+            },
+        ]
+    )
 
 
 if __name__ == "__main__":

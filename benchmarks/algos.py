@@ -8,6 +8,7 @@ Prints the median milliseconds of each vectorised function next to a loop versio
 GRPO: a Python loop over groups; PPO loss: a loop over rows) and the speed-up. The loop versions are also
 checked to give the same numbers, so the comparison is between equivalent code.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -124,11 +125,18 @@ def main():
     ppo = get_policy_loss("vanilla")
 
     # same numbers first
-    torch.testing.assert_close(gae(rewards, mask, values=values, gamma=gamma, lam=lam)[0],
-                               gae_loop(rewards, values, mask, gamma, lam)[0], atol=1e-3, rtol=1e-3)
-    torch.testing.assert_close(grpo(rewards, mask, index=index)[0], grpo_loop(rewards, mask, index), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(ppo(old, new, adv, mask, "token-mean", None)[0], ppo_loss_loop(old, new, adv, mask),
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        gae(rewards, mask, values=values, gamma=gamma, lam=lam)[0],
+        gae_loop(rewards, values, mask, gamma, lam)[0],
+        atol=1e-3,
+        rtol=1e-3,
+    )
+    torch.testing.assert_close(
+        grpo(rewards, mask, index=index)[0], grpo_loop(rewards, mask, index), atol=1e-4, rtol=1e-4
+    )
+    torch.testing.assert_close(
+        ppo(old, new, adv, mask, "token-mean", None)[0], ppo_loss_loop(old, new, adv, mask), atol=1e-5, rtol=1e-4
+    )
 
     def ppo_fwd_bwd(loop):
         lp = new.clone().requires_grad_(True)
@@ -136,15 +144,23 @@ def main():
         loss.backward()
 
     cases = [
-        ("gae", lambda: gae(rewards, mask, values=values, gamma=gamma, lam=lam),
-         lambda: gae_loop(rewards, values, mask, gamma, lam)),
+        (
+            "gae",
+            lambda: gae(rewards, mask, values=values, gamma=gamma, lam=lam),
+            lambda: gae_loop(rewards, values, mask, gamma, lam),
+        ),
         ("grpo", lambda: grpo(rewards, mask, index=index), lambda: grpo_loop(rewards, mask, index)),
-        ("ppo loss fwd", lambda: ppo(old, new, adv, mask, "token-mean", None),
-         lambda: ppo_loss_loop(old, new, adv, mask)),
+        (
+            "ppo loss fwd",
+            lambda: ppo(old, new, adv, mask, "token-mean", None),
+            lambda: ppo_loss_loop(old, new, adv, mask),
+        ),
         ("ppo loss fwd+bwd", lambda: ppo_fwd_bwd(False), lambda: ppo_fwd_bwd(True)),
     ]
-    print(f"scaletrain.algos benchmark: ({B}, {T}) tensors, groups of {group}, device={device}, "
-          f"torch threads={torch.get_num_threads()}, median of {repeats}")
+    print(
+        f"scaletrain.algos benchmark: ({B}, {T}) tensors, groups of {group}, device={device}, "
+        f"torch threads={torch.get_num_threads()}, median of {repeats}"
+    )
     print(f"{'case':<18}{'vectorised ms':>15}{'loop ms':>12}{'speed-up':>10}")
     rows = []
     for name, fast, slow in cases:

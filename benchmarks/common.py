@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -27,10 +27,13 @@ def median_ms(fn: Callable[[], object], repeats: int = 7, warmup: int = 1) -> fl
 def make_batch(rows: int = 1024, seq: int = 2048) -> DataProto:
     """~112 MiB at 1024 x 2048: five int64 and four float32 (rows, seq) tensors plus a string column."""
     g = torch.Generator().manual_seed(0)
-    ints = {k: torch.randint(0, 32000, (rows, seq), generator=g) for k in
-            ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")}
-    floats = {k: torch.randn(rows, seq, generator=g) for k in
-              ("old_log_probs", "ref_log_prob", "advantages", "returns")}
+    ints = {
+        k: torch.randint(0, 32000, (rows, seq), generator=g)
+        for k in ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+    }
+    floats = {
+        k: torch.randn(rows, seq, generator=g) for k in ("old_log_probs", "ref_log_prob", "advantages", "returns")
+    }
     sources = np.array([f"source_{i % 7}" for i in range(rows)], dtype=object)
     return DataProto.from_dict({**ints, **floats}, {"data_source": sources}, {"temperature": 1.0})
 
@@ -64,7 +67,14 @@ def emit_results(rows: list, unit: str = "ms") -> None:
         name, ours, base, base_name, *rest = row
         ours = None if ours is None else float(ours)
         base = None if base is None else float(base)
-        out.append({"measure": name.strip(), "ours": ours, "baseline": base, "baseline_name": base_name,
-                    "ratio": ours / base if ours is not None and base else None,
-                    "unit": (rest[0] if rest and rest[0] else unit)})
+        out.append(
+            {
+                "measure": name.strip(),
+                "ours": ours,
+                "baseline": base,
+                "baseline_name": base_name,
+                "ratio": ours / base if ours is not None and base else None,
+                "unit": (rest[0] if rest and rest[0] else unit),
+            }
+        )
     print("BENCH_JSON " + json.dumps({"rows": out}), flush=True)

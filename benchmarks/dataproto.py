@@ -78,7 +78,9 @@ def _ray_rows(data: DataProto, reps: int, copy_ms: float) -> list:
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=1500 * 2**20, logging_level="ERROR")
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, object_store_memory=1500 * 2**20, logging_level="ERROR"
+    )
 
     @ray.remote
     class Echo:

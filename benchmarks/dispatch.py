@@ -51,7 +51,13 @@ def main() -> None:
     reps = 5 if args.quick else 9
     n = args.workers
     data = make_batch(rows, seq).select(["input_ids", "attention_mask", "responses", "advantages"])
-    ray.init(address="local", num_cpus=max(2, n), include_dashboard=False, object_store_memory=1500 * 2**20, logging_level="ERROR")
+    ray.init(
+        address="local",
+        num_cpus=max(2, n),
+        include_dashboard=False,
+        object_store_memory=1500 * 2**20,
+        logging_level="ERROR",
+    )
 
     pool = RayResourcePool([n], use_gpu=False)
     group = RayWorkerGroup(pool, RayClassWithInitArgs(LogProbWorker))

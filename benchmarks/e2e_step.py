@@ -38,10 +38,19 @@ def build_model(root: Path) -> str:
 
     tok = build_arithmetic_tokenizer()
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                      bos_token_id=tok.bos_token_id)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
     path = str(root / "model")
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
@@ -61,8 +70,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="16 prompts x 4 samples x 32 tokens")
     parser.add_argument("--rollout", default="vllm")
     parser.add_argument("--steps", type=int, default=4, help="measured steps (after 2 warm-up steps)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="trainer config overrides, e.g. ray_init.address=HOST:PORT trainer.nnodes=2")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="trainer config overrides, e.g. ray_init.address=HOST:PORT trainer.nnodes=2",
+    )
     args = parser.parse_args()
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
@@ -81,15 +94,29 @@ def main() -> None:
         data = write_arithmetic_task(root / "data", seed=0, n_train=prompts * (args.steps + 2), n_val=8, n_test=8)
         total = args.steps + 2
         config = {
-            "data": {"train_files": data["train"], "val_files": None, "train_batch_size": prompts,
-                     "max_prompt_length": 8, "max_response_length": resp},
-            "actor_rollout_ref": {"model": {"path": model},
-                                  "actor": {"ppo_mini_batch_size": prompts, "ppo_micro_batch_size_per_gpu": 64},
-                                  "rollout": {"name": args.rollout, "n": n, "response_length": resp,
-                                              "prompt_length": 8}},
-            "trainer": {"total_training_steps": total, "default_local_dir": str(root / "run"),
-                        "logger": ["jsonl"], "val_before_train": False, "save_freq": -1, "test_freq": -1,
-                        "save_hf_at_end": False, "plot_at_end": False, "resume_mode": "disable"},
+            "data": {
+                "train_files": data["train"],
+                "val_files": None,
+                "train_batch_size": prompts,
+                "max_prompt_length": 8,
+                "max_response_length": resp,
+            },
+            "actor_rollout_ref": {
+                "model": {"path": model},
+                "actor": {"ppo_mini_batch_size": prompts, "ppo_micro_batch_size_per_gpu": 64},
+                "rollout": {"name": args.rollout, "n": n, "response_length": resp, "prompt_length": 8},
+            },
+            "trainer": {
+                "total_training_steps": total,
+                "default_local_dir": str(root / "run"),
+                "logger": ["jsonl"],
+                "val_before_train": False,
+                "save_freq": -1,
+                "test_freq": -1,
+                "save_hf_at_end": False,
+                "plot_at_end": False,
+                "resume_mode": "disable",
+            },
         }
         config = with_overrides(config, args.overrides)
         trainer = config["trainer"]
@@ -100,9 +127,11 @@ def main() -> None:
     mean = {k: sum(r.get(k, 0.0) for r in measured) / len(measured) for k in measured[0]}
     step_s = mean["timing_s/step"]
     tokens = mean["perf/total_num_tokens"]
-    print(f"\nGRPO step: {prompts} prompts x {n} samples x {resp} response tokens, {args.rollout} rollout, "
-          f"{nnodes * per_node} FSDP rank(s) on {nnodes} node(s), {len(measured)} steps measured "
-          f"(run took {summary['wall_s']} s)")
+    print(
+        f"\nGRPO step: {prompts} prompts x {n} samples x {resp} response tokens, {args.rollout} rollout, "
+        f"{nnodes * per_node} FSDP rank(s) on {nnodes} node(s), {len(measured)} steps measured "
+        f"(run took {summary['wall_s']} s)"
+    )
     print(f"{'phase':<16}{'s':>9}{'share':>9}")
     for key in sorted(k for k in mean if k.startswith("timing_s/") and k != "timing_s/step"):
         print(f"{key.split('/', 1)[1]:<16}{mean[key]:>9.3f}{mean[key] / step_s:>8.1%}")
@@ -113,9 +142,13 @@ def main() -> None:
     print(f"share outside generation and training: {1 - gen_train / step_s:.1%}")
     print(f"controller overhead (driver work + transport, outside every worker call): {1 - workers / step_s:.1%}")
     where = "" if (nnodes, per_node) == (1, 2) else f" ({nnodes} node(s) x {per_node} rank(s))"
-    emit_results([(f"e2e GRPO step{where}", step_s * 1e3, None, ""),
-                  (f"e2e tokens/s{where}", tokens / step_s, None, "", "tok/s"),
-                  (f"e2e controller overhead share{where}", (1 - workers / step_s) * 100, None, "", "%")])
+    emit_results(
+        [
+            (f"e2e GRPO step{where}", step_s * 1e3, None, ""),
+            (f"e2e tokens/s{where}", tokens / step_s, None, "", "tok/s"),
+            (f"e2e controller overhead share{where}", (1 - workers / step_s) * 100, None, "", "%"),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -72,15 +72,18 @@ def make_batch(rows: int, prompt: int, response: int, vocab_size: int = 128, see
     attention_mask = torch.cat([prompt_mask, resp_mask], dim=1)
     tokens = torch.randint(FIRST_TOKEN, vocab_size, (rows, prompt + response), generator=g)
     input_ids = torch.where(attention_mask.bool(), tokens, torch.full_like(tokens, PAD_ID))
-    return DataProto.from_dict({
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-        "responses": input_ids[:, prompt:].clone(),
-        "response_mask": resp_mask,
-        "advantages": torch.randn(rows, response, generator=g) * resp_mask,
-        "old_log_probs": torch.zeros(rows, response),
-    }, meta_info={"temperature": 1.0})
+    return DataProto.from_dict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": input_ids[:, prompt:].clone(),
+            "response_mask": resp_mask,
+            "advantages": torch.randn(rows, response, generator=g) * resp_mask,
+            "old_log_probs": torch.zeros(rows, response),
+        },
+        meta_info={"temperature": 1.0},
+    )
 
 
 def loss_fn(out, mb):
@@ -103,8 +106,9 @@ def build_engine(backend: str, model_dir: str, settings: dict, micro: int):
     from backends.config import EngineConfig, ModelConfig, OptimConfig
 
     extra = {"megatron": dict(settings)} if backend == "megatron" else {}
-    return get_backend(backend)(ModelConfig(path=model_dir), OptimConfig(lr=1e-5),
-                                EngineConfig(micro_batch_size_per_gpu=micro, extra=extra))
+    return get_backend(backend)(
+        ModelConfig(path=model_dir), OptimConfig(lr=1e-5), EngineConfig(micro_batch_size_per_gpu=micro, extra=extra)
+    )
 
 
 def export_all(engine, bucket_bytes: int, keep: bool = False):
@@ -170,13 +174,27 @@ def launch(spec: dict, timeout_s: float = 900.0) -> dict:
     port, world = _free_port(), spec["world"]
     procs, logs = [], []
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        }
         log = open(work / f"rank{rank}.log", "w")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.multirank", str(spec_file)], env=env,
-                                      cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.multirank", str(spec_file)],
+                env=env,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
     try:
         for p in procs:
             p.wait(timeout=timeout_s)
@@ -190,8 +208,9 @@ def launch(spec: dict, timeout_s: float = 900.0) -> dict:
     out = Path(spec["out"])
     if not out.exists() or any(p.returncode for p in procs):
         tail = (work / "rank0.log").read_text()[-3000:]
-        raise RuntimeError(f"{spec['backend']} {spec['settings']} on {world} ranks failed (logs in {work}); "
-                           f"rank 0 log:\n{tail}")
+        raise RuntimeError(
+            f"{spec['backend']} {spec['settings']} on {world} ranks failed (logs in {work}); rank 0 log:\n{tail}"
+        )
     result = json.loads(out.read_text())
     shutil.rmtree(work, ignore_errors=True)
     return result
@@ -199,8 +218,15 @@ def launch(spec: dict, timeout_s: float = 900.0) -> dict:
 
 def layout_spec(name: str, model_dir: str, measure: tuple[str, ...], repeats: int, **extra) -> dict:
     backend, world, settings = LAYOUTS[name]
-    return {"backend": backend, "world": world, "settings": settings, "model_dir": model_dir,
-            "measure": list(measure), "repeats": repeats, **extra}
+    return {
+        "backend": backend,
+        "world": world,
+        "settings": settings,
+        "model_dir": model_dir,
+        "measure": list(measure),
+        "repeats": repeats,
+        **extra,
+    }
 
 
 if __name__ == "__main__":

@@ -35,8 +35,10 @@ MODEL = dict(hidden_size=128, intermediate_size=512, num_attention_heads=4, num_
 
 def make_prompts(tokenizer, count: int) -> DataProto:
     g = torch.Generator().manual_seed(0)
-    texts = ["".join(chr(int(c)) for c in torch.randint(97, 123, (int(k),), generator=g))
-             for k in torch.randint(4, 24, (count,), generator=g)]
+    texts = [
+        "".join(chr(int(c)) for c in torch.randint(97, 123, (int(k),), generator=g))
+        for k in torch.randint(4, 24, (count,), generator=g)
+    ]
     enc = tokenizer(texts, return_tensors="pt", padding=True)
     return DataProto.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
 
@@ -99,7 +101,7 @@ def main() -> None:
     rates.append(("hf", ours_hf, raw_hf_ms))
 
     print(f"\n{prompts_n} prompts x n={n} x {max_new} new tokens, tiny Qwen2 {MODEL}, 1 thread")
-    print_table("rollout generate (median of %d, alternating ours / raw)" % reps, rows)
+    print_table(f"rollout generate (median of {reps}, alternating ours / raw)", rows)
     print(f"\n{'engine':<8}{'tokens':>8}{'ours tok/s':>12}{'raw tok/s':>12}")
     for name, ours_ms, raw_ms in rates:
         print(f"{name:<8}{tokens[name]:>8}{tokens[name] / ours_ms * 1e3:>12.0f}{tokens[name] / raw_ms * 1e3:>12.0f}")

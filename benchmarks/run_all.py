@@ -11,6 +11,7 @@ the table; it never stops the other scripts.
 
 Writes ``benchmarks/results/results.json`` and ``benchmarks/results/ratios.png`` (ours / baseline per measure).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,9 @@ PERF_START, PERF_END = "<!-- perf:start -->", "<!-- perf:end -->"
 QUICK_SKIP: set[str] = set()
 
 
+QUICK_NOTE = "Quick sizes: small batches and models, so fixed costs weigh more than at full size. "
+
+
 def discover(bench_dir: Path) -> list[Path]:
     return sorted(p for p in bench_dir.glob("*.py") if p.stem not in NOT_BENCHMARKS)
 
@@ -44,7 +48,7 @@ def parse_output(text: str) -> list[dict]:
         if not line.startswith(MARKER):
             continue
         try:
-            rows += json.loads(line[len(MARKER):])["rows"]
+            rows += json.loads(line[len(MARKER) :])["rows"]
         except (ValueError, KeyError, TypeError):
             continue
     return rows
@@ -55,8 +59,9 @@ def run_script(path: Path, quick: bool, timeout: float, cwd: Path) -> dict:
     cmd = [sys.executable, str(path)] + (["--quick"] if quick else [])
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
         status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
@@ -67,9 +72,14 @@ def run_script(path: Path, quick: bool, timeout: float, cwd: Path) -> dict:
     rows = parse_output(output or "")
     if status == "ok" and not rows:
         status = "no results"
-    return {"script": path.stem, "status": status, "returncode": proc.returncode,
-            "seconds": round(time.perf_counter() - start, 1), "rows": rows,
-            "output_tail": "\n".join((output or "").splitlines()[-20:])}
+    return {
+        "script": path.stem,
+        "status": status,
+        "returncode": proc.returncode,
+        "seconds": round(time.perf_counter() - start, 1),
+        "rows": rows,
+        "output_tail": "\n".join((output or "").splitlines()[-20:]),
+    }
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -84,8 +94,18 @@ def table_rows(results: list[dict]) -> list[dict]:
     out = []
     for res in results:
         if not res["rows"]:
-            out.append({"script": res["script"], "measure": "-", "ours": None, "baseline": None,
-                        "baseline_name": "", "ratio": None, "unit": "", "status": res["status"]})
+            out.append(
+                {
+                    "script": res["script"],
+                    "measure": "-",
+                    "ours": None,
+                    "baseline": None,
+                    "baseline_name": "",
+                    "ratio": None,
+                    "unit": "",
+                    "status": res["status"],
+                }
+            )
         for row in res["rows"]:
             out.append({"script": res["script"], **row, "status": res["status"]})
     return out
@@ -101,9 +121,13 @@ def format_table(rows: list[dict]) -> str:
     lines = [f"{'script':<20}{'measure':<46}{'ours':>12}{'baseline':>12}{'ratio':>8}  {'unit':<6} status / baseline"]
     for r in rows:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        note = r["status"] if r["status"] != "ok" else (r.get("baseline_name") or "") if r["baseline"] is not None else ""
-        lines.append(f"{r['script']:<20}{r['measure'][:45]:<46}{_num(r['ours']):>12}{_num(r['baseline']):>12}"
-                     f"{ratio:>8}  {r.get('unit', ''):<6} {note}")
+        note = (
+            r["status"] if r["status"] != "ok" else (r.get("baseline_name") or "") if r["baseline"] is not None else ""
+        )
+        lines.append(
+            f"{r['script']:<20}{r['measure'][:45]:<46}{_num(r['ours']):>12}{_num(r['baseline']):>12}"
+            f"{ratio:>8}  {r.get('unit', ''):<6} {note}"
+        )
     return "\n".join(lines)
 
 
@@ -134,10 +158,13 @@ def machine_info() -> dict:
 
 def write_results(results: list[dict], out_dir: Path, quick: bool) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
-    doc = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "quick": quick,
-           "machine": machine_info(),
-           "scripts": [{k: v for k, v in r.items() if k != "rows"} for r in results],
-           "rows": table_rows(results)}
+    doc = {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "quick": quick,
+        "machine": machine_info(),
+        "scripts": [{k: v for k, v in r.items() if k != "rows"} for r in results],
+        "rows": table_rows(results),
+    }
     (out_dir / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
     return doc
 
@@ -177,7 +204,7 @@ def readme_section(doc: dict) -> str:
         f"{m.get('cpu_cores')} CPU cores ({m.get('cpu_model', 'unknown CPU')}), {m.get('ram_gib', '?')} GiB RAM, "
         f"torch {m.get('torch')}, GPU: {m.get('gpu')}. Each baseline is measured in the same run; "
         "ratio = ours / baseline (lower is better for times). "
-        f"{'Quick sizes: small batches and models, so fixed costs weigh more than at full size. ' if doc['quick'] else ''}"
+        f"{QUICK_NOTE if doc['quick'] else ''}"
         "Chart: `benchmarks/results/ratios.png`; raw figures: `benchmarks/results/results.json`.",
         "",
         "| script | measure | ours | baseline | ratio | unit | baseline / status |",
@@ -185,9 +212,13 @@ def readme_section(doc: dict) -> str:
     ]
     for r in doc["rows"]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        note = r["status"] if r["status"] != "ok" else (r.get("baseline_name") or "") if r["baseline"] is not None else ""
-        lines.append(f"| {r['script']} | {r['measure']} | {_num(r['ours'])} | {_num(r['baseline'])} | {ratio} "
-                     f"| {r.get('unit', '')} | {note} |")
+        note = (
+            r["status"] if r["status"] != "ok" else (r.get("baseline_name") or "") if r["baseline"] is not None else ""
+        )
+        lines.append(
+            f"| {r['script']} | {r['measure']} | {_num(r['ours'])} | {_num(r['baseline'])} | {ratio} "
+            f"| {r.get('unit', '')} | {note} |"
+        )
     lines.append(PERF_END)
     return "\n".join(lines)
 
@@ -197,7 +228,7 @@ def update_readme(readme: Path, section: str) -> None:
     text = readme.read_text() if readme.exists() else ""
     start, end = text.find(PERF_START), text.find(PERF_END)
     if start != -1 and end > start:
-        text = text[:start] + section + text[end + len(PERF_END):]
+        text = text[:start] + section + text[end + len(PERF_END) :]
     else:
         text = text.rstrip("\n") + ("\n\n" if text else "") + section + "\n"
     readme.write_text(text)

@@ -26,8 +26,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.common import emit_results, median_ms, print_table  # noqa: E402
-from benchmarks.multirank import LAYOUTS, QUICK_LAYOUTS, launch, layout_spec, loss_fn, make_batch  # noqa: E402
-from benchmarks.multirank import save_tiny_qwen2  # noqa: E402
+from benchmarks.multirank import (  # noqa: E402
+    LAYOUTS,
+    QUICK_LAYOUTS,
+    launch,
+    layout_spec,
+    loss_fn,
+    make_batch,
+    save_tiny_qwen2,  # noqa: E402
+)
 
 SIZES = {
     "quick": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, rows=16, prompt=32, response=32),
@@ -53,8 +60,13 @@ def plain_loop_ms(model_dir: str, size: dict, threads: int, repeats: int) -> flo
     R = b["responses"].shape[1]
 
     def step():
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                       position_ids=b["position_ids"], use_cache=False, logits_to_keep=R + 1).logits[:, :-1]
+        logits = model(
+            input_ids=b["input_ids"],
+            attention_mask=b["attention_mask"],
+            position_ids=b["position_ids"],
+            use_cache=False,
+            logits_to_keep=R + 1,
+        ).logits[:, :-1]
         loss, _ = loss_fn({"log_probs": logprobs_from_logits(logits, b["responses"])}, data)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -73,14 +85,25 @@ def engine_ms(model_dir: str, size: dict, repeats: int, remove_padding: bool, ro
     data = make_data(size)
     if rows is not None:
         data = data[rows]
-    engine = get_backend("fsdp")(ModelConfig(path=model_dir, use_remove_padding=remove_padding),
-                                 OptimConfig(lr=1e-5), EngineConfig(micro_batch_size_per_gpu=len(data)))
+    engine = get_backend("fsdp")(
+        ModelConfig(path=model_dir, use_remove_padding=remove_padding),
+        OptimConfig(lr=1e-5),
+        EngineConfig(micro_batch_size_per_gpu=len(data)),
+    )
     return median_ms(lambda: engine.train_step(data, loss_fn), repeats=repeats, warmup=2)
 
 
 def multirank_ms(name: str, model_dir: str, size: dict, repeats: int) -> float:
-    spec = layout_spec(name, model_dir, ("train",), repeats, rows=size["rows"], prompt=size["prompt"],
-                       response=size["response"], vocab_size=VOCAB)
+    spec = layout_spec(
+        name,
+        model_dir,
+        ("train",),
+        repeats,
+        rows=size["rows"],
+        prompt=size["prompt"],
+        response=size["response"],
+        vocab_size=VOCAB,
+    )
     return launch(spec)["train_ms"]
 
 
@@ -100,8 +123,12 @@ def main() -> None:
     size = SIZES[size_name]
     repeats = args.repeats or (5 if args.quick else 7)
     layouts = args.only if args.only is not None else (QUICK_LAYOUTS if args.quick else list(LAYOUTS))
-    model_dir = save_tiny_qwen2(tempfile.mkdtemp(prefix="train_bench_"), seed=0, vocab_size=VOCAB,
-                                **{k: size[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers")})
+    model_dir = save_tiny_qwen2(
+        tempfile.mkdtemp(prefix="train_bench_"),
+        seed=0,
+        vocab_size=VOCAB,
+        **{k: size[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers")},
+    )
     tokens = int(make_data(size).batch["attention_mask"].sum())
 
     plain1 = plain_loop_ms(model_dir, size, 1, repeats)
@@ -118,18 +145,26 @@ def main() -> None:
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model_dir)
-    print(f"\nmodel: Qwen2 hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}; "
-          f"batch {size['rows']} rows x ({size['prompt']} + {size['response']}), {tokens} valid tokens/step")
+    print(
+        f"\nmodel: Qwen2 hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}; "
+        f"batch {size['rows']} rows x ({size['prompt']} + {size['response']}), {tokens} valid tokens/step"
+    )
     table = [
         ("fsdp 1 proc, padded", fsdp1, plain1, "plain loop 1 thread"),
         ("fsdp 1 proc, remove-padding", fsdp1_rmpad, plain1, "plain loop 1 thread"),
     ]
     for name, ms in multi.items():
-        table += [(label(name), ms, plain2, "plain loop 2 threads"), (label(name) + " ", ms, plain1,
-                                                                        "plain loop 1 thread")]
+        table += [
+            (label(name), ms, plain2, "plain loop 2 threads"),
+            (label(name) + " ", ms, plain1, "plain loop 1 thread"),
+        ]
     print_table("train step (median ms; ratio = ours / baseline, lower is better)", table)
-    rates = [("plain loop 1 thread", plain1), ("plain loop 2 threads", plain2), ("fsdp 1 proc, padded", fsdp1),
-             ("fsdp 1 proc, remove-padding", fsdp1_rmpad)] + [(label(n), ms) for n, ms in multi.items()]
+    rates = [
+        ("plain loop 1 thread", plain1),
+        ("plain loop 2 threads", plain2),
+        ("fsdp 1 proc, padded", fsdp1),
+        ("fsdp 1 proc, remove-padding", fsdp1_rmpad),
+    ] + [(label(n), ms) for n, ms in multi.items()]
     print(f"\n{'tokens/s':<44}{'tok/s':>10}{'vs plain 1t':>13}{'vs plain 2t':>13}")
     for name, ms in rates:
         print(f"{name:<44}{tokens / ms * 1e3:>10,.0f}{plain1 / ms:>12.2f}x{plain2 / ms:>12.2f}x")

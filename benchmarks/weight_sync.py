@@ -35,10 +35,22 @@ from backends.rollout.base import RolloutConfig  # noqa: E402
 from benchmarks.common import emit_results, median_ms, print_table  # noqa: E402
 from benchmarks.multirank import LAYOUTS, QUICK_LAYOUTS, launch, layout_spec, save_tiny_qwen2  # noqa: E402
 
-QUICK = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, vocab_size=4096)
-FULL = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
-            num_key_value_heads=4, vocab_size=16384)
+QUICK = dict(
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=4096,
+)
+FULL = dict(
+    hidden_size=512,
+    intermediate_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=16384,
+)
 
 
 def export_buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -96,8 +108,10 @@ def main() -> None:
     hf_ms = median_ms(lambda: hf.update_weights(buckets), reps)
 
     params = sum(p.numel() for p in trainer.model.parameters())
-    print(f"\n{params / 1e6:.1f}M params, {total / 2**20:.1f} MiB sent in {len(buckets)} buckets "
-          f"of <= {args.bucket_mib:g} MiB, 1 thread")
+    print(
+        f"\n{params / 1e6:.1f}M params, {total / 2**20:.1f} MiB sent in {len(buckets)} buckets "
+        f"of <= {args.bucket_mib:g} MiB, 1 thread"
+    )
     table = [
         ("in-memory copy of the same bytes", copy_ms, None, ""),
         ("vllm update_weights", vllm_ms, copy_ms, "memcpy"),
@@ -126,8 +140,10 @@ def export_rows(layouts: list[str], model_dir: str, reps: int, bucket_mib: float
         sizes.append((name, res["export_bytes"], res["buckets"], res["export_ms"], res["memcpy_ms"]))
     print_table(f"export_weights, full HF tensors in buckets of <= {bucket_mib:g} MiB (median of {reps})", table)
     for name, nbytes, buckets, ms, copy_ms in sizes:
-        print(f"{name:<22}{nbytes / 2**20:>8.1f} MiB in {buckets:>3} buckets  export "
-              f"{nbytes / 2**30 / (ms / 1e3):>6.2f} GiB/s  memcpy {nbytes / 2**30 / (copy_ms / 1e3):>6.2f} GiB/s")
+        print(
+            f"{name:<22}{nbytes / 2**20:>8.1f} MiB in {buckets:>3} buckets  export "
+            f"{nbytes / 2**30 / (ms / 1e3):>6.2f} GiB/s  memcpy {nbytes / 2**30 / (copy_ms / 1e3):>6.2f} GiB/s"
+        )
     return table
 
 

@@ -12,6 +12,7 @@ Reads ``<run dir>/metrics.jsonl`` (written by the ``jsonl`` logger) and writes i
 A curve whose metrics are absent is skipped (and logged). The trainer calls ``plot_run(run_dir)`` at the end.
 Uses matplotlib's Agg canvas through ``Figure`` directly (no pyplot, no display needed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,8 @@ import logging
 import math
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 logger = logging.getLogger(__name__)
 

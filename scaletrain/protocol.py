@@ -15,8 +15,9 @@ lazily, so engines can use this module without Ray.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -105,8 +106,7 @@ class DataProto:
                     raise ValueError(f"tensor field '{key}' must be a torch.Tensor, got {type(t).__name__}")
                 if t.dim() == 0 or t.shape[0] != n:
                     raise ValueError(
-                        f"tensor field '{key}' has batch size {tuple(t.shape)[:1]}, expected {n} "
-                        f"(from '{first_key}')"
+                        f"tensor field '{key}' has batch size {tuple(t.shape)[:1]}, expected {n} (from '{first_key}')"
                     )
             batch = TensorDict(dict(tensors), batch_size=[n])
         return cls(batch=batch, non_tensor_batch=non, meta_info=dict(meta_info or {}))
@@ -321,7 +321,13 @@ class DataProto:
                     t = t.view(torch.int16)
                 tensors[key] = t.numpy()
         size = None if self.batch is None else int(self.batch.batch_size[0])
-        return {"tensors": tensors, "dtypes": dtypes, "size": size, "non": self.non_tensor_batch, "meta": self.meta_info}
+        return {
+            "tensors": tensors,
+            "dtypes": dtypes,
+            "size": size,
+            "non": self.non_tensor_batch,
+            "meta": self.meta_info,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         batch = None
@@ -355,7 +361,9 @@ class DataProtoFuture:
 
     def then(self, fn: Callable[[Any], Any]) -> DataProtoFuture:
         """A future whose value is ``fn`` applied to this one's."""
-        return DataProtoFuture(self.collect_fn, self.futures, fn if self.dispatch_fn is None else _Compose(self.dispatch_fn, fn))
+        return DataProtoFuture(
+            self.collect_fn, self.futures, fn if self.dispatch_fn is None else _Compose(self.dispatch_fn, fn)
+        )
 
     def chunk(self, chunks: int) -> list[DataProtoFuture]:
         """Share i of ``chunks`` equal shares, padded on materialisation when the length does not divide."""

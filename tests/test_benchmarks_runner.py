@@ -1,4 +1,5 @@
 """benchmarks/run_all.py on fake benchmark scripts: discovery, parsing, failure reporting, JSON, chart, README."""
+
 from __future__ import annotations
 
 import json
@@ -6,22 +7,22 @@ import textwrap
 
 from benchmarks import run_all
 
-GOOD = '''
+GOOD = """
 import json, sys
 print("a human-readable table")
 rows = [{"measure": "fast op", "ours": 2.0, "baseline": 4.0, "baseline_name": "loop", "ratio": 0.5, "unit": "ms"},
         {"measure": "no baseline", "ours": 7.0, "baseline": None, "baseline_name": "", "ratio": None, "unit": "ms"}]
 print("BENCH_JSON " + json.dumps({"rows": rows}))
 print("quick" if "--quick" in sys.argv else "full")
-'''
-BAD = '''
+"""
+BAD = """
 print("BENCH_JSON {not json")
 raise SystemExit(3)
-'''
-SLOW = '''
+"""
+SLOW = """
 import time
 time.sleep(30)
-'''
+"""
 
 
 def _fake_dir(tmp_path, scripts):
@@ -46,8 +47,20 @@ def test_runner_collects_reports_failures_and_writes_outputs(tmp_path, capsys):
     out = tmp_path / "results"
     assert [p.stem for p in run_all.discover(bench)] == ["bad", "good", "slow"]
 
-    rc = run_all.main(["--quick", "--timeout", "3", "--readme", "--bench-dir", str(bench), "--out-dir", str(out),
-                       "--readme-path", str(readme)])
+    rc = run_all.main(
+        [
+            "--quick",
+            "--timeout",
+            "3",
+            "--readme",
+            "--bench-dir",
+            str(bench),
+            "--out-dir",
+            str(out),
+            "--readme-path",
+            str(readme),
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "fast op" in printed and "failed (exit 3)" in printed and "timed out after 3 s" in printed

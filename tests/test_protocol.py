@@ -113,7 +113,9 @@ def test_padding_round_trip(n, shares):
     total_pad = sum(p.meta_info[PAD_ROWS_KEY] for p in parts)
     assert total_pad == (-n) % shares
     kept = DataProto.concat([p[: len(p) - p.meta_info[PAD_ROWS_KEY]] for p in parts])
-    assert kept.batch["ids"].equal(d.batch["ids"]) and list(kept.non_tensor_batch["src"]) == list(d.non_tensor_batch["src"])
+    assert kept.batch["ids"].equal(d.batch["ids"]) and list(kept.non_tensor_batch["src"]) == list(
+        d.non_tensor_batch["src"]
+    )
     padded, pad = d.pad_to_divisor(shares)
     assert padded.unpad(pad).batch["score"].equal(d.batch["score"])
 
@@ -144,7 +146,9 @@ def test_ray_round_trip(ray_cluster):
     ray = ray_cluster
     d = make(16)
     back = ray.get(ray.put(d))
-    assert back.batch["ids"].equal(d.batch["ids"]) and list(back.non_tensor_batch["src"]) == list(d.non_tensor_batch["src"])
+    assert back.batch["ids"].equal(d.batch["ids"]) and list(back.non_tensor_batch["src"]) == list(
+        d.non_tensor_batch["src"]
+    )
     ref = ray.put(d)
     fut = DataProtoFuture.concat([ref, ref])
     assert len(fut.get()) == 32

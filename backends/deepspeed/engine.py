@@ -29,8 +29,8 @@ import logging
 import math
 import os
 import sys
-from functools import partial
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -60,10 +60,15 @@ def init_deepspeed_distributed(device: torch.device, timeout_s: float) -> None:
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         if not dist.is_initialized():
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(free_port()))
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
-                               auto_mpi_discovery=False, verbose=False, timeout=timedelta(seconds=timeout_s))
+            os.environ.update(
+                RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+            )
+    deepspeed.init_distributed(
+        dist_backend="nccl" if device.type == "cuda" else "gloo",
+        auto_mpi_discovery=False,
+        verbose=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def deepspeed_config(optim_config: OptimConfig | None, engine_config: EngineConfig, world_size: int) -> dict:
@@ -102,8 +107,9 @@ class DeepSpeedEngine(TrainEngine):
         import deepspeed
 
         self.device = local_device()
-        model_config, engine_config = resolve_precision(model_config, engine_config, self.device.type,
-                                                        trainable=optim_config is not None)
+        model_config, engine_config = resolve_precision(
+            model_config, engine_config, self.device.type, trainable=optim_config is not None
+        )
         self.model_config, self.optim_config, self.engine_config = model_config, optim_config, engine_config
         init_deepspeed_distributed(self.device, engine_config.collective_timeout_s)
 
@@ -141,16 +147,20 @@ class DeepSpeedEngine(TrainEngine):
         inputs = {k: micro.batch[k].to(self.device) for k in MODEL_INPUTS if k in micro.batch.keys()}
         # through the DeepSpeed engine: its forward sets up autocast and the ZeRO-3 backward hooks
         return forward_micro_batch(
-            self.ds, inputs, outputs, kind=self.model_config.kind,
-            remove_padding=self.model_config.use_remove_padding, temperature=temperature,
-            chunk_size=self.engine_config.entropy_chunk_size)
+            self.ds,
+            inputs,
+            outputs,
+            kind=self.model_config.kind,
+            remove_padding=self.model_config.use_remove_padding,
+            temperature=temperature,
+            chunk_size=self.engine_config.entropy_chunk_size,
+        )
 
     # -------------------------------------------------------------------------------------------- compute
     def forward(self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",)) -> DataProto:
         outputs = check_outputs(self.model_config.kind, outputs)
         temperature = float(batch.meta_info.get("temperature", 1.0))
-        inputs = batch.select(batch_keys=[k for k in MODEL_INPUTS if k in batch.batch.keys()],
-                              non_tensor_batch_keys=[])
+        inputs = batch.select(batch_keys=[k for k in MODEL_INPUTS if k in batch.batch.keys()], non_tensor_batch_keys=[])
         self.ds.eval()
         parts = self._partition(inputs)
         results = []
@@ -204,17 +214,24 @@ class DeepSpeedEngine(TrainEngine):
             with deepspeed.zero.GatheredParameters([value], modifier_rank=None):
                 return value.detach().clone()
 
-        items = ((name, math.prod(getattr(value, "ds_shape", value.shape)) * value.dtype.itemsize,
-                  partial(full, value))
-                 for name, value in self.model.state_dict(keep_vars=True).items() if name not in skip)
+        items = (
+            (name, math.prod(getattr(value, "ds_shape", value.shape)) * value.dtype.itemsize, partial(full, value))
+            for name, value in self.model.state_dict(keep_vars=True).items()
+            if name not in skip
+        )
         yield from bucketed(items, bucket_bytes)
 
     def save_hf(self, path: str, shard_bytes: int = 1 << 30) -> None:
         """Config + safetensors (+ tokenizer files of the source model), written by rank 0; collective."""
         write_hf_checkpoint(
-            path, self._full_tensor_buckets(shard_bytes, skip=self.tied_names), self.hf_config, self.architecture,
-            is_writer=dist.get_rank() == 0, generation_config=self.generation_config,
-            tokenizer_dir=self.model_config.path)
+            path,
+            self._full_tensor_buckets(shard_bytes, skip=self.tied_names),
+            self.hf_config,
+            self.architecture,
+            is_writer=dist.get_rank() == 0,
+            generation_config=self.generation_config,
+            tokenizer_dir=self.model_config.path,
+        )
         dist.barrier()
 
     # -------------------------------------------------------------------------------------------- checkpoint
@@ -224,8 +241,9 @@ class DeepSpeedEngine(TrainEngine):
             torch.save({k: v.detach().clone() for k, v in self._partitions().items()}, self._partitions_file(path))
         else:
             self.ds.save_checkpoint(path, tag=CKPT_TAG, save_latest=False)
-        torch.save({"rng": rng_state(), "global_step": self.global_step},
-                   os.path.join(path, f"extra_rank{dist.get_rank()}.pt"))
+        torch.save(
+            {"rng": rng_state(), "global_step": self.global_step}, os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
+        )
         dist.barrier()
 
     def load(self, path: str) -> None:
@@ -238,8 +256,9 @@ class DeepSpeedEngine(TrainEngine):
                 for name, part in self._partitions().items():
                     part.copy_(saved[name])
         else:
-            load_path, _ = self.ds.load_checkpoint(path, tag=CKPT_TAG, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
+            load_path, _ = self.ds.load_checkpoint(
+                path, tag=CKPT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
             if load_path is None:
                 raise FileNotFoundError(f"no DeepSpeed checkpoint '{CKPT_TAG}' under {path}")
         extra = torch.load(extra_file, weights_only=False)

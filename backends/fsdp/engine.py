@@ -36,8 +36,14 @@ from backends.config import EngineConfig, ModelConfig, OptimConfig, resolve_prec
 from backends.dist import agreed_partition, init_distributed, local_device
 from backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
 from backends.hf_checkpoint import write_hf_checkpoint
-from backends.hf_model import (build_model, check_outputs, decoder_layers, forward_micro_batch,
-                               tied_duplicate_names, torch_dtype)
+from backends.hf_model import (
+    build_model,
+    check_outputs,
+    decoder_layers,
+    forward_micro_batch,
+    tied_duplicate_names,
+    torch_dtype,
+)
 from backends.optim import build_lr_scheduler, build_optimizer
 from scaletrain.protocol import DataProto
 
@@ -51,8 +57,9 @@ class FSDPEngine(TrainEngine):
     def __init__(self, model_config: ModelConfig, optim_config: OptimConfig | None, engine_config: EngineConfig):
         """``optim_config=None`` builds a forward-only engine (a frozen reference policy): no optimizer state."""
         self.device = local_device()
-        model_config, engine_config = resolve_precision(model_config, engine_config, self.device.type,
-                                                        trainable=optim_config is not None)
+        model_config, engine_config = resolve_precision(
+            model_config, engine_config, self.device.type, trainable=optim_config is not None
+        )
         self.model_config, self.optim_config, self.engine_config = model_config, optim_config, engine_config
         init_distributed(self.device, engine_config.collective_timeout_s)
         self.mesh = init_device_mesh(self.device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
@@ -66,8 +73,9 @@ class FSDPEngine(TrainEngine):
             model.requires_grad_(False)
         mp_policy = MixedPrecisionPolicy()
         if engine_config.mixed_precision:
-            mp_policy = MixedPrecisionPolicy(param_dtype=torch_dtype(engine_config.mixed_precision),
-                                             reduce_dtype=torch.float32)
+            mp_policy = MixedPrecisionPolicy(
+                param_dtype=torch_dtype(engine_config.mixed_precision), reduce_dtype=torch.float32
+            )
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=self.mesh, mp_policy=mp_policy)
         fully_shard(model, mesh=self.mesh, mp_policy=mp_policy)
@@ -98,16 +106,20 @@ class FSDPEngine(TrainEngine):
 
     def _forward(self, micro: DataProto, outputs: tuple[str, ...], temperature: float) -> dict[str, torch.Tensor]:
         return forward_micro_batch(
-            self.model, self._micro_inputs(micro), outputs, kind=self.model_config.kind,
-            remove_padding=self.model_config.use_remove_padding, temperature=temperature,
-            chunk_size=self.engine_config.entropy_chunk_size)
+            self.model,
+            self._micro_inputs(micro),
+            outputs,
+            kind=self.model_config.kind,
+            remove_padding=self.model_config.use_remove_padding,
+            temperature=temperature,
+            chunk_size=self.engine_config.entropy_chunk_size,
+        )
 
     # -------------------------------------------------------------------------------------------- compute
     def forward(self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",)) -> DataProto:
         outputs = check_outputs(self.model_config.kind, outputs)
         temperature = float(batch.meta_info.get("temperature", 1.0))
-        inputs = batch.select(batch_keys=[k for k in MODEL_INPUTS if k in batch.batch.keys()],
-                              non_tensor_batch_keys=[])
+        inputs = batch.select(batch_keys=[k for k in MODEL_INPUTS if k in batch.batch.keys()], non_tensor_batch_keys=[])
         with self._on_device(optimizer=False):
             self.model.eval()
             parts = self._partition(inputs)
@@ -142,8 +154,9 @@ class FSDPEngine(TrainEngine):
             lr = self.scheduler.get_last_lr()[0]
             skipped = not math.isfinite(grad_norm)
             if skipped:
-                logger.warning("non-finite grad norm %s at step %d: optimizer step skipped", grad_norm,
-                               self.global_step)
+                logger.warning(
+                    "non-finite grad norm %s at step %d: optimizer step skipped", grad_norm, self.global_step
+                )
             else:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -167,20 +180,32 @@ class FSDPEngine(TrainEngine):
 
     def _full_tensor_buckets(self, bucket_bytes: int, skip) -> Buckets:
         """Gathers one parameter at a time; a bucket is yielded before the next tensor would overflow it."""
+
         def full(value) -> torch.Tensor:
             return (value.full_tensor() if isinstance(value, DTensor) else value).detach()
 
         with self._on_device(optimizer=False):
-            yield from bucketed(((name, value.numel() * value.element_size(), partial(full, value))
-                                 for name, value in self.model.state_dict().items() if name not in skip), bucket_bytes)
+            yield from bucketed(
+                (
+                    (name, value.numel() * value.element_size(), partial(full, value))
+                    for name, value in self.model.state_dict().items()
+                    if name not in skip
+                ),
+                bucket_bytes,
+            )
 
     def save_hf(self, path: str, shard_bytes: int = 1 << 30) -> None:
         """Config + safetensors (+ tokenizer files of the source model), written by rank 0; collective."""
         model = self.model
         write_hf_checkpoint(
-            path, self._full_tensor_buckets(shard_bytes, skip=self.tied_names), model.config, self.architecture,
-            is_writer=dist.get_rank() == 0, generation_config=getattr(model, "generation_config", None),
-            tokenizer_dir=self.model_config.path)
+            path,
+            self._full_tensor_buckets(shard_bytes, skip=self.tied_names),
+            model.config,
+            self.architecture,
+            is_writer=dist.get_rank() == 0,
+            generation_config=getattr(model, "generation_config", None),
+            tokenizer_dir=self.model_config.path,
+        )
         dist.barrier()
 
     # -------------------------------------------------------------------------------------------- checkpoint

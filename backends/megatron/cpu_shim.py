@@ -69,14 +69,14 @@ def apply_cpu_shim() -> bool:
     if version != PINNED_VERSION:
         logger.warning("megatron-core %s: the CPU shim was checked against %s only", version, PINNED_VERSION)
 
-    torch.cuda.current_device = lambda: "cpu"                                  # 1
-    torch.cuda.synchronize = lambda *a, **k: None                              # 2
-    torch.Tensor.cuda = lambda self, *a, **k: self                             # 3
-    _mode = _CudaToCpuMode()                                                   # 4
+    torch.cuda.current_device = lambda: "cpu"  # 1
+    torch.cuda.synchronize = lambda *a, **k: None  # 2
+    torch.Tensor.cuda = lambda self, *a, **k: self  # 3
+    _mode = _CudaToCpuMode()  # 4
     _mode.__enter__()  # stays pushed for the life of the process
     _patch_causal_masks()  # built inside autograd.Function.forward under recompute, where modes are off
 
-    def get_state(device="cuda", clone=False, graph_safe=False):                # 5
+    def get_state(device="cuda", clone=False, graph_safe=False):  # 5
         state = torch.get_rng_state()
         return state.clone() if clone else state
 
@@ -88,7 +88,7 @@ def apply_cpu_shim() -> bool:
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.manual_seed = lambda seed: None  # the tracker seeds a side state; CPU keeps one generator
 
-    original_new = torch_norm.WrappedTorchNorm.__new__                         # 7
+    original_new = torch_norm.WrappedTorchNorm.__new__  # 7
 
     def norm_new(cls, config, hidden_size, *args, **kwargs):
         if not config.sequence_parallel:
@@ -100,9 +100,12 @@ def apply_cpu_shim() -> bool:
 
     torch_norm.WrappedTorchNorm.__new__ = norm_new
 
-    original_type = torch.Tensor.type                                          # 8 (and 6)
-    cuda_names = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
-                  "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+    original_type = torch.Tensor.type  # 8 (and 6)
+    cuda_names = {
+        "torch.FloatTensor": "torch.cuda.FloatTensor",
+        "torch.HalfTensor": "torch.cuda.HalfTensor",
+        "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    }
 
     def tensor_type(self, *args, **kwargs):
         result = original_type(self, *args, **kwargs)

@@ -49,8 +49,10 @@ def _check_supported(model_config: ModelConfig, optim_config: OptimConfig | None
     if model_config.kind not in ("causal_lm", "value", "reward"):
         raise ValueError(f"the megatron backend runs causal_lm, value and reward models, not '{model_config.kind}'")
     if model_config.attn_implementation:
-        raise ValueError("model.attn_implementation applies to the HF backends (fsdp, deepspeed); megatron runs "
-                         "megatron-core's own attention: leave it unset")
+        raise ValueError(
+            "model.attn_implementation applies to the HF backends (fsdp, deepspeed); megatron runs "
+            "megatron-core's own attention: leave it unset"
+        )
     if optim_config is not None and optim_config.lr_scheduler not in SCHEDULES:
         raise ValueError(f"unknown lr_scheduler '{optim_config.lr_scheduler}'; known: {list(SCHEDULES)}")
 
@@ -64,8 +66,9 @@ class MegatronEngine(TrainEngine):
         _check_supported(model_config, optim_config)
         self.parallel = MegatronParallelConfig.from_extra(engine_config.extra)
         self.device = local_device()
-        model_config, engine_config = resolve_precision(model_config, engine_config, self.device.type,
-                                                        trainable=optim_config is not None)
+        model_config, engine_config = resolve_precision(
+            model_config, engine_config, self.device.type, trainable=optim_config is not None
+        )
         self.model_config, self.optim_config, self.engine_config = model_config, optim_config, engine_config
         init_distributed(self.device, engine_config.collective_timeout_s)
         if self.device.type == "cpu":
@@ -87,14 +90,21 @@ class MegatronEngine(TrainEngine):
         self.tp_group, self.pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
         # a reward model (HF sequence classifier, head ``score``) runs as a value model: the same per-token head,
         # read at each row's last valid token (ops.response_outputs) instead of before each response token
-        self.layout = layout_from_hf(self.hf_config, self.parallel.tensor_model_parallel_size,
-                                     self.parallel.pipeline_model_parallel_size,
-                                     "value" if model_config.kind == "reward" else model_config.kind)
+        self.layout = layout_from_hf(
+            self.hf_config,
+            self.parallel.tensor_model_parallel_size,
+            self.parallel.pipeline_model_parallel_size,
+            "value" if model_config.kind == "reward" else model_config.kind,
+        )
         self.tf_config = transformer_config(
-            self.hf_config, self.layout.tp, self.layout.pp, self.parallel.sequence_parallel,
+            self.hf_config,
+            self.layout.tp,
+            self.layout.pp,
+            self.parallel.sequence_parallel,
             torch_dtype(model_config.dtype),
             torch_dtype(engine_config.mixed_precision) if engine_config.mixed_precision else None,
-            model_config.gradient_checkpointing)
+            model_config.gradient_checkpointing,
+        )
         model = build_gpt_model(self.hf_config, self.tf_config, self.layout, "score.bias" in hf_state)
         load_hf_weights(model, hf_state, self.layout, self.tp_rank, self.pp_rank)
         self.hf_meta = {k: (tuple(v.shape), v.dtype) for k, v in hf_state.items()}
@@ -117,19 +127,32 @@ class MegatronEngine(TrainEngine):
         self.global_step = 0
 
     def _build_optimizer(self, optim: OptimConfig) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=self.parallel.use_distributed_optimizer)
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.parallel.use_distributed_optimizer,
+        )
         self.model = DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=self.model)
         config = OptimizerConfig(
-            optimizer="adam", lr=optim.lr, min_lr=0.0, weight_decay=optim.weight_decay,
-            adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
-            clip_grad=optim.grad_clip if optim.grad_clip > 0 else 0.0, bf16=self.tf_config.bf16,
+            optimizer="adam",
+            lr=optim.lr,
+            min_lr=0.0,
+            weight_decay=optim.weight_decay,
+            adam_beta1=optim.betas[0],
+            adam_beta2=optim.betas[1],
+            adam_eps=optim.eps,
+            clip_grad=optim.grad_clip if optim.grad_clip > 0 else 0.0,
+            bf16=self.tf_config.bf16,
             params_dtype=self.tf_config.params_dtype,
-            use_distributed_optimizer=self.parallel.use_distributed_optimizer)
+            use_distributed_optimizer=self.parallel.use_distributed_optimizer,
+        )
         # config_overrides={}: weight decay on every parameter, like torch AdamW in the other engines
         self.optimizer = get_megatron_optimizer(config, [self.model], config_overrides={})
         self.tf_config.no_sync_func = self.model.no_sync
@@ -165,33 +188,56 @@ class MegatronEngine(TrainEngine):
         micros = []
         for i, part in enumerate(parts):
             micro = batch.select_idxs(part)
-            prepared = prepare_micro_batch({k: micro.batch[k] for k in keys}, max(rows, len(part)), seq_multiple,
-                                           pad_id=getattr(self.hf_config, "pad_token_id", None) or 0)
+            prepared = prepare_micro_batch(
+                {k: micro.batch[k] for k in keys},
+                max(rows, len(part)),
+                seq_multiple,
+                pad_id=getattr(self.hf_config, "pad_token_id", None) or 0,
+            )
             micros.append((i, micro, prepared))
         n = len(micros)
         # every stage and TP rank of a DP rank holds the same rows, so all agree on the weights
         acc = Accumulation(loss_fn, [m[1] for m in micros], self.device, dp_group) if loss_fn is not None else None
 
         def loss_func(i, micro, prepared, output):
-            out = response_outputs(output, prepared, outputs, self.model_config.kind, temperature,
-                                   self.layout.vocab_size, self.tp_rank, self.tp_group)
+            out = response_outputs(
+                output,
+                prepared,
+                outputs,
+                self.model_config.kind,
+                temperature,
+                self.layout.vocab_size,
+                self.tp_rank,
+                self.tp_group,
+            )
             if loss_fn is None:
                 return output.sum() * 0.0, ({k: v.detach() for k, v in out.items()}, {})
             loss, metrics = loss_fn(out, micro)
             # megatron divides by the micro-batch count, undone by the factor n
-            return loss * acc.grad_scale(i) * n, (None, {"loss": float(loss.detach()),
-                                                         **{k: float(v) for k, v in metrics.items()}})
+            return loss * acc.grad_scale(i) * n, (
+                None,
+                {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}},
+            )
 
         def forward_step(data_iterator, model):
             i, micro, prepared = next(data_iterator)
-            output = model(input_ids=prepared["input_ids"].to(self.device),
-                           position_ids=prepared["position_ids"].to(self.device), attention_mask=None)
+            output = model(
+                input_ids=prepared["input_ids"].to(self.device),
+                position_ids=prepared["position_ids"].to(self.device),
+                attention_mask=None,
+            )
             return output, partial(loss_func, i, micro, prepared)
 
         seq = micros[0][2]["input_ids"].shape[1]
         results = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micros), model=[self.model], num_microbatches=n,
-            seq_length=seq, micro_batch_size=micros[0][2]["input_ids"].shape[0], forward_only=loss_fn is None)
+            forward_step_func=forward_step,
+            data_iterator=iter(micros),
+            model=[self.model],
+            num_microbatches=n,
+            seq_length=seq,
+            micro_batch_size=micros[0][2]["input_ids"].shape[0],
+            forward_only=loss_fn is None,
+        )
         return parts, acc, results
 
     def _from_last_stage(self, obj):
@@ -220,8 +266,9 @@ class MegatronEngine(TrainEngine):
             raise RuntimeError("train_step on a forward-only engine (built with optim_config=None)")
         outputs = check_outputs(self.model_config.kind, outputs)
         optim = self.optim_config
-        lr = optim.lr * lr_multiplier(self.global_step, optim.warmup_steps, optim.total_steps, optim.lr_scheduler,
-                                      optim.min_lr_ratio)
+        lr = optim.lr * lr_multiplier(
+            self.global_step, optim.warmup_steps, optim.total_steps, optim.lr_scheduler, optim.min_lr_ratio
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
@@ -252,21 +299,31 @@ class MegatronEngine(TrainEngine):
 
     def save_hf(self, path: str, shard_bytes: int = 1 << 30) -> None:
         skip = ("lm_head.weight",) if self.layout.tie_embeddings and self.layout.kind == "causal_lm" else ()
-        write_hf_checkpoint(path, gather_hf_buckets(self, shard_bytes, skip=skip), self.hf_config, self.architecture,
-                            is_writer=dist.get_rank() == 0, generation_config=self.generation_config,
-                            tokenizer_dir=self.model_config.path)
+        write_hf_checkpoint(
+            path,
+            gather_hf_buckets(self, shard_bytes, skip=skip),
+            self.hf_config,
+            self.architecture,
+            is_writer=dist.get_rank() == 0,
+            generation_config=self.generation_config,
+            tokenizer_dir=self.model_config.path,
+        )
         dist.barrier()
 
     # -------------------------------------------------------------------------------------------- checkpoint
     def _state(self) -> dict:
-        state = {"params": {k: v.detach().clone() for k, v in self.module.named_parameters()},
-                 "global_step": self.global_step, "rng": rng_state()}
+        state = {
+            "params": {k: v.detach().clone() for k, v in self.module.named_parameters()},
+            "global_step": self.global_step,
+            "rng": rng_state(),
+        }
         if self.optimizer is not None:
             inner = [opt.optimizer for opt in _inner_optimizers(self.optimizer)]
             state["optimizer"] = [opt.state_dict() for opt in inner]
             # the optimizer's own (main) parameters: views of the model's in fp32, separate fp32 copies under bf16
-            state["main_params"] = [[p.detach().clone() for g in opt.param_groups for p in g["params"]]
-                                    for opt in inner]
+            state["main_params"] = [
+                [p.detach().clone() for g in opt.param_groups for p in g["params"]] for opt in inner
+            ]
         return state
 
     def save(self, path: str) -> None:

@@ -19,9 +19,9 @@ from backends.megatron.hf_mapping import Layout, is_tensor_parallel, megatron_to
 
 @dataclass(frozen=True)
 class ExportGroup:
-    stage: int                  # PP stage owning the Megatron parameters
-    megatron: tuple[str, ...]   # their names (local layer indices)
-    hf: tuple[str, ...]         # the HF names produced, in HF state-dict order
+    stage: int  # PP stage owning the Megatron parameters
+    megatron: tuple[str, ...]  # their names (local layer indices)
+    hf: tuple[str, ...]  # the HF names produced, in HF state-dict order
 
 
 def export_groups(lo: Layout, hf_names: list[str]) -> list[ExportGroup]:
@@ -40,8 +40,11 @@ def export_groups(lo: Layout, hf_names: list[str]) -> list[ExportGroup]:
         head = tuple(n for n in stage_names[last] if n.startswith("value_head."))
         groups.append(ExportGroup(last, head, tuple("score." + n.split(".", 1)[1] for n in head)))
     elif "lm_head.weight" in hf_names:
-        groups.append(ExportGroup(0, embed, ("lm_head.weight",)) if lo.tie_embeddings
-                      else ExportGroup(last, ("output_layer.weight",), ("lm_head.weight",)))
+        groups.append(
+            ExportGroup(0, embed, ("lm_head.weight",))
+            if lo.tie_embeddings
+            else ExportGroup(last, ("output_layer.weight",), ("lm_head.weight",))
+        )
     covered = [n for g in groups for n in g.hf]
     if covered != list(hf_names):
         missing, extra = sorted(set(hf_names) - set(covered)), sorted(set(covered) - set(hf_names))
@@ -71,8 +74,7 @@ def _gather_group(engine, group: ExportGroup) -> dict[str, torch.Tensor]:
 
 def gather_hf_buckets(engine, bucket_bytes: int, skip=()):
     """Buckets of (HF name, full tensor) of at most ``bucket_bytes`` (a larger tensor is a bucket alone)."""
-    items = ((name, t.numel() * t.element_size(), lambda t=t: t)
-             for name, t in _hf_tensors(engine) if name not in skip)
+    items = ((name, t.numel() * t.element_size(), lambda t=t: t) for name, t in _hf_tensors(engine) if name not in skip)
     return bucketed(items, bucket_bytes)
 
 

@@ -65,8 +65,10 @@ def check_mappable(hf_config) -> None:
     mapping (megatron's local spec: RMSNorm, SwiGLU, RoPE, bias on QKV only) cannot reproduce."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"the megatron backend maps model types {list(SUPPORTED_MODEL_TYPES)} (Qwen2 / Llama "
-                         f"causal LMs and their value heads), not model_type '{model_type}'")
+        raise ValueError(
+            f"the megatron backend maps model types {list(SUPPORTED_MODEL_TYPES)} (Qwen2 / Llama "
+            f"causal LMs and their value heads), not model_type '{model_type}'"
+        )
     problems = []
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         problems.append(f"hidden_act '{hf_config.hidden_act}' (supported: silu)")
@@ -99,11 +101,14 @@ def rope_settings(hf_config) -> dict:
     if kind == "linear":  # HF divides the frequencies by the factor, megatron the positions: the same angles
         settings["seq_len_interpolation_factor"] = float(rope["factor"])
     elif kind == "llama3":
-        differs = {k: rope.get(k) for k, v in _MEGATRON_LLAMA3_ROPE.items()
-                   if rope.get(k) is None or float(rope[k]) != v}
+        differs = {
+            k: rope.get(k) for k, v in _MEGATRON_LLAMA3_ROPE.items() if rope.get(k) is None or float(rope[k]) != v
+        }
         if differs:
-            raise ValueError(f"llama3 rope scaling with {differs} is not mapped to megatron (it fixes "
-                             f"{_MEGATRON_LLAMA3_ROPE}; only the factor may vary)")
+            raise ValueError(
+                f"llama3 rope scaling with {differs} is not mapped to megatron (it fixes "
+                f"{_MEGATRON_LLAMA3_ROPE}; only the factor may vary)"
+            )
         settings.update(rope_scaling=True, rope_scaling_factor=float(rope["factor"]))
     elif kind != "default":
         raise ValueError(f"rope_type '{kind}' ({rope}) is not mapped to megatron (supported: default, linear, llama3)")
@@ -115,10 +120,17 @@ def layout_from_hf(hf_config, tp: int = 1, pp: int = 1, kind: str = "causal_lm")
     check_mappable(hf_config)
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return Layout(num_layers=hf_config.num_hidden_layers, num_heads=heads,
-                  num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads, head_dim=head_dim,
-                  vocab_size=hf_config.vocab_size,
-                  tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)), tp=tp, pp=pp, kind=kind)
+    return Layout(
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        vocab_size=hf_config.vocab_size,
+        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        tp=tp,
+        pp=pp,
+        kind=kind,
+    )
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -145,8 +157,11 @@ def _fuse_qkv(q, k, v, lo: Layout) -> torch.Tensor:
     """(q, k, v) HF weights or biases -> Megatron's group-interleaved fused tensor."""
     groups, per_group = lo.num_kv_heads, lo.num_heads // lo.num_kv_heads
     rest = q.shape[1:]
-    parts = [q.reshape(groups, per_group * lo.head_dim, *rest), k.reshape(groups, lo.head_dim, *rest),
-             v.reshape(groups, lo.head_dim, *rest)]
+    parts = [
+        q.reshape(groups, per_group * lo.head_dim, *rest),
+        k.reshape(groups, lo.head_dim, *rest),
+        v.reshape(groups, lo.head_dim, *rest),
+    ]
     return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
@@ -217,19 +232,28 @@ def megatron_to_hf(name: str, shards: list[torch.Tensor], lo: Layout, pp_rank: i
     if suffix.startswith("self_attention.linear_qkv."):
         kind = suffix.rsplit(".", 1)[1]
         q, k, v = _unfuse_qkv(torch.cat(shards), lo)
-        return [(f"{prefix}self_attn.q_proj.{kind}", q), (f"{prefix}self_attn.k_proj.{kind}", k),
-                (f"{prefix}self_attn.v_proj.{kind}", v)]
+        return [
+            (f"{prefix}self_attn.q_proj.{kind}", q),
+            (f"{prefix}self_attn.k_proj.{kind}", k),
+            (f"{prefix}self_attn.v_proj.{kind}", v),
+        ]
     if suffix == "mlp.linear_fc1.weight":
         halves = [s.chunk(2) for s in shards]
-        return [(prefix + "mlp.gate_proj.weight", torch.cat([h[0] for h in halves])),
-                (prefix + "mlp.up_proj.weight", torch.cat([h[1] for h in halves]))]
+        return [
+            (prefix + "mlp.gate_proj.weight", torch.cat([h[0] for h in halves])),
+            (prefix + "mlp.up_proj.weight", torch.cat([h[1] for h in halves])),
+        ]
     raise KeyError(f"no HF name for megatron parameter '{name}'")
 
 
 def is_tensor_parallel(name: str) -> bool:
     """Whether the parameter is sharded over TP (else every TP rank holds the same full tensor)."""
-    return (name in ("embedding.word_embeddings.weight", "output_layer.weight")
-            or ".linear_qkv." in name or name.endswith(_ROW_PARALLEL) or name.endswith("linear_fc1.weight"))
+    return (
+        name in ("embedding.word_embeddings.weight", "output_layer.weight")
+        or ".linear_qkv." in name
+        or name.endswith(_ROW_PARALLEL)
+        or name.endswith("linear_fc1.weight")
+    )
 
 
 def stage_parameter_names(lo: Layout, pp_rank: int, hf_names: list[str]) -> list[str]:
@@ -241,8 +265,12 @@ def stage_parameter_names(lo: Layout, pp_rank: int, hf_names: list[str]) -> list
         p = f"decoder.layers.{i}."
         names += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight"]
         names += [p + "self_attention.linear_qkv.bias"] if has_bias else []
-        names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight",
-                  p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+        names += [
+            p + "self_attention.linear_proj.weight",
+            p + "pre_mlp_layernorm.weight",
+            p + "mlp.linear_fc1.weight",
+            p + "mlp.linear_fc2.weight",
+        ]
     if last:
         names.append("decoder.final_layernorm.weight")
         if lo.kind == "value":

@@ -19,8 +19,15 @@ from backends.megatron.hf_mapping import Layout, check_mappable, rope_settings
 logger = logging.getLogger(__name__)
 
 
-def transformer_config(hf_config, tp: int, pp: int, sequence_parallel: bool, params_dtype: torch.dtype,
-                       compute_dtype: torch.dtype | None, recompute: bool):
+def transformer_config(
+    hf_config,
+    tp: int,
+    pp: int,
+    sequence_parallel: bool,
+    params_dtype: torch.dtype,
+    compute_dtype: torch.dtype | None,
+    recompute: bool,
+):
     from megatron.core.transformer import TransformerConfig
 
     check_mappable(hf_config)
@@ -109,8 +116,9 @@ def build_gpt_model(hf_config, tf_config, lo: Layout, value_bias: bool):
         **rope_settings(hf_config),
     )
     if lo.kind == "value" and post:
-        model.output_layer = ValueHead(hf_config.hidden_size, value_bias, tf_config.params_dtype,
-                                       tf_config.sequence_parallel)
+        model.output_layer = ValueHead(
+            hf_config.hidden_size, value_bias, tf_config.params_dtype, tf_config.sequence_parallel
+        )
     pad = getattr(hf_config, "pad_token_id", None)
     if pre and pad is not None:
         stop_padding_token_input_grad(model.embedding.word_embeddings, pad)
@@ -122,11 +130,12 @@ def stop_padding_token_input_grad(word_embeddings, pad_token_id: int) -> None:
     token's row no gradient from the input side (a tied LM head still updates it). Megatron's embedding has no
     padding index; this forward hook detaches the embedding output at pad-token positions, the same gradient.
     It matters when the pad token is also a real token (SmolLM2: pad = eos = <|im_end|>, in every chat turn)."""
+
     def hook(module, args, output):
-        is_pad = args[0] == pad_token_id                             # (b, s)
+        is_pad = args[0] == pad_token_id  # (b, s)
         if module.reduce_scatter_embeddings:  # sequence parallel: output is this TP rank's (s / tp, b, h) chunk
             chunk, rank = output.shape[0], module.tp_group.rank()
-            is_pad = is_pad.t()[rank * chunk:(rank + 1) * chunk]
+            is_pad = is_pad.t()[rank * chunk : (rank + 1) * chunk]
         return torch.where(is_pad.unsqueeze(-1), output.detach(), output)
 
     word_embeddings.register_forward_hook(hook)

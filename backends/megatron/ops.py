@@ -66,33 +66,49 @@ def prepare_micro_batch(tensors: dict[str, torch.Tensor], rows: int, seq_multipl
     ids, mask, pos = tensors["input_ids"], tensors["attention_mask"].long(), tensors["position_ids"]
     b, T = ids.shape
     R = tensors["responses"].shape[1] if "responses" in tensors else 0
-    first = mask.argmax(-1)                                          # first valid column of each row
+    first = mask.argmax(-1)  # first valid column of each row
     index = (torch.arange(T)[None, :] + first[:, None]) % T
     rolled_ids, rolled_mask = ids.gather(1, index), mask.gather(1, index)
     rolled_pos = pos.gather(1, index)
     expected = torch.arange(T)[None, :].expand(b, T)
     if bool(((rolled_pos != expected) & rolled_mask.bool()).any()):
-        raise ValueError("the megatron backend needs each row's valid position ids to be 0, 1, 2, ... "
-                         "(left-padded prompt + right-padded response)")
+        raise ValueError(
+            "the megatron backend needs each row's valid position ids to be 0, 1, 2, ... "
+            "(left-padded prompt + right-padded response)"
+        )
     S = -(-T // seq_multiple) * seq_multiple
     model_ids = torch.full((rows, S), pad_id, dtype=ids.dtype)
     model_ids[:b, :T] = rolled_ids
     predict_at = (torch.arange(R)[None, :] + (T - R - 1) - first[:, None]).clamp(min=0)
-    last = T - 1 - mask.flip(-1).argmax(-1)                          # last valid column of each row
-    return {"input_ids": model_ids, "position_ids": torch.arange(S)[None, :].expand(rows, S).contiguous(),
-            "predict_at": predict_at, "resp_valid": mask[:, T - R:].bool(), "rows": b, "last_at": last - first,
-            "responses": tensors["responses"] if R else None}
+    last = T - 1 - mask.flip(-1).argmax(-1)  # last valid column of each row
+    return {
+        "input_ids": model_ids,
+        "position_ids": torch.arange(S)[None, :].expand(rows, S).contiguous(),
+        "predict_at": predict_at,
+        "resp_valid": mask[:, T - R :].bool(),
+        "rows": b,
+        "last_at": last - first,
+        "responses": tensors["responses"] if R else None,
+    }
 
 
-def response_outputs(output: torch.Tensor, prepared: dict, outputs: tuple[str, ...], kind: str, temperature: float,
-                     vocab_size: int, tp_rank: int, tp_group) -> dict[str, torch.Tensor]:
+def response_outputs(
+    output: torch.Tensor,
+    prepared: dict,
+    outputs: tuple[str, ...],
+    kind: str,
+    temperature: float,
+    vocab_size: int,
+    tp_rank: int,
+    tp_group,
+) -> dict[str, torch.Tensor]:
     """(b, R) log_probs / entropy (causal_lm) or values (value), or (b,) scores (reward: the head's output at each
     row's last valid token, as HF's sequence classifier pools), from the model output (rows, S, V/tp or 1)."""
     b, predict_at, valid = prepared["rows"], prepared["predict_at"], prepared["resp_valid"]
     if kind == "reward":
         return {"scores": output[torch.arange(b), prepared["last_at"], 0].float()}
     rows = torch.arange(b)[:, None]
-    picked = output[:b][rows, predict_at]                            # (b, R, V/tp) or (b, R, 1)
+    picked = output[:b][rows, predict_at]  # (b, R, V/tp) or (b, R, 1)
     valid_f = valid.to(torch.float32)
     if kind == "value":
         return {"values": picked[..., 0].float() * valid_f}

@@ -20,7 +20,7 @@ class MegatronParallelConfig:
     use_distributed_optimizer: bool = False
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None) -> "MegatronParallelConfig":
+    def from_extra(cls, extra: dict[str, Any] | None) -> MegatronParallelConfig:
         """From ``engine_config.extra["megatron"]`` (a dict, or None for the defaults); unknown keys fail."""
         raw = dict((extra or {}).get("megatron") or {})
         known = {f.name for f in fields(cls)}
@@ -45,8 +45,10 @@ class MegatronParallelConfig:
         """Clear errors for layouts megatron would reject (or silently mis-shard)."""
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         if world_size % (tp * pp):
-            raise ValueError(f"world size {world_size} is not divisible by tensor_model_parallel_size {tp} x "
-                             f"pipeline_model_parallel_size {pp}")
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor_model_parallel_size {tp} x "
+                f"pipeline_model_parallel_size {pp}"
+            )
         if self.sequence_parallel and tp == 1:
             raise ValueError("megatron.sequence_parallel needs tensor_model_parallel_size > 1")
         if hf_config is None:
@@ -57,11 +59,14 @@ class MegatronParallelConfig:
         if layers % pp:
             raise ValueError(f"num_hidden_layers {layers} is not divisible by pipeline_model_parallel_size {pp}")
         if heads % tp or kv_heads % tp:
-            raise ValueError(f"attention heads {heads} / key-value heads {kv_heads} are not both divisible by "
-                             f"tensor_model_parallel_size {tp}")
+            raise ValueError(
+                f"attention heads {heads} / key-value heads {kv_heads} are not both divisible by "
+                f"tensor_model_parallel_size {tp}"
+            )
         if hf_config.intermediate_size % tp:
-            raise ValueError(f"intermediate_size {hf_config.intermediate_size} is not divisible by "
-                             f"tensor_model_parallel_size {tp}")
+            raise ValueError(
+                f"intermediate_size {hf_config.intermediate_size} is not divisible by tensor_model_parallel_size {tp}"
+            )
 
 
 def init_model_parallel(config: MegatronParallelConfig, seed: int, timeout_s: float) -> None:
@@ -73,10 +78,15 @@ def init_model_parallel(config: MegatronParallelConfig, seed: int, timeout_s: fl
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
         if have != (tp, pp):
-            raise ValueError(f"megatron parallel state already initialised with TP x PP = {have}, asked for "
-                             f"{(tp, pp)}: engines in one process must share the layout")
+            raise ValueError(
+                f"megatron parallel state already initialised with TP x PP = {have}, asked for "
+                f"{(tp, pp)}: engines in one process must share the layout"
+            )
     else:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     distributed_timeout_minutes=max(1, int(timeout_s // 60)))
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        )
         logger.info("megatron parallel state: TP %d x PP %d x DP %d", tp, pp, ps.get_data_parallel_world_size())
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

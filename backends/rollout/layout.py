@@ -46,7 +46,7 @@ def pad_token_id(tokenizer, eos_ids: list[int]) -> int:
 def mask_after_eos(responses: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
     """int64 mask (rows, R): 1 up to and including each row's first EOS token, 0 after it."""
     is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device)).long()
-    eos_before = is_eos.cumsum(dim=1) - is_eos      # EOS tokens strictly before each position
+    eos_before = is_eos.cumsum(dim=1) - is_eos  # EOS tokens strictly before each position
     return (eos_before == 0).long()
 
 

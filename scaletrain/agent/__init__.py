@@ -25,7 +25,22 @@ from scaletrain.agent.tool_parser import FunctionCall, ToolParser
 from scaletrain.agent.tools.base import BaseTool, ToolResponse, load_tools, register_tool
 
 __all__ = [
-    "AGENT_LOOPS", "AgentData", "AgentLoopBase", "AgentLoopOutput", "AgentState", "BaseInteraction", "BaseTool",
-    "FunctionCall", "SingleTurnAgentLoop", "ToolAgentLoop", "ToolParser", "ToolResponse", "get_agent_loop",
-    "load_interactions", "load_tools", "register_agent_loop", "register_interaction", "register_tool",
+    "AGENT_LOOPS",
+    "AgentData",
+    "AgentLoopBase",
+    "AgentLoopOutput",
+    "AgentState",
+    "BaseInteraction",
+    "BaseTool",
+    "FunctionCall",
+    "SingleTurnAgentLoop",
+    "ToolAgentLoop",
+    "ToolParser",
+    "ToolResponse",
+    "get_agent_loop",
+    "load_interactions",
+    "load_tools",
+    "register_agent_loop",
+    "register_interaction",
+    "register_tool",
 ]

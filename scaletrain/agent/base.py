@@ -50,9 +50,9 @@ class AgentState(str, enum.Enum):
 class AgentLoopOutput:
     prompt_ids: list[int]
     response_ids: list[int]
-    response_mask: list[int]                    # 1: model token, 0: tool / user token
-    response_logprobs: list[float]              # rollout log-prob of each response token (0 where mask is 0)
-    num_turns: int = 2                          # user + assistant turns (and tool turns), the prompt counted
+    response_mask: list[int]  # 1: model token, 0: tool / user token
+    response_logprobs: list[float]  # rollout log-prob of each response token (0 where mask is 0)
+    num_turns: int = 2  # user + assistant turns (and tool turns), the prompt counted
     metrics: dict[str, float] = field(default_factory=dict)
     extra_fields: dict[str, Any] = field(default_factory=dict)
 
@@ -64,8 +64,8 @@ class AgentData:
     messages: list[dict]
     request_id: str
     tools_kwargs: dict[str, Any] = field(default_factory=dict)
-    prompt_ids: list[int] = field(default_factory=list)         # the whole sequence so far
-    response_ids: list[int] = field(default_factory=list)       # the last model turn's tokens
+    prompt_ids: list[int] = field(default_factory=list)  # the whole sequence so far
+    response_ids: list[int] = field(default_factory=list)  # the last model turn's tokens
     response_mask: list[int] = field(default_factory=list)
     response_logprobs: list[float] = field(default_factory=list)
     turn_scores: list[float] = field(default_factory=list)
@@ -89,30 +89,41 @@ class AgentLoopBase:
     ``server_manager`` answers ``await generate(request_id, prompt_ids, sampling_params)`` with a
     ``TokenOutput``, ``tokenizer`` renders chat messages. ``response_length`` bounds the whole response."""
 
-    def __init__(self, config, server_manager, tokenizer, *, response_length: int, prompt_length: int | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        config,
+        server_manager,
+        tokenizer,
+        *,
+        response_length: int,
+        prompt_length: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.config = config
         self.server_manager = server_manager
         self.tokenizer = tokenizer
         self.response_length = int(response_length)
-        self.prompt_length = prompt_length      # None: unchecked
+        self.prompt_length = prompt_length  # None: unchecked
         self.kwargs = kwargs
 
     def check_prompt(self, prompt_ids: list[int], row: dict[str, Any]) -> list[int]:
         """The rendered prompt, or ValueError naming the row when it exceeds ``prompt_length`` (the engines size
         their context as prompt_length + response_length)."""
         if self.prompt_length is not None and len(prompt_ids) > self.prompt_length:
-            raise ValueError(f"row {row.get('request_id')}: the rendered prompt has {len(prompt_ids)} tokens, more "
-                             f"than rollout.prompt_length={self.prompt_length} (tool schemas count); raise "
-                             f"data.max_prompt_length")
+            raise ValueError(
+                f"row {row.get('request_id')}: the rendered prompt has {len(prompt_ids)} tokens, more "
+                f"than rollout.prompt_length={self.prompt_length} (tool schemas count); raise "
+                f"data.max_prompt_length"
+            )
         return prompt_ids
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         raise NotImplementedError
 
     # -------------------------------------------------------------------------------------------- helpers
-    def apply_chat_template(self, messages: list[dict], *, tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
         """Token ids of the rendered messages (memoised: the n samples of a prompt render it once)."""
         key = json.dumps([messages, tools, add_generation_prompt], sort_keys=True, default=str)
         cache = self.__dict__.setdefault("_template_cache", OrderedDict())
@@ -120,8 +131,9 @@ class AgentLoopBase:
             cache.move_to_end(key)
             return list(cache[key])
         kwargs = {"tools": tools} if tools else {}
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False, **kwargs)
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+        )
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         cache[key] = ids
         if len(cache) > TEMPLATE_CACHE_SIZE:
@@ -136,5 +148,5 @@ class AgentLoopBase:
         before = self.apply_chat_template(base, add_generation_prompt=False)
         after = self.apply_chat_template(base + list(messages), add_generation_prompt=True)
         if after[: len(before)] == before:
-            return after[len(before):]
+            return after[len(before) :]
         return self.apply_chat_template(list(messages), add_generation_prompt=True)

@@ -38,8 +38,16 @@ def _object_array(values: list[Any]) -> np.ndarray:
 
 
 class AgentLoopManager:
-    def __init__(self, config, server_manager: AsyncServerManager, tokenizer, *, prompt_length: int,
-                 response_length: int, pad_token_id: int | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        server_manager: AsyncServerManager,
+        tokenizer,
+        *,
+        prompt_length: int,
+        response_length: int,
+        pad_token_id: int | None = None,
+    ) -> None:
         from scaletrain.agent.interactions.base import load_interactions
         from scaletrain.agent.tools.base import load_tools
 
@@ -57,15 +65,21 @@ class AgentLoopManager:
     def _loop(self, name: str):
         if name not in self._loops:
             cls = get_agent_loop(name)
-            self._loops[name] = cls(self.config, self.server_manager, self.tokenizer,
-                                    response_length=self.response_length, prompt_length=self.prompt_length,
-                                    tools=self.tools,
-                                    interactions=self.interactions)
+            self._loops[name] = cls(
+                self.config,
+                self.server_manager,
+                self.tokenizer,
+                response_length=self.response_length,
+                prompt_length=self.prompt_length,
+                tools=self.tools,
+                interactions=self.interactions,
+            )
         return self._loops[name]
 
     # --------------------------------------------------------------------------------------------- run
-    def generate_sequences(self, prompts: DataProto, sampling: dict[str, Any], n: int = 1,
-                           tag: str = "traj") -> DataProto:
+    def generate_sequences(
+        self, prompts: DataProto, sampling: dict[str, Any], n: int = 1, tag: str = "traj"
+    ) -> DataProto:
         """``sampling``: temperature / top_p / top_k / seed (seed: per-trajectory seeds derive from it)."""
         rows = self._rows(prompts, n, tag)
         self.server_manager.reset_stats()
@@ -120,8 +134,8 @@ class AgentLoopManager:
         for i, o in enumerate(outputs):
             p, r = len(o.prompt_ids), min(len(o.response_ids), R)
             if p:
-                prompts[i, P - p:] = torch.tensor(o.prompt_ids, dtype=torch.long)
-                prompt_mask[i, P - p:] = 1
+                prompts[i, P - p :] = torch.tensor(o.prompt_ids, dtype=torch.long)
+                prompt_mask[i, P - p :] = 1
             if r:
                 responses[i, :r] = torch.tensor(o.response_ids[:r], dtype=torch.long)
                 response_attn[i, :r] = 1
@@ -129,9 +143,15 @@ class AgentLoopManager:
                 log_probs[i, :r] = torch.tensor(o.response_logprobs[:r], dtype=torch.float32)
         attention_mask = torch.cat([prompt_mask, response_attn], dim=1)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        tensors = {"prompts": prompts, "responses": responses, "response_mask": response_mask,
-                   "rollout_log_probs": log_probs * response_mask, "input_ids": torch.cat([prompts, responses], 1),
-                   "attention_mask": attention_mask, "position_ids": position_ids}
+        tensors = {
+            "prompts": prompts,
+            "responses": responses,
+            "response_mask": response_mask,
+            "rollout_log_probs": log_probs * response_mask,
+            "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+        }
         non_tensors = {
             "num_turns": np.array([o.num_turns for o in outputs], dtype=np.int64),
             "turn_scores": _object_array([list(o.extra_fields.get("turn_scores", [])) for o in outputs]),
@@ -141,14 +161,23 @@ class AgentLoopManager:
 
     def _metrics(self, outputs: list[AgentLoopOutput], wall_s: float) -> dict[str, float]:
         turns = np.array([o.num_turns for o in outputs], dtype=np.float64)
-        metrics = {"num_turns/mean": float(turns.mean()), "num_turns/max": float(turns.max()),
-                   "num_turns/min": float(turns.min())}
+        metrics = {
+            "num_turns/mean": float(turns.mean()),
+            "num_turns/max": float(turns.max()),
+            "num_turns/min": float(turns.min()),
+        }
         totals: dict[str, float] = {}
         for o in outputs:
             for k, v in o.metrics.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
-        for key in ("tool_calls", "tool_errors", "tool_timeouts", "parse_errors", "tool_calls_dropped",
-                    "truncated_by_length"):
+        for key in (
+            "tool_calls",
+            "tool_errors",
+            "tool_timeouts",
+            "parse_errors",
+            "tool_calls_dropped",
+            "truncated_by_length",
+        ):
             totals.setdefault(key, 0.0)
         for k, v in totals.items():
             metrics[f"agent/{k}"] = v

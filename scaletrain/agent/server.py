@@ -100,8 +100,7 @@ class AsyncServerManager:
             self._poke()  # the trajectories still live may all be waiting now
 
     # ----------------------------------------------------------------------------------------- generate
-    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]
-                       ) -> TokenOutput:
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]) -> TokenOutput:
         rank = self.acquire(request_id)
         if not prompt_ids:
             raise ValueError(f"request {request_id}: empty prompt")

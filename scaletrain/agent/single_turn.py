@@ -14,8 +14,14 @@ class SingleTurnAgentLoop(AgentLoopBase):
         self.check_prompt(prompt_ids, row)
         request_id = row["request_id"]
         out = await self.server_manager.generate(
-            request_id, prompt_ids, {**sampling_params, "max_new_tokens": self.response_length})
+            request_id, prompt_ids, {**sampling_params, "max_new_tokens": self.response_length}
+        )
         ids = list(out.token_ids)[: self.response_length]
-        return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=ids, response_mask=[1] * len(ids),
-                               response_logprobs=list(out.log_probs)[: len(ids)], num_turns=2,
-                               metrics={"assistant_turns": 1.0})
+        return AgentLoopOutput(
+            prompt_ids=prompt_ids,
+            response_ids=ids,
+            response_mask=[1] * len(ids),
+            response_logprobs=list(out.log_probs)[: len(ids)],
+            num_turns=2,
+            metrics={"assistant_turns": 1.0},
+        )

@@ -41,15 +41,24 @@ def truncate_text(text: str, limit: int, side: str) -> str:
     if side == "left":
         return text[:limit] + "...(truncated)"
     if side == "right":
-        return "(truncated)..." + text[len(text) - limit:]
+        return "(truncated)..." + text[len(text) - limit :]
     head = limit // 2
-    return text[:head] + "...(truncated)..." + text[len(text) - (limit - head):]
+    return text[:head] + "...(truncated)..." + text[len(text) - (limit - head) :]
 
 
 @register_agent_loop("tool_agent")
 class ToolAgentLoop(AgentLoopBase):
-    def __init__(self, config, server_manager, tokenizer, *, response_length: int,
-                 tools: dict[str, BaseTool] | None = None, interactions: dict | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        config,
+        server_manager,
+        tokenizer,
+        *,
+        response_length: int,
+        tools: dict[str, BaseTool] | None = None,
+        interactions: dict | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(config, server_manager, tokenizer, response_length=response_length, **kwargs)
         self.tools = dict(tools or {})
         self.interactions = dict(interactions or {})
@@ -59,16 +68,21 @@ class ToolAgentLoop(AgentLoopBase):
     # ------------------------------------------------------------------------------------------------ run
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         extra_info = row.get("extra_info") or {}
-        data = AgentData(messages=[dict(m) for m in row["raw_prompt"]], request_id=row["request_id"],
-                         tools_kwargs=dict(extra_info.get("tools_kwargs") or {}))
+        data = AgentData(
+            messages=[dict(m) for m in row["raw_prompt"]],
+            request_id=row["request_id"],
+            tools_kwargs=dict(extra_info.get("tools_kwargs") or {}),
+        )
         self._select_tools(data, extra_info.get("tool_selection"))
         data.interaction_kwargs = dict(extra_info.get("interaction_kwargs") or {})
         instance = None
         if self.interactions:
             name = data.interaction_kwargs.get("name") or next(iter(self.interactions))
             if name not in self.interactions:
-                raise ValueError(f"extra_info.interaction_kwargs.name: unknown interaction '{name}'; "
-                                 f"configured: {', '.join(self.interactions)}")
+                raise ValueError(
+                    f"extra_info.interaction_kwargs.name: unknown interaction '{name}'; "
+                    f"configured: {', '.join(self.interactions)}"
+                )
             data.interaction = self.interactions[name]
             instance = await data.interaction.start_interaction(data.request_id, **data.interaction_kwargs)
         try:
@@ -96,8 +110,10 @@ class ToolAgentLoop(AgentLoopBase):
         else:
             unknown = [name for name in selection if name not in self.tools]
             if unknown:
-                raise ValueError(f"extra_info.tool_selection names unknown tools {unknown}; "
-                                 f"configured: {', '.join(self.tools) or '(none)'}")
+                raise ValueError(
+                    f"extra_info.tool_selection names unknown tools {unknown}; "
+                    f"configured: {', '.join(self.tools) or '(none)'}"
+                )
             data.active_tools = {name: self.tools[name] for name in selection}
         data.tool_schemas = [tool.tool_schema for tool in data.active_tools.values()]
 
@@ -117,8 +133,11 @@ class ToolAgentLoop(AgentLoopBase):
             response_logprobs=data.response_logprobs[:limit],
             num_turns=data.user_turns + data.assistant_turns + 1,
             metrics=data.metrics,
-            extra_fields={"turn_scores": list(data.turn_scores), "tool_rewards": list(data.tool_rewards),
-                          "messages": data.messages},
+            extra_fields={
+                "turn_scores": list(data.turn_scores),
+                "tool_rewards": list(data.tool_rewards),
+                "messages": data.messages,
+            },
         )
 
     def _budget(self, data: AgentData) -> int:
@@ -126,8 +145,10 @@ class ToolAgentLoop(AgentLoopBase):
 
     def _turn_limit_reached(self, data: AgentData) -> bool:
         cfg = self.config
-        return bool((cfg.max_assistant_turns and data.assistant_turns >= cfg.max_assistant_turns)
-                    or (cfg.max_user_turns and data.user_turns >= cfg.max_user_turns))
+        return bool(
+            (cfg.max_assistant_turns and data.assistant_turns >= cfg.max_assistant_turns)
+            or (cfg.max_user_turns and data.user_turns >= cfg.max_user_turns)
+        )
 
     def _append(self, data: AgentData, ids: list[int]) -> bool:
         """Append non-model tokens (mask 0); False (and nothing appended) when they do not fit the budget with
@@ -176,8 +197,9 @@ class ToolAgentLoop(AgentLoopBase):
         results = await asyncio.gather(*(self._call_tool(call, data) for call in calls))
         messages = []
         for response, reward in results:
-            text = truncate_text(response.text or "", self.config.max_tool_response_length,
-                                 self.config.tool_response_truncate_side)
+            text = truncate_text(
+                response.text or "", self.config.max_tool_response_length, self.config.tool_response_truncate_side
+            )
             messages.append({"role": "tool", "content": text})
             data.tool_rewards.append(float(reward))
         data.messages += messages
@@ -203,7 +225,8 @@ class ToolAgentLoop(AgentLoopBase):
             create_kwargs = (data.tools_kwargs.get(call.name) or {}).get("create_kwargs") or {}
             instance_id, _ = await tool.create(**create_kwargs)
             response, reward, metrics = await asyncio.wait_for(
-                tool.execute(instance_id, args, agent_data=data), self.config.tool_timeout_s)
+                tool.execute(instance_id, args, agent_data=data), self.config.tool_timeout_s
+            )
             if (metrics or {}).get("error"):
                 data.count("tool_errors")
             return response, float(reward)
@@ -224,7 +247,8 @@ class ToolAgentLoop(AgentLoopBase):
 
     async def _handle_interacting(self, data: AgentData, instance: str) -> AgentState:
         done, response, reward, _ = await data.interaction.generate_response(
-            instance, data.messages, **data.interaction_kwargs)
+            instance, data.messages, **data.interaction_kwargs
+        )
         data.turn_scores.append(float(reward))
         data.user_turns += 1
         if done or self._turn_limit_reached(data):

@@ -41,7 +41,7 @@ class ToolParser:
         return TOOL_PARSERS.register(name)
 
     @classmethod
-    def get_tool_parser(cls, name: str, tokenizer) -> "ToolParser":
+    def get_tool_parser(cls, name: str, tokenizer) -> ToolParser:
         return TOOL_PARSERS.get(name)(tokenizer)
 
     async def extract_tool_calls(self, response_ids: list[int]) -> tuple[str, list[FunctionCall], int]:

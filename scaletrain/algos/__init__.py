@@ -13,6 +13,8 @@ value.py (critic loss), entropy.py (chunked entropy / log-probs from logits), ro
 Extending: decorate a function with ``@register_adv_est("name")`` or ``@register_policy_loss("name")`` and name
 it in the config (``algorithm.adv_estimator`` / ``actor.policy_loss.loss_mode``).
 """
+
+from scaletrain.algos import policy_loss_cov  # noqa: F401  (registers clip_cov, kl_cov)
 from scaletrain.algos.advantage import (
     ADV_ESTIMATORS,
     AdvantageEstimator,
@@ -33,7 +35,6 @@ from scaletrain.algos.kl import (
 )
 from scaletrain.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from scaletrain.algos.policy_loss import POLICY_LOSSES, get_policy_loss, register_policy_loss
-from scaletrain.algos import policy_loss_cov  # noqa: F401  (registers clip_cov, kl_cov)
 from scaletrain.algos.rollout_correction import compute_mismatch_metrics, compute_rollout_correction
 from scaletrain.algos.scan import discounted_suffix_sum, segmented_discounted_suffix_sum
 from scaletrain.algos.value import compute_value_loss

@@ -10,10 +10,12 @@ keyword arguments override it. All estimators return zeros at masked positions a
 
 This file: ``gae`` (needs ``values``), ``reinforce_plus_plus`` and ``remax`` (needs ``reward_baselines``).
 """
+
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,7 +90,7 @@ def compute_gae_advantage_return(
 
     v, r = pack(values), pack(token_level_rewards)
     next_v = torch.nn.functional.pad(v[:, 1:], (0, 1))  # 0 after the last unmasked token
-    deltas = r + gamma * next_v - v                     # 0 beyond each row's packed length
+    deltas = r + gamma * next_v - v  # 0 beyond each row's packed length
     packed_adv = discounted_suffix_sum(deltas, gamma * lam)
     advantages = torch.where(keep, packed_adv.gather(1, rank.clamp(min=0)), 0.0)
 

@@ -18,6 +18,7 @@ each micro-batch's aggregate by its count over the mini-batch's (all micro-batch
 backends/accumulation.py), which makes the mini-batch loss and gradient exactly this function's on the whole
 mini-batch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,9 @@ from scaletrain.algos.masked import masked_mean
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
-             norm_length: float | None = None) -> torch.Tensor:
+def agg_loss(
+    loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str = "token-mean", norm_length: float | None = None
+) -> torch.Tensor:
     """Aggregate ``loss_mat`` over the tokens where ``loss_mask`` is set, according to ``loss_agg_mode``."""
     mask = loss_mask.to(loss_mat.dtype)
     if loss_agg_mode == "token-mean":

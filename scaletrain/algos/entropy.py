@@ -5,6 +5,7 @@ A (batch, seq, vocab) softmax in float32 is the largest tensor of an LLM step (e
 functions whose backward recomputes the softmax chunk by chunk, so neither pass keeps a full-size softmax; only
 the incoming logits and the gradient w.r.t. them (unavoidably full size) exist at once.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,10 +19,10 @@ class _ChunkedEntropy(torch.autograd.Function):
         flat = logits.reshape(-1, logits.shape[-1])
         out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
         for start in range(0, flat.shape[0], chunk_size):
-            l = flat[start:start + chunk_size].float()
-            lse = torch.logsumexp(l, dim=-1, keepdim=True)
-            p = torch.exp(l - lse)
-            out[start:start + chunk_size] = lse.squeeze(-1) - (p * l).sum(-1)
+            chunk = flat[start : start + chunk_size].float()
+            lse = torch.logsumexp(chunk, dim=-1, keepdim=True)
+            p = torch.exp(chunk - lse)
+            out[start : start + chunk_size] = lse.squeeze(-1) - (p * chunk).sum(-1)
         ctx.save_for_backward(logits)
         ctx.chunk_size = chunk_size
         return out.view(logits.shape[:-1])
@@ -35,11 +36,11 @@ class _ChunkedEntropy(torch.autograd.Function):
         grad = torch.empty_like(flat)
         for start in range(0, flat.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
-            l = flat[start:end].float()
-            p = torch.softmax(l, dim=-1)
-            mean_logit = (p * l).sum(-1, keepdim=True)
+            chunk = flat[start:end].float()
+            p = torch.softmax(chunk, dim=-1)
+            mean_logit = (p * chunk).sum(-1, keepdim=True)
             # dH/dl_k = p_k * (E_p[l] - l_k)
-            grad[start:end] = (g[start:end, None].float() * p * (mean_logit - l)).to(grad.dtype)
+            grad[start:end] = (g[start:end, None].float() * p * (mean_logit - chunk)).to(grad.dtype)
         return grad.view(logits.shape), None
 
 
@@ -50,9 +51,9 @@ class _ChunkedLabelLogProb(torch.autograd.Function):
         flat_labels = labels.reshape(-1, 1)
         out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
         for start in range(0, flat.shape[0], chunk_size):
-            l = flat[start:start + chunk_size].float()
-            picked = l.gather(-1, flat_labels[start:start + chunk_size]).squeeze(-1)
-            out[start:start + chunk_size] = picked - torch.logsumexp(l, dim=-1)
+            chunk = flat[start : start + chunk_size].float()
+            picked = chunk.gather(-1, flat_labels[start : start + chunk_size]).squeeze(-1)
+            out[start : start + chunk_size] = picked - torch.logsumexp(chunk, dim=-1)
         ctx.save_for_backward(logits, labels)
         ctx.chunk_size = chunk_size
         return out.view(labels.shape)
@@ -81,7 +82,9 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SI
     return _ChunkedEntropy.apply(logits, int(chunk_size))
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+def logprobs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
     """log softmax(logits)[label] for every position, shape ``labels.shape``, float32; differentiable.
 
     ``labels`` are token ids (all valid; mask padding afterwards). Uses logsumexp, never a full log-softmax.

@@ -7,6 +7,7 @@ over the row's response tokens. Group statistics use scatter/index ops: no Pytho
 Singleton groups (a prompt with one response) follow verl: their mean is 0 and their std is 1, so the row keeps
 its raw score (GRPO: score / (1 + eps)); RLOO, OPO and REINFORCE++-baseline likewise subtract 0.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,12 +34,16 @@ def group_ids(index: Any, device: torch.device | str = "cpu") -> tuple[torch.Ten
         uniq, inverse = np.unique(np.asarray(index), return_inverse=True)
         gid, num_groups = torch.as_tensor(inverse.reshape(-1), dtype=torch.long, device=device), len(uniq)
     if num_groups == gid.numel() > 1:
-        logger.warning("every group holds a single response (rollout n=1?): group estimators then use mean 0 and "
-                       "std 1, i.e. no baseline")
+        logger.warning(
+            "every group holds a single response (rollout n=1?): group estimators then use mean 0 and "
+            "std 1, i.e. no baseline"
+        )
     return gid, num_groups
 
 
-def group_mean_std(scores: torch.Tensor, gid: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def group_mean_std(
+    scores: torch.Tensor, gid: torch.Tensor, num_groups: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row (group mean, unbiased group std, group size); singleton groups get mean 0 and std 1."""
     if gid.numel() != scores.numel():
         raise ValueError(f"index has {gid.numel()} group ids for {scores.numel()} rows")
@@ -121,7 +126,8 @@ def compute_grpo_passk_advantage(
     is_best = scores == best[gid]
     # one winner per group: the lowest row index that reaches the group maximum
     winner = torch.full((G,), scores.numel(), device=scores.device).scatter_reduce(
-        0, gid, torch.where(is_best, rows, scores.numel()), "amin")
+        0, gid, torch.where(is_best, rows, scores.numel()), "amin"
+    )
     won = rows == winner[gid]
     second = neg_inf.scatter_reduce(0, gid, torch.where(won, -torch.inf, scores), "amax")
     adv = best[gid] - second[gid]

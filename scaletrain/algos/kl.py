@@ -12,8 +12,8 @@ divergence"):
 A trailing ``+`` (``k1+``, ``k3+``, ...) keeps the value of the named estimator but takes the gradient of k2
 (straight-through: ``k2 - k2.detach() + value.detach()``), whose gradient is an unbiased KL gradient.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import numpy as np
 import torch
@@ -51,8 +51,13 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
 _per_token_kl = kl_penalty  # apply_kl_penalty_to_rewards has a parameter named kl_penalty
 
 
-def compute_kl_loss(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, response_mask: torch.Tensor,
-                    kl_loss_type: str = "low_var_kl", loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, dict]:
+def compute_kl_loss(
+    log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_loss_type: str = "low_var_kl",
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, dict]:
     """KL to the reference as a loss term (``actor.use_kl_loss``); the caller multiplies by its coefficient."""
     kld = kl_penalty(log_prob, ref_log_prob, kl_loss_type)
     loss = agg_loss(kld, response_mask, loss_agg_mode)
@@ -87,8 +92,9 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-def build_kl_controller(kl_type: str = "fixed", kl_coef: float = 0.001, target_kl: float = 0.1,
-                        horizon: int = 10000) -> FixedKLController | AdaptiveKLController:
+def build_kl_controller(
+    kl_type: str = "fixed", kl_coef: float = 0.001, target_kl: float = 0.1, horizon: int = 10000
+) -> FixedKLController | AdaptiveKLController:
     """``algorithm.kl_ctrl`` config -> controller (``type`` is "fixed" or "adaptive")."""
     if kl_type == "fixed":
         return FixedKLController(kl_coef)
@@ -98,10 +104,14 @@ def build_kl_controller(kl_type: str = "fixed", kl_coef: float = 0.001, target_k
 
 
 @torch.no_grad()
-def apply_kl_penalty_to_rewards(token_level_scores: torch.Tensor, old_log_prob: torch.Tensor,
-                                ref_log_prob: torch.Tensor, response_mask: torch.Tensor,
-                                kl_ctrl: FixedKLController | AdaptiveKLController,
-                                kl_penalty: str = "kl") -> tuple[torch.Tensor, dict]:
+def apply_kl_penalty_to_rewards(
+    token_level_scores: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_ctrl: FixedKLController | AdaptiveKLController,
+    kl_penalty: str = "kl",
+) -> tuple[torch.Tensor, dict]:
     """In-reward KL penalty: ``rewards = scores - beta * KL`` per token, then ``kl_ctrl.update``.
 
     The batch KL passed to the controller is the mean over rows of each row's mean token KL. The coefficient

@@ -3,6 +3,7 @@
 A mask is 1 at response tokens that count and 0 at padding / tokens that must not count (tool observations,
 prompt). Empty masks give 0 for sums and means instead of NaN.
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@
 (dataclass, namespace). Policy losses also look one level down in ``config.policy_loss`` so the actor config
 (``clip_ratio`` at the top, ``policy_loss.clip_cov_ratio`` below) can be passed as is.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -20,7 +21,9 @@ def _lookup(config: Any, key: str) -> Any:
     return getattr(config, key, _MISSING)
 
 
-def get_option(config: Any, key: str, default: Any = None, overrides: Mapping | None = None, section: str | None = None) -> Any:
+def get_option(
+    config: Any, key: str, default: Any = None, overrides: Mapping | None = None, section: str | None = None
+) -> Any:
     """``overrides[key]`` if given and not None, else ``config.key``, else ``config.<section>.key``, else ``default``.
 
     A None found in the config also falls through to the next source, so ``clip_ratio_low: null`` in YAML means

@@ -13,9 +13,11 @@ multiplies the per-token losses. ``metrics`` maps names to floats and always hol
 
 Covariance-based losses (clip_cov, kl_cov) are in ``policy_loss_cov.py``.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -55,8 +57,9 @@ def log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tenso
     return torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
 
 
-def finish(pg_losses: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str, kwargs: dict,
-           metrics: dict) -> tuple[torch.Tensor, dict]:
+def finish(
+    pg_losses: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str, kwargs: dict, metrics: dict
+) -> tuple[torch.Tensor, dict]:
     """Apply ``rollout_is_weights`` (if given), aggregate, and add ``actor/pg_loss`` to the float metrics."""
     weights = kwargs.get("rollout_is_weights")
     if weights is not None:
@@ -72,8 +75,9 @@ def ppo_kl(old_log_prob: torch.Tensor, log_prob: torch.Tensor, response_mask: to
 
 
 @register_policy_loss("vanilla")
-def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                                config=None, **kwargs):
+def compute_policy_loss_vanilla(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, **kwargs
+):
     """PPO clipped surrogate (Schulman et al. 2017) with asymmetric clip (``clip_ratio_low/high``, DAPO) and
     dual clip (Ye et al. 2020): for negative advantages the loss is capped at ``-A * clip_ratio_c`` (default 3;
     a very large value effectively disables it). Extra metric:
@@ -98,8 +102,9 @@ def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mas
 
 
 @register_policy_loss("gspo")
-def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-mean",
-                             config=None, **kwargs):
+def compute_policy_loss_gspo(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-mean", config=None, **kwargs
+):
     """GSPO (Zheng et al. 2025): one importance ratio per sequence, s = exp(mean_t log(pi / pi_old)), clipped
     like PPO (paper widths are small, e.g. 3e-4 / 4e-4). Each token's gradient is s * grad log pi(token)
     (token-level form: s_t = sg(s) * pi_t / sg(pi_t)). The paper aggregates with ``seq-mean-token-mean``.
@@ -122,16 +127,18 @@ def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, 
 
 
 @register_policy_loss("gpg")
-def compute_policy_loss_gpg(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                            config=None, **kwargs):
+def compute_policy_loss_gpg(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, **kwargs
+):
     """GPG (Chu et al. 2025): plain policy gradient -A * log pi, no ratio and no clip (pair with the gpg estimator)."""
     metrics = {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": ppo_kl(old_log_prob, log_prob, response_mask)}
     return finish(-advantages * log_prob, response_mask, loss_agg_mode, kwargs, metrics)
 
 
 @register_policy_loss("cispo")
-def compute_policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                              config=None, **kwargs):
+def compute_policy_loss_cispo(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, **kwargs
+):
     """CISPO (MiniMax-M1, 2025): -sg(clip(ratio, 1 - low, 1 + high)) * A * log pi. The clip bounds the
     importance weight but, unlike PPO, never drops a token's gradient. MiniMax sets no lower bound (use a
     ``clip_ratio_low`` of 1 or more for that). ``actor/pg_clipfrac`` counts tokens whose weight was clipped.
@@ -147,9 +154,11 @@ def compute_policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask,
 
 
 @register_policy_loss("sapo")
-def compute_policy_loss_sapo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                             config=None, **kwargs):
-    """SAPO (Qwen team 2025, arXiv:2511.20347): a soft gate instead of a hard clip, loss = -A * (4 / tau) * sigmoid(tau (r - 1)),
+def compute_policy_loss_sapo(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, **kwargs
+):
+    """SAPO (Qwen team 2025, arXiv:2511.20347): a soft gate instead of a hard clip,
+    loss = -A * (4 / tau) * sigmoid(tau (r - 1)),
     tau = ``tau_pos`` (1.0) for A > 0 and ``tau_neg`` (1.05) otherwise. At r = 1 the gradient equals PPO's; it
     fades smoothly as r leaves 1. ``actor/sapo_gate`` is the mean gradient weight 4 s (1 - s) relative to PPO's
     unclipped gradient (1 on-policy).

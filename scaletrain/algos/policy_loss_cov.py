@@ -9,6 +9,7 @@ Both losses find those tokens, centring advantages and (detached) log-probs over
 
 Selecting the tokens needs their count on the host (one device sync per call).
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,9 @@ def _centred_cov(advantages: torch.Tensor, log_prob: torch.Tensor, mask: torch.T
 
 
 @register_policy_loss("clip_cov")
-def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                                 config=None, **kwargs):
+def compute_policy_loss_clip_cov(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, **kwargs
+):
     """PPO clipped surrogate (no dual clip) where max(1, int(clip_cov_ratio * #tokens)) eligible tokens, chosen
     uniformly at random (``generator=`` kwarg for reproducibility), get no gradient.
 
@@ -64,8 +66,9 @@ def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_ma
 
 
 @register_policy_loss("kl_cov")
-def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                               config=None, **kwargs):
+def compute_policy_loss_kl_cov(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, **kwargs
+):
     """Unclipped surrogate -A * ratio, plus ``ppo_kl_coef`` (1.0) * |log pi - log pi_old| on the
     max(1, int(kl_cov_ratio * #tokens)) tokens (``kl_cov_ratio``, 2e-4) with the largest covariance.
 

@@ -11,6 +11,7 @@ absolute log-prob difference (and the share of tokens above a threshold), the im
 min, the truncated or masked share, the effective sample size, and the perplexities of the responses under
 both policies. The trainer applies all this per step in ``scaletrain/trainer/rollout_correction.py``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,12 @@ IS_MODES = ("truncate", "mask")
 
 
 @torch.no_grad()
-def compute_mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_probs: torch.Tensor,
-                             response_mask: torch.Tensor, log_prob_diff_threshold: float | None = None) -> dict:
+def compute_mismatch_metrics(
+    old_log_prob: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    log_prob_diff_threshold: float | None = None,
+) -> dict:
     """KL, log-prob difference and perplexity metrics comparing the trainer's and the rollout engine's log-probs.
 
     ``rollout_corr/log_prob_abs_diff_mean|max`` are over the response tokens of |log pi_train - log pi_rollout|;
@@ -32,8 +37,8 @@ def compute_mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_probs: torc
     """
     mask = response_mask.to(old_log_prob.dtype)
     valid = mask.bool()
-    log_ratio = old_log_prob - rollout_log_probs                 # log(pi_train / pi_rollout)
-    k1 = masked_mean(-log_ratio, mask)                           # E_rollout[log pi_rollout - log pi_train]
+    log_ratio = old_log_prob - rollout_log_probs  # log(pi_train / pi_rollout)
+    k1 = masked_mean(-log_ratio, mask)  # E_rollout[log pi_rollout - log pi_train]
     clamped = log_ratio.clamp(-20.0, 20.0)
     k3 = masked_mean(torch.exp(clamped) - 1.0 - clamped, mask)
     abs_diff = log_ratio.abs()
@@ -56,10 +61,15 @@ def compute_mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_probs: torc
 
 
 @torch.no_grad()
-def compute_rollout_correction(old_log_prob: torch.Tensor, rollout_log_probs: torch.Tensor,
-                               response_mask: torch.Tensor, rollout_is_threshold: float = 2.0,
-                               rollout_is_level: str = "token", rollout_is_mode: str = "truncate",
-                               rollout_is_threshold_lower: float | None = None) -> tuple[torch.Tensor, dict]:
+def compute_rollout_correction(
+    old_log_prob: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is_threshold: float = 2.0,
+    rollout_is_level: str = "token",
+    rollout_is_mode: str = "truncate",
+    rollout_is_threshold_lower: float | None = None,
+) -> tuple[torch.Tensor, dict]:
     """Importance weights pi_train / pi_rollout (batch, response_length), detached, 0 at masked positions.
 
     - ``rollout_is_level="token"``: one ratio per token; ``"sequence"``: the product of a sequence's token
@@ -69,7 +79,8 @@ def compute_rollout_correction(old_log_prob: torch.Tensor, rollout_log_probs: to
 
     Returns (weights, metrics); metrics are the mismatch metrics plus ``rollout_corr/is_ratio_mean|max|min``
     (before truncation, over tokens or sequences by level), ``rollout_corr/is_truncated_frac`` or
-    ``rollout_corr/is_masked_frac``, and ``rollout_corr/is_ess`` ((sum w)**2 / (n sum w**2) of the final weights, in (0, 1]).
+    ``rollout_corr/is_masked_frac``, and ``rollout_corr/is_ess``
+    ((sum w)**2 / (n sum w**2) of the final weights, in (0, 1]).
     """
     if rollout_is_level not in IS_LEVELS:
         raise ValueError(f"unknown rollout_is_level '{rollout_is_level}'; expected one of: {', '.join(IS_LEVELS)}")
@@ -83,7 +94,7 @@ def compute_rollout_correction(old_log_prob: torch.Tensor, rollout_log_probs: to
     keep = response_mask.bool()
     log_ratio = torch.where(keep, (old_log_prob - rollout_log_probs).float(), 0.0)
     if rollout_is_level == "token":
-        unit_mask, unit_raw = keep, torch.exp(log_ratio.clamp(-20.0, 20.0))       # one unit per token
+        unit_mask, unit_raw = keep, torch.exp(log_ratio.clamp(-20.0, 20.0))  # one unit per token
     else:
         unit_mask, unit_raw = keep.any(-1), torch.exp(log_ratio.sum(-1).clamp(-20.0, 20.0))  # one per sequence
 
@@ -100,11 +111,15 @@ def compute_rollout_correction(old_log_prob: torch.Tensor, rollout_log_probs: to
     metrics = compute_mismatch_metrics(old_log_prob.float(), rollout_log_probs.float(), keep)
     raw_sel, w_sel = unit_raw[unit_mask], unit_w[unit_mask]
     empty = raw_sel.numel() == 0
-    metrics.update({
-        "rollout_corr/is_ratio_mean": 0.0 if empty else float(raw_sel.mean()),
-        "rollout_corr/is_ratio_max": 0.0 if empty else float(raw_sel.max()),
-        "rollout_corr/is_ratio_min": 0.0 if empty else float(raw_sel.min()),
-        cut_name: 0.0 if empty else float(cut[unit_mask].float().mean()),
-        "rollout_corr/is_ess": 0.0 if empty else float(w_sel.sum() ** 2 / (w_sel.numel() * w_sel.square().sum()).clamp(min=1e-12)),
-    })
+    metrics.update(
+        {
+            "rollout_corr/is_ratio_mean": 0.0 if empty else float(raw_sel.mean()),
+            "rollout_corr/is_ratio_max": 0.0 if empty else float(raw_sel.max()),
+            "rollout_corr/is_ratio_min": 0.0 if empty else float(raw_sel.min()),
+            cut_name: 0.0 if empty else float(cut[unit_mask].float().mean()),
+            "rollout_corr/is_ess": 0.0
+            if empty
+            else float(w_sel.sum() ** 2 / (w_sel.numel() * w_sel.square().sum()).clamp(min=1e-12)),
+        }
+    )
     return weights, metrics

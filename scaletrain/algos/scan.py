@@ -11,6 +11,7 @@ over time steps, no negative powers, so no overflow or underflow for long sequen
 Work is O(B T C + B (T / C)**2) instead of the O(B T**2) of a full (T, T) decay matrix. The products run in
 float64 so the result does not depend on TF32 settings.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,17 +43,19 @@ def discounted_suffix_sum(x: torch.Tensor, factor: float, chunk_size: int = 64) 
     flat = F.pad(flat, (0, n * C - T))  # zeros at the end do not change earlier suffix sums
     chunks = flat.view(-1, n, C)
 
-    inner = _decay_matrix(C, factor, 1, x.device)                # (C, C)
-    local = chunks @ inner.T                                      # suffix sums inside each chunk
-    starts = local[..., 0] @ _decay_matrix(n, factor, C, x.device).T   # full value at each chunk start
-    carry = F.pad(starts[:, 1:], (0, 1))                          # value at the start of the next chunk
-    exps = torch.arange(C, 0, -1, device=x.device)                # position j is C - j steps before the next chunk
+    inner = _decay_matrix(C, factor, 1, x.device)  # (C, C)
+    local = chunks @ inner.T  # suffix sums inside each chunk
+    starts = local[..., 0] @ _decay_matrix(n, factor, C, x.device).T  # full value at each chunk start
+    carry = F.pad(starts[:, 1:], (0, 1))  # value at the start of the next chunk
+    exps = torch.arange(C, 0, -1, device=x.device)  # position j is C - j steps before the next chunk
     tail = torch.tensor(factor, dtype=torch.float64, device=x.device) ** exps
     y = local + carry[..., None] * tail
     return y.reshape(-1, n * C)[:, :T].reshape(*lead, T).to(x.dtype)
 
 
-def segmented_discounted_suffix_sum(x: torch.Tensor, mask: torch.Tensor, factor: float, chunk_size: int = 64) -> torch.Tensor:
+def segmented_discounted_suffix_sum(
+    x: torch.Tensor, mask: torch.Tensor, factor: float, chunk_size: int = 64
+) -> torch.Tensor:
     """Like ``discounted_suffix_sum`` but the sum restarts at every masked position.
 
     ``y[t] = sum over s in [t, e_t) of factor**(s - t) * x[s]`` where ``e_t`` is the first masked position at or
@@ -63,10 +66,10 @@ def segmented_discounted_suffix_sum(x: torch.Tensor, mask: torch.Tensor, factor:
     T = x.shape[-1]
     keep = mask.bool()
     xm = torch.where(keep, x.to(torch.float64), 0.0)
-    D = F.pad(discounted_suffix_sum(xm, factor, chunk_size), (0, 1))     # D[..., T] = 0
+    D = F.pad(discounted_suffix_sum(xm, factor, chunk_size), (0, 1))  # D[..., T] = 0
     pos = torch.arange(T, device=x.device).expand_as(keep)
     stop = torch.where(keep, torch.full_like(pos, T), pos)
-    stop = stop.flip(-1).cummin(-1).values.flip(-1)                     # first masked position >= t (or T)
+    stop = stop.flip(-1).cummin(-1).values.flip(-1)  # first masked position >= t (or T)
     decay = torch.tensor(float(factor), dtype=torch.float64, device=x.device) ** (stop - pos)
     y = D[..., :T] - decay * D.gather(-1, stop)
     return torch.where(keep, y, 0.0).to(x.dtype)

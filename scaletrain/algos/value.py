@@ -1,4 +1,5 @@
 """Critic (value function) loss with PPO-style value clipping."""
+
 from __future__ import annotations
 
 import torch
@@ -7,9 +8,14 @@ from scaletrain.algos.agg import agg_loss
 from scaletrain.algos.masked import masked_mean
 
 
-def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor,
-                       response_mask: torch.Tensor, cliprange_value: float | None,
-                       loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, float]:
+def compute_value_loss(
+    vpreds: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float | None,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, float]:
     """0.5 * max((v - R)**2, (clip(v, v_old - c, v_old + c) - R)**2), aggregated over the response tokens.
 
     ``vpreds`` are the critic's current predictions, ``values`` the predictions made when the batch was

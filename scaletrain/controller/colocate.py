@@ -9,7 +9,8 @@ over the same actors, so the roles share the processes (and the GPU) rank by ran
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from scaletrain.controller.decorator import REGISTERED_ATTR, get_registration
 from scaletrain.controller.ray_worker_group import RayClassWithInitArgs

@@ -8,8 +8,9 @@ data-parallel dispatch appended to this worker's share are trimmed off a row-ali
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from scaletrain.controller.dispatch import Dispatch, Execute, get_dispatch_spec
 from scaletrain.protocol import PAD_ROWS_KEY, DataProto, DataProtoFuture

@@ -14,9 +14,10 @@ last pipeline stage), so one mechanism serves every layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable
+from typing import Any
 
 from scaletrain.protocol import DataProto, DataProtoFuture, padded_shares
 from scaletrain.utils.registry import Registry
@@ -198,8 +199,16 @@ for _mode, _dispatch, _collect in [
     (Dispatch.DP_COMPUTE_PROTO, dispatch_dp_compute_proto, collect_dp_compute_proto),
     (Dispatch.DP_COMPUTE_PROTO_WITH_FUNC, dispatch_dp_compute_proto_with_func, collect_dp_compute_proto),
     (Dispatch.DP_COMPUTE_METRIC, dispatch_dp_compute_proto, collect_all),
-    (Dispatch.MEGATRON_COMPUTE, make_mesh_dispatch("megatron", proto=False), make_mesh_collect("megatron", proto=False)),
-    (Dispatch.MEGATRON_COMPUTE_PROTO, make_mesh_dispatch("megatron", proto=True), make_mesh_collect("megatron", proto=True)),
+    (
+        Dispatch.MEGATRON_COMPUTE,
+        make_mesh_dispatch("megatron", proto=False),
+        make_mesh_collect("megatron", proto=False),
+    ),
+    (
+        Dispatch.MEGATRON_COMPUTE_PROTO,
+        make_mesh_dispatch("megatron", proto=True),
+        make_mesh_collect("megatron", proto=True),
+    ),
     (
         Dispatch.MEGATRON_PP_AS_DP_PROTO,
         make_mesh_dispatch("megatron_pp_as_dp", proto=True),

@@ -21,7 +21,6 @@ from scaletrain.controller.resource_pool import RayResourcePool
 from scaletrain.controller.worker_group import WorkerDiedError, WorkerError, WorkerGroup, select_worker_args
 from scaletrain.protocol import DataProto
 
-
 logger = logging.getLogger(__name__)
 _CALL_TIMEOUT = object()  # _wait's default: the group's call_timeout_s
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -101,8 +100,12 @@ class RayWorkerGroup(WorkerGroup):
         for pg, local_size in zip(pool.get_placement_groups(), pool.local_sizes()):
             for local_rank in range(local_size):
                 env = {
-                    "WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(local_rank),
-                    "LOCAL_WORLD_SIZE": str(local_size), "SCALETRAIN_WORKER_GROUP": self.name, **master,
+                    "WORLD_SIZE": str(world),
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(local_rank),
+                    "LOCAL_WORLD_SIZE": str(local_size),
+                    "SCALETRAIN_WORKER_GROUP": self.name,
+                    **master,
                 }
                 self._workers.append(cls_with_init.create(pg, local_rank, env, pool.actor_resources()))
                 if rank == 0:  # rank 0 picks the rendezvous address; the others are told it
@@ -110,12 +113,15 @@ class RayWorkerGroup(WorkerGroup):
                     addr, port = self._control_on(0, "get_master_address")
                     master = {"MASTER_ADDR": addr, "MASTER_PORT": port}
                 rank += 1
-        refs = [getattr(w, "worker_info").remote() for w in self._workers]
+        refs = [w.worker_info.remote() for w in self._workers]
         self._infos = self._wait("__init__", list(range(world)), refs, timeout_s=self.init_timeout_s)
-        logger.info("worker group '%s': %d worker(s) on %d node(s): %s", self.name, world,
-                    len({i.get("ip") for i in self._infos}),
-                    ", ".join(f"rank {i.get('rank')} {i.get('host')} ({i.get('ip')}) pid {i.get('pid')}"
-                              for i in self._infos))
+        logger.info(
+            "worker group '%s': %d worker(s) on %d node(s): %s",
+            self.name,
+            world,
+            len({i.get("ip") for i in self._infos}),
+            ", ".join(f"rank {i.get('rank')} {i.get('host')} ({i.get('ip')}) pid {i.get('pid')}" for i in self._infos),
+        )
 
     def _control_on(self, rank: int, name: str) -> Any:
         ref = getattr(self._workers[rank], name).remote()
@@ -153,7 +159,9 @@ class RayWorkerGroup(WorkerGroup):
             handles.append(getattr(self._workers[rank], remote_name).remote(*a, **kw))
         return handles
 
-    def _wait(self, remote_name: str, ranks: list[int], handles: list[Any], timeout_s: Any = _CALL_TIMEOUT) -> list[Any]:
+    def _wait(
+        self, remote_name: str, ranks: list[int], handles: list[Any], timeout_s: Any = _CALL_TIMEOUT
+    ) -> list[Any]:
         """Values of all handles; the first failure raises at once. ``timeout_s`` defaults to call_timeout_s."""
         timeout_s = self.call_timeout_s if timeout_s is _CALL_TIMEOUT else timeout_s
         rank_of = {ref: rank for ref, rank in zip(handles, ranks)}
@@ -176,8 +184,7 @@ class RayWorkerGroup(WorkerGroup):
             if pending and deadline is not None and time.monotonic() > deadline:
                 late = sorted(rank_of[r] for r in pending)
                 raise TimeoutError(
-                    f"worker group '{self.name}': {remote_name}() did not finish on ranks {late} within "
-                    f"{timeout_s}s"
+                    f"worker group '{self.name}': {remote_name}() did not finish on ranks {late} within {timeout_s}s"
                 )
         return [results[ref] for ref in handles]
 
@@ -208,7 +215,7 @@ class RayWorkerGroup(WorkerGroup):
             raise
 
     # ------------------------------------------------------------------------------------------- colocation
-    def spawn(self, prefix_set) -> dict[str, "RayWorkerGroup"]:
+    def spawn(self, prefix_set) -> dict[str, RayWorkerGroup]:
         """One worker group per role of a colocated class, all sharing these actors."""
         role_classes = getattr(self._cls_with_init.user_cls, "ROLE_CLASSES", None)
         if role_classes is None:

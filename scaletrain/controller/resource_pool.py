@@ -57,8 +57,12 @@ class RayResourcePool:
             tag = f"{self.name_prefix or 'pool'}_{uuid.uuid4().hex[:8]}"
             targets = _distinct_nodes(self.process_on_nodes, self.bundle)
             pgs = [
-                placement_group([self.bundle] * n, strategy="STRICT_PACK", name=f"{tag}_node{i}",
-                                bundle_label_selector=None if node is None else [{"ray.io/node-id": node}] * n)
+                placement_group(
+                    [self.bundle] * n,
+                    strategy="STRICT_PACK",
+                    name=f"{tag}_node{i}",
+                    bundle_label_selector=None if node is None else [{"ray.io/node-id": node}] * n,
+                )
                 for i, (n, node) in enumerate(zip(self.process_on_nodes, targets))
             ]
             ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=self.ready_timeout_s)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from scaletrain.controller.decorator import RegisteredMethod, get_registration
 from scaletrain.controller.dispatch import Dispatch, Execute, MeshPlace, get_dispatch_spec
@@ -123,8 +124,12 @@ class LocalWorkerGroup(WorkerGroup):
         try:
             for rank in range(world_size):
                 os.environ.update(
-                    WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank),
-                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                    WORLD_SIZE=str(world_size),
+                    RANK=str(rank),
+                    LOCAL_RANK=str(rank),
+                    LOCAL_WORLD_SIZE=str(world_size),
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=port,
                 )
                 try:
                     self._workers.append(cls(*args, **kwargs))

@@ -12,6 +12,7 @@ character tokenizer), embedded.py (model + task + cache), preprocess/ (``python 
 The names below are imported on first use (PEP 562), so ``python -m scaletrain.data.preprocess.gsm8k`` does not
 pay for importing torch; transformers is only imported by the tokenizer and model builders, when called.
 """
+
 from __future__ import annotations
 
 import importlib

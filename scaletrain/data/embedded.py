@@ -20,6 +20,7 @@ max_position_embeddings 64, float32) and the tokenizer, both via ``save_pretrain
 the tokenizer path. The build goes into a temporary sibling directory that is renamed into place after its stamp
 file (written last) is in: a directory without a valid stamp is a half-built cache and is rebuilt.
 """
+
 from __future__ import annotations
 
 import logging
@@ -71,7 +72,7 @@ def sample_problems(seed: int, n_train: int, n_val: int, n_test: int) -> dict[st
         raise ValueError(f"asked for {total} distinct problems; only {NUM_PROBLEMS} exist")
     codes = np.random.default_rng(seed).permutation(NUM_PROBLEMS)[:total]
     pairs = [(LOW + int(c) // (HIGH - LOW + 1), LOW + int(c) % (HIGH - LOW + 1)) for c in codes]
-    return {"test": pairs[:n_test], "val": pairs[n_test:n_test + n_val], "train": pairs[n_test + n_val:]}
+    return {"test": pairs[:n_test], "val": pairs[n_test : n_test + n_val], "train": pairs[n_test + n_val :]}
 
 
 def problem_row(a: int, b: int, split: str, index: int) -> dict[str, Any]:
@@ -110,12 +111,16 @@ def write_arithmetic_task(
     splits = sample_problems(seed, n_train, n_val, n_test)
     paths = {}
     for split, pairs in splits.items():
-        paths[split] = _write_parquet([problem_row(a, b, split, i) for i, (a, b) in enumerate(pairs)],
-                                      out / f"{split}.parquet")
+        paths[split] = _write_parquet(
+            [problem_row(a, b, split, i) for i, (a, b) in enumerate(pairs)], out / f"{split}.parquet"
+        )
     for split in ("train", "val"):
         paths[f"sft_{split}"] = _write_parquet([sft_row(a, b) for a, b in splits[split]], out / f"sft_{split}.parquet")
-    logger.info("arithmetic task: %s problems (train/val/test) written to %s",
-                "/".join(str(len(splits[s])) for s in ("train", "val", "test")), out)
+    logger.info(
+        "arithmetic task: %s problems (train/val/test) written to %s",
+        "/".join(str(len(splits[s])) for s in ("train", "val", "test")),
+        out,
+    )
     return paths
 
 
@@ -124,8 +129,13 @@ def tiny_qwen2_config(**overrides: Any) -> Any:
     """The embedded model's ``Qwen2Config`` (vocabulary and special ids from the tokenizer)."""
     from transformers import Qwen2Config
 
-    settings = dict(MODEL_CONFIG, vocab_size=len(tok.arithmetic_vocab()), pad_token_id=tok.PAD_ID,
-                    bos_token_id=tok.BOS_ID, eos_token_id=tok.EOS_ID)
+    settings = dict(
+        MODEL_CONFIG,
+        vocab_size=len(tok.arithmetic_vocab()),
+        pad_token_id=tok.PAD_ID,
+        bos_token_id=tok.BOS_ID,
+        eos_token_id=tok.EOS_ID,
+    )
     settings.update(overrides)
     return Qwen2Config(**settings)
 

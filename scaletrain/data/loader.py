@@ -19,10 +19,12 @@ Typical trainer use::
         for batch in loader:
             ...                                          # after the step: ckpt["dataloader"] = loader.state_dict()
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -66,9 +68,7 @@ class StatefulDataLoader:
         self._epoch = 0
         self._position = 0  # batches already handed out in the current epoch
         if len(self) == 0:
-            raise ValueError(
-                f"dataset of {len(dataset)} rows gives no batch of {batch_size} (drop_last={drop_last})"
-            )
+            raise ValueError(f"dataset of {len(dataset)} rows gives no batch of {batch_size} (drop_last={drop_last})")
 
     def __len__(self) -> int:
         """Batches per epoch."""
@@ -105,7 +105,7 @@ class StatefulDataLoader:
         order = self.epoch_order(epoch)
         while self._epoch == epoch and self._position < len(self):
             start = self._position * self.batch_size
-            indices = order[start:start + self.batch_size]
+            indices = order[start : start + self.batch_size]
             batch = self.collate_fn([self.dataset[int(i)] for i in indices])
             self._position += 1
             yield batch

@@ -26,12 +26,14 @@ Everything is tokenized once in ``__init__`` (tens of microseconds a row), so ov
 ``"error"`` raises naming file and row, ``"left"`` keeps the last tokens, ``"right"`` the first ones.
 Malformed rows raise ValueError naming the file and the 0-based row index.
 """
+
 from __future__ import annotations
 
 import copy
 import logging
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -56,8 +58,8 @@ def left_pad(token_ids: Sequence[Sequence[int]], length: int, pad_token_id: int)
         if len(ids) > length:
             raise ValueError(f"row {row} has {len(ids)} tokens, more than the padded length {length}")
         if ids:
-            input_ids[row, length - len(ids):] = torch.as_tensor(list(ids), dtype=torch.long)
-            attention_mask[row, length - len(ids):] = 1
+            input_ids[row, length - len(ids) :] = torch.as_tensor(list(ids), dtype=torch.long)
+            attention_mask[row, length - len(ids) :] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
@@ -66,8 +68,10 @@ def require_chat_template(tokenizer: Any, needed_for: str) -> None:
     """ValueError naming the tokenizer unless it has a chat template (``needed_for`` says what renders with it)."""
     if getattr(tokenizer, "chat_template", None) is None:
         where = getattr(tokenizer, "name_or_path", "") or "(built in memory)"
-        raise ValueError(f"the tokenizer {where} has no chat template; {needed_for} with apply_chat_template. Use "
-                         "an instruct/chat checkpoint, or add a chat_template.jinja to the model directory")
+        raise ValueError(
+            f"the tokenizer {where} has no chat template; {needed_for} with apply_chat_template. Use "
+            "an instruct/chat checkpoint, or add a chat_template.jinja to the model directory"
+        )
 
 
 def _object_array(values: list[Any]) -> np.ndarray:
@@ -93,9 +97,7 @@ def collate_fn(items: Sequence[dict[str, Any]]) -> DataProto:
 
 def _is_message(message: Any) -> bool:
     return (
-        isinstance(message, dict)
-        and isinstance(message.get("role"), str)
-        and isinstance(message.get("content"), str)
+        isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)
     )
 
 
@@ -241,7 +243,10 @@ class RLDataset:
         if self.num_filtered:
             logger.info(
                 "filtered %d of %d prompts longer than %d tokens (%s)",
-                self.num_filtered, len(rows), limit, ", ".join(self.data_files),
+                self.num_filtered,
+                len(rows),
+                limit,
+                ", ".join(self.data_files),
             )
         if self.num_truncated:
             logger.warning("%s-truncated %d prompts to %d tokens", self.truncation, self.num_truncated, limit)

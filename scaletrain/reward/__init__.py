@@ -8,6 +8,7 @@ Layout: scorers/ (gsm8k, math, arithmetic, default dispatch, multi components), 
 files), sandbox.py (the timed worker pool every manager scores in), managers/ (base + naive, prime, batch,
 dapo, multi), build.py (manager from config).
 """
+
 from scaletrain.reward.build import build_reward_manager
 from scaletrain.reward.loader import CustomRewardFn, load_custom_reward_fn
 from scaletrain.reward.managers import (

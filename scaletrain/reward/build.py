@@ -1,5 +1,6 @@
 """``build_reward_manager``: the reward manager a config asks for (``reward_model.reward_manager``,
 ``custom_reward_function``, manager kwargs)."""
+
 from __future__ import annotations
 
 import functools

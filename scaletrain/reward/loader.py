@@ -6,6 +6,7 @@ function defined in a file that is not an importable module could not be pickled
 CustomRewardFn in a worker loads the file again there. Relative imports of neighbouring files from the user's
 file are not supported (it is not a package); import from installed packages instead.
 """
+
 from __future__ import annotations
 
 import functools
@@ -13,7 +14,8 @@ import hashlib
 import importlib.util
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 DEFAULT_FN_NAME = "compute_score"
 

@@ -17,6 +17,7 @@ worker is a cheap fork of a process that already imported scaletrain.reward (tor
 fork of the caller, whose threads (torch, Ray) make ``fork`` unsafe. "spawn" works everywhere but each worker
 then pays the imports itself.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -30,9 +31,10 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for_ready
-from typing import Any, Callable, Sequence
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +137,7 @@ def _stop_workers(workers: list[_Worker]) -> None:
         workers.pop().stop()
 
 
-_LIVE_POOLS: "weakref.WeakSet[ScoringPool]" = weakref.WeakSet()
+_LIVE_POOLS: weakref.WeakSet[ScoringPool] = weakref.WeakSet()
 
 
 @atexit.register
@@ -254,8 +256,11 @@ class ScoringPool:
             self._dispatch(calls, pending)
             by_conn = {w.conn: w for w in self._workers}
             now = time.monotonic()
-            deadlines = [w.deadline if w.task is not None else w.started_at + self.start_timeout_s
-                         for w in self._workers if w.task is not None or not w.ready]
+            deadlines = [
+                w.deadline if w.task is not None else w.started_at + self.start_timeout_s
+                for w in self._workers
+                if w.task is not None or not w.ready
+            ]
             wait_s = max(0.0, min(deadlines) - now) if deadlines else 0.0
             for conn in wait_for_ready(list(by_conn), timeout=wait_s):
                 self._receive(by_conn[conn], results, pending)
@@ -291,7 +296,9 @@ class ScoringPool:
                 results[index] = Outcome(ERROR, error=f"reward worker died during the call (exit code {code})")
                 worker.task = None
             elif not worker.ready:
-                raise RuntimeError(f"reward worker for {self.fn_repr} exited while starting (exit code {code})")
+                raise RuntimeError(
+                    f"reward worker for {self.fn_repr} exited while starting (exit code {code})"
+                ) from None
             self._replace(worker)
             return
         kind = message[0]

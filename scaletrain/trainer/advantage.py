@@ -16,8 +16,12 @@ from scaletrain.trainer.config import AlgorithmConfig
 def apply_kl_penalty(batch: DataProto, kl_ctrl, kl_penalty: str) -> dict[str, float]:
     """token_level_rewards = scores - beta * KL(old || ref); updates the controller; returns metrics."""
     rewards, metrics = apply_kl_penalty_to_rewards(
-        batch.batch["token_level_scores"], batch.batch["old_log_probs"], batch.batch["ref_log_prob"],
-        batch.batch["response_mask"], kl_ctrl, kl_penalty,
+        batch.batch["token_level_scores"],
+        batch.batch["old_log_probs"],
+        batch.batch["ref_log_prob"],
+        batch.batch["response_mask"],
+        kl_ctrl,
+        kl_penalty,
     )
     batch.batch["token_level_rewards"] = rewards
     return metrics
@@ -33,7 +37,10 @@ def compute_advantage(batch: DataProto, config: AlgorithmConfig) -> None:
         kwargs["reward_baselines"] = batch.batch["reward_baselines"]
     index = batch.non_tensor_batch.get("uid")
     advantages, returns = estimator(
-        batch.batch["token_level_rewards"], batch.batch["response_mask"],
-        index=np.asarray(index) if index is not None else None, config=config, **kwargs,
+        batch.batch["token_level_rewards"],
+        batch.batch["response_mask"],
+        index=np.asarray(index) if index is not None else None,
+        config=config,
+        **kwargs,
     )
     batch.batch["advantages"], batch.batch["returns"] = advantages, returns

@@ -32,7 +32,7 @@ def equal_count_parts(lengths: list[int], parts: int) -> list[list[int]]:
     if len(lengths) % parts:
         raise ValueError(f"{len(lengths)} rows do not split into {parts} equal parts")
     room = len(lengths) // parts
-    heap = [(0, p) for p in range(parts)]           # (tokens, part) of the parts that still have room
+    heap = [(0, p) for p in range(parts)]  # (tokens, part) of the parts that still have room
     out: list[list[int]] = [[] for _ in range(parts)]
     for row in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         tokens, part = heapq.heappop(heap)
@@ -55,5 +55,7 @@ def balance_batch(batch: DataProto, dp_size: int) -> dict[str, float]:
     before = imbalance(lengths, [list(range(r * room, (r + 1) * room)) for r in range(dp_size)])
     parts = equal_count_parts(lengths, dp_size)
     batch.reorder(torch.tensor([i for part in parts for i in part]))
-    return {"training/seq_balance/imbalance_before": before,
-            "training/seq_balance/imbalance_after": imbalance(lengths, parts)}
+    return {
+        "training/seq_balance/imbalance_before": before,
+        "training/seq_balance/imbalance_after": imbalance(lengths, parts),
+    }

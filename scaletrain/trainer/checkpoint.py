@@ -18,7 +18,8 @@ import os
 import random
 import re
 import shutil
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch

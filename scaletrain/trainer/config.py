@@ -20,27 +20,27 @@ from scaletrain.workers.config import ActorConfig, FSDPConfig, MegatronConfig, R
 
 @dataclass
 class DataConfig:
-    train_files: Any = None                 # str | list[str]; null: the embedded default task
+    train_files: Any = None  # str | list[str]; null: the embedded default task
     val_files: Any = None
-    train_batch_size: int = 32              # prompts per step
-    val_batch_size: int | None = None       # null: the whole validation set at once
+    train_batch_size: int = 32  # prompts per step
+    val_batch_size: int | None = None  # null: the whole validation set at once
     max_prompt_length: int = 16
     max_response_length: int = 8
     filter_overlong_prompts: bool = True
-    truncation: str = "error"               # error | left | right (when not filtering)
+    truncation: str = "error"  # error | left | right (when not filtering)
     shuffle: bool = True
     seed: int = 1
     prompt_key: str = "prompt"
-    return_raw_chat: bool = True            # rows keep their chat messages (raw_prompt); the agent loops need them
+    return_raw_chat: bool = True  # rows keep their chat messages (raw_prompt); the agent loops need them
     max_samples: int | None = None
     val_max_samples: int | None = None
 
 
 @dataclass
 class HFModelConfig:
-    path: str | None = None                 # null: the embedded default model
-    dtype: str = "auto"                     # auto: float32 weights for trained models, bfloat16 for frozen ones on
-                                            # CUDA (compute in bfloat16 via backend.mixed_precision=auto); float32 on CPU
+    path: str | None = None  # null: the embedded default model
+    dtype: str = "auto"  # auto: float32 weights for trained models, bfloat16 for frozen ones on
+    # CUDA (compute in bfloat16 via backend.mixed_precision=auto); float32 on CPU
     attn_implementation: str | None = None  # sdpa | flash_attention_2 | eager (fsdp, deepspeed); null: sdpa
     use_remove_padding: bool = False
     enable_gradient_checkpointing: bool = False
@@ -58,8 +58,8 @@ class RoleModelConfig(HFModelConfig):
 class RewardModelModelConfig(RoleModelConfig):
     """``reward_model.model``: an HF sequence classifier (num_labels=1) and the tokenizer its inputs come from."""
 
-    input_tokenizer: str | None = None      # null: the RM reads the policy's tokens (same vocabulary, checked);
-                                            # set (the policy's tokenizer): decode, re-apply the RM's chat template
+    input_tokenizer: str | None = None  # null: the RM reads the policy's tokens (same vocabulary, checked);
+    # set (the policy's tokenizer): decode, re-apply the RM's chat template
 
 
 @dataclass
@@ -72,9 +72,9 @@ class ActorRolloutRefSection:
 
 @dataclass
 class CriticSection:
-    enable: bool | None = None              # null: on for estimators that need values (gae)
-    strategy: str | None = None             # as actor_rollout_ref.actor.strategy; the roles share one backend
-    model: RoleModelConfig = field(default_factory=RoleModelConfig)   # path null: the actor's model
+    enable: bool | None = None  # null: on for estimators that need values (gae)
+    strategy: str | None = None  # as actor_rollout_ref.actor.strategy; the roles share one backend
+    model: RoleModelConfig = field(default_factory=RoleModelConfig)  # path null: the actor's model
     ppo_mini_batch_size: int | None = None  # null: the actor's
     ppo_micro_batch_size_per_gpu: int = 4
     ppo_epochs: int | None = None
@@ -88,14 +88,14 @@ class CriticSection:
 
 @dataclass
 class RewardModelSection:
-    enable: bool = False                    # the RM's score replaces the rule reward (verl), or is added to
-                                            # custom_reward_function's score when that is set; see rm_reward.py
+    enable: bool = False  # the RM's score replaces the rule reward (verl), or is added to
+    # custom_reward_function's score when that is set; see rm_reward.py
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
-    micro_batch_size_per_gpu: int = 8       # rows per RM forward on one device
-    max_length: int | None = None           # re-tokenized RM inputs keep their last max_length tokens; null: all
-    use_dynamic_bsz: bool = False           # micro-batches by tokens (forward_max_token_len_per_gpu) instead
+    micro_batch_size_per_gpu: int = 8  # rows per RM forward on one device
+    max_length: int | None = None  # re-tokenized RM inputs keep their last max_length tokens; null: all
+    use_dynamic_bsz: bool = False  # micro-batches by tokens (forward_max_token_len_per_gpu) instead
     forward_max_token_len_per_gpu: int = 16384
-    reward_manager: str = "naive"           # naive | prime | batch | dapo | multi
+    reward_manager: str = "naive"  # naive | prime | batch | dapo | multi
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 30.0
     num_processes: int = 2
@@ -110,7 +110,7 @@ class CustomRewardFunction:
 
 @dataclass
 class KLControlConfig:
-    type: str = "fixed"                     # fixed | adaptive
+    type: str = "fixed"  # fixed | adaptive
     kl_coef: float = 0.001
     horizon: int = 10000
     target_kl: float = 0.1
@@ -122,22 +122,24 @@ class RolloutCorrectionConfig:
 
     Checked by ``scaletrain.trainer.rollout_correction.validate_rollout_correction``; applied each step by
     ``apply_rollout_correction`` there. Mismatch metrics are logged whenever the rollout returns log-probs."""
-    rollout_is: str | None = None           # null: metrics only | token | sequence: truncated IS weights in the loss
-    rollout_is_threshold: float = 2.0       # IS weights are truncated to min(w, threshold); >= 1
+
+    rollout_is: str | None = None  # null: metrics only | token | sequence: truncated IS weights in the loss
+    rollout_is_threshold: float = 2.0  # IS weights are truncated to min(w, threshold); >= 1
     rollout_is_batch_normalize: bool = False  # rescale the truncated weights to mean 1 over the batch
-    rollout_rs: str | None = None           # null | token_k1 | seq_sum_k1: reject tokens / sequences out of bounds
+    rollout_rs: str | None = None  # null | token_k1 | seq_sum_k1: reject tokens / sequences out of bounds
     rollout_rs_threshold: str | float | None = None  # "lower_upper" ratio bounds, or upper (lower = 1 / upper)
-    bypass_mode: bool = False               # only false: old log-probs are recomputed by the trainer
-    loss_type: str = "ppo_clip"             # bypass mode's loss; only ppo_clip
+    bypass_mode: bool = False  # only false: old log-probs are recomputed by the trainer
+    loss_type: str = "ppo_clip"  # bypass mode's loss; only ppo_clip
     mismatch_log_prob_threshold: float = 0.1  # metrics: share of tokens with |log pi_train - log pi_rollout| above
 
 
 @dataclass
 class FilterGroupsConfig:
     """``algorithm.filter_groups``: DAPO's dynamic sampling (verl's keys; scaletrain/trainer/dynamic_sampling.py)."""
-    enable: bool = False                    # drop groups whose metric is equal for all n samples, refill the batch
-    metric: str = "acc"                     # seq_reward | seq_final_reward | a key of the reward's extra info
-    max_num_gen_batches: int = 0            # generation batches per step before failing; <= 0: no limit
+
+    enable: bool = False  # drop groups whose metric is equal for all n samples, refill the batch
+    metric: str = "acc"  # seq_reward | seq_final_reward | a key of the reward's extra info
+    max_num_gen_batches: int = 0  # generation batches per step before failing; <= 0: no limit
 
 
 @dataclass
@@ -156,8 +158,8 @@ class AlgorithmConfig:
 
 @dataclass
 class BackendConfig:
-    name: str = "fsdp"                      # fsdp | deepspeed | megatron
-    mixed_precision: str | None = "auto"    # auto: bfloat16 compute for trained models on CUDA, off on CPU | null
+    name: str = "fsdp"  # fsdp | deepspeed | megatron
+    mixed_precision: str | None = "auto"  # auto: bfloat16 compute for trained models on CUDA, off on CPU | null
     param_offload: bool = False
     optimizer_offload: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -171,29 +173,29 @@ class TrainerSection:
     total_training_steps: int | None = None
     n_gpus_per_node: int = 2
     nnodes: int = 1
-    device: str = "auto"                    # auto | cpu | cuda
+    device: str = "auto"  # auto | cpu | cuda
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"  # verl's
-    save_freq: int = -1                     # steps between checkpoints; -1: only at the end
-    test_freq: int = -1                     # steps between validations; -1: only at the end
+    save_freq: int = -1  # steps between checkpoints; -1: only at the end
+    test_freq: int = -1  # steps between validations; -1: only at the end
     val_before_train: bool = True
-    resume_mode: str = "auto"               # auto | disable | resume_path
+    resume_mode: str = "auto"  # auto | disable | resume_path
     resume_from_path: str | None = None
     max_ckpt_to_keep: int | None = 2
     save_hf_at_end: bool = True
     plot_at_end: bool = True
-    collective_timeout_s: float = 600.0     # a step waiting longer on a dead rank fails, naming it
+    collective_timeout_s: float = 600.0  # a step waiting longer on a dead rank fails, naming it
     seed: int = 1
-    rollout_data_dir: str | None = None     # set: each step's scored rollouts dumped to <dir>/<step>.jsonl
+    rollout_data_dir: str | None = None  # set: each step's scored rollouts dumped to <dir>/<step>.jsonl
     validation_data_dir: str | None = None  # set: each validation's scored samples dumped to <dir>/<step>.jsonl
-    log_val_generations: int = 0            # validation samples (input, output, score) shown in the loggers
-    critic_warmup: int = 0                  # the first N steps update only the critic (actor and rollout unchanged)
-    balance_batch: bool = False             # reorder rows so each DP rank gets a similar number of tokens
+    log_val_generations: int = 0  # validation samples (input, output, score) shown in the loggers
+    critic_warmup: int = 0  # the first N steps update only the critic (actor and rollout unchanged)
+    balance_batch: bool = False  # reorder rows so each DP rank gets a similar number of tokens
 
 
 @dataclass
 class RayInitConfig:
-    address: str | None = None              # null: start a private local cluster; "auto": join a running one
+    address: str | None = None  # null: start a private local cluster; "auto": join a running one
     num_cpus: int | None = None
     object_store_memory: int | None = None
 
@@ -241,31 +243,44 @@ def validate(cfg: PPOConfig) -> PPOConfig:
     arr, data, trainer = cfg.actor_rollout_ref, cfg.data, cfg.trainer
     _validate_names(cfg)
     world, n = cfg.world_size, arr.rollout.n
-    positive = {"data.train_batch_size": data.train_batch_size, "actor_rollout_ref.rollout.n": n,
-                "actor_rollout_ref.actor.ppo_mini_batch_size": arr.actor.ppo_mini_batch_size,
-                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": arr.actor.ppo_micro_batch_size_per_gpu,
-                "trainer.n_gpus_per_node": trainer.n_gpus_per_node, "trainer.nnodes": trainer.nnodes}
+    positive = {
+        "data.train_batch_size": data.train_batch_size,
+        "actor_rollout_ref.rollout.n": n,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": arr.actor.ppo_mini_batch_size,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": arr.actor.ppo_micro_batch_size_per_gpu,
+        "trainer.n_gpus_per_node": trainer.n_gpus_per_node,
+        "trainer.nnodes": trainer.nnodes,
+    }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
     if data.train_batch_size % arr.actor.ppo_mini_batch_size:
-        raise ConfigError(f"actor_rollout_ref.actor.ppo_mini_batch_size ({arr.actor.ppo_mini_batch_size}) must "
-                          f"divide data.train_batch_size ({data.train_batch_size})")
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size ({arr.actor.ppo_mini_batch_size}) must "
+            f"divide data.train_batch_size ({data.train_batch_size})"
+        )
     if (arr.actor.ppo_mini_batch_size * n) % world:
-        raise ConfigError(f"actor_rollout_ref.actor.ppo_mini_batch_size x rollout.n = "
-                          f"{arr.actor.ppo_mini_batch_size * n} rows do not split over {world} ranks")
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size x rollout.n = "
+            f"{arr.actor.ppo_mini_batch_size * n} rows do not split over {world} ranks"
+        )
     rows_per_rank = arr.actor.ppo_mini_batch_size * n // world
     micro = arr.actor.ppo_micro_batch_size_per_gpu
     if not arr.actor.use_dynamic_bsz and micro < rows_per_rank and rows_per_rank % micro:
-        raise ConfigError(f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu "
-                          f"({arr.actor.ppo_micro_batch_size_per_gpu}) must divide the {rows_per_rank} mini-batch "
-                          f"rows per rank")
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu "
+            f"({arr.actor.ppo_micro_batch_size_per_gpu}) must divide the {rows_per_rank} mini-batch "
+            f"rows per rank"
+        )
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "grpo_passk", "opo", "reinforce_plus_plus_baseline") and n < 2:
-        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of one prompt: "
-                          f"set actor_rollout_ref.rollout.n >= 2 (got {n})")
+        raise ConfigError(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of one prompt: "
+            f"set actor_rollout_ref.rollout.n >= 2 (got {n})"
+        )
     if arr.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
-        raise ConfigError("actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward both add a KL "
-                          "penalty; enable one")
+        raise ConfigError(
+            "actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward both add a KL penalty; enable one"
+        )
     validate_rollout(arr.rollout, world, trainer.device)
     validate_roles(cfg)
     validate_rollout_correction(cfg)
@@ -280,8 +295,10 @@ def validate(cfg: PPOConfig) -> PPOConfig:
     if trainer.critic_warmup < 0:
         raise ConfigError(f"trainer.critic_warmup must be >= 0, got {trainer.critic_warmup}")
     if trainer.critic_warmup and not cfg.use_critic:
-        raise ConfigError(f"trainer.critic_warmup={trainer.critic_warmup} warms up a critic, but this run has none "
-                          f"(algorithm.adv_estimator={cfg.algorithm.adv_estimator}, critic.enable={cfg.critic.enable})")
+        raise ConfigError(
+            f"trainer.critic_warmup={trainer.critic_warmup} warms up a critic, but this run has none "
+            f"(algorithm.adv_estimator={cfg.algorithm.adv_estimator}, critic.enable={cfg.critic.enable})"
+        )
     arr.rollout.val_sampling()  # raises ConfigError naming a bad val_kwargs key
     _validate_paths(cfg)
     validate_reward_model(cfg)  # after _validate_megatron: the RM shares the resolved layout
@@ -312,8 +329,10 @@ def _validate_names(cfg: PPOConfig) -> None:
         BACKENDS.get(cfg.backend.name)  # imports a lazily registered backend: a missing package fails here
     except ImportError as exc:
         raise ConfigError(f"backend.name: {exc}") from exc
-    for key, mode in (("actor_rollout_ref.actor.loss_agg_mode", arr.actor.loss_agg_mode),
-                      ("critic.loss_agg_mode", cfg.critic.loss_agg_mode)):
+    for key, mode in (
+        ("actor_rollout_ref.actor.loss_agg_mode", arr.actor.loss_agg_mode),
+        ("critic.loss_agg_mode", cfg.critic.loss_agg_mode),
+    ):
         if mode not in LOSS_AGG_MODES:
             raise ConfigError(f"{key}: unknown mode '{mode}'; one of {', '.join(LOSS_AGG_MODES)}")
     for name in cfg.trainer.logger:
@@ -328,8 +347,11 @@ def _validate_paths(cfg: PPOConfig) -> None:
             if not os.path.exists(path):
                 raise ConfigError(f"{key}: file not found: {path}")
     model_path = cfg.actor_rollout_ref.model.path
-    for key, path in (("actor_rollout_ref.model.path", model_path), ("critic.model.path", cfg.critic.model.path),
-                      ("custom_reward_function.path", cfg.custom_reward_function.path)):
+    for key, path in (
+        ("actor_rollout_ref.model.path", model_path),
+        ("critic.model.path", cfg.critic.model.path),
+        ("custom_reward_function.path", cfg.custom_reward_function.path),
+    ):
         if path is not None and not os.path.exists(path):
             raise ConfigError(f"{key}: not found: {path}")
     if model_path is not None:
@@ -388,6 +410,8 @@ def _validate_megatron(cfg: PPOConfig, world: int) -> None:
         layouts.append((key, layout))
     for key, layout in layouts[1:]:
         if layout != layouts[0][1]:
-            raise ConfigError(f"{key} ({layout}) differs from {layouts[0][0]} ({layouts[0][1]}): the roles share "
-                              "one process per device and megatron's parallel state, so they need the same layout")
+            raise ConfigError(
+                f"{key} ({layout}) differs from {layouts[0][0]} ({layouts[0][1]}): the roles share "
+                "one process per device and megatron's parallel state, so they need the same layout"
+            )
     cfg.backend.extra = {**cfg.backend.extra, "megatron": asdict(layouts[0][1])}

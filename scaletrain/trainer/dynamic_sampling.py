@@ -20,8 +20,9 @@ reward metrics are averaged over its generation batches; its timings add up.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -58,11 +59,14 @@ def validate_filter_groups(cfg: PPOConfig) -> None:
         raise ConfigError(f"{KEY}.metric must name a per-sample value (acc, score, seq_reward, seq_final_reward, ...)")
     n = cfg.actor_rollout_ref.rollout.n
     if n < 2:
-        raise ConfigError(f"{KEY}.enable drops groups whose samples all agree: set actor_rollout_ref.rollout.n >= 2 "
-                          f"(got {n})")
+        raise ConfigError(
+            f"{KEY}.enable drops groups whose samples all agree: set actor_rollout_ref.rollout.n >= 2 (got {n})"
+        )
     if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
-        raise ConfigError(f"{KEY}.metric=seq_final_reward: groups are filtered before the in-reward KL penalty "
-                          "exists (algorithm.use_kl_in_reward=true); use seq_reward")
+        raise ConfigError(
+            f"{KEY}.metric=seq_final_reward: groups are filtered before the in-reward KL penalty "
+            "exists (algorithm.use_kl_in_reward=true); use seq_reward"
+        )
 
 
 def metric_values(scored: Scored, metric: str) -> np.ndarray:
@@ -72,12 +76,15 @@ def metric_values(scored: Scored, metric: str) -> np.ndarray:
     extra = scored.reward.get("reward_extra_info") or {}
     if metric not in extra:
         known = sorted([*SEQ_METRICS, *extra])
-        raise ValueError(f"{KEY}.metric='{metric}': the reward function returned no such per-sample value; "
-                         f"available: {', '.join(known)}")
+        raise ValueError(
+            f"{KEY}.metric='{metric}': the reward function returned no such per-sample value; "
+            f"available: {', '.join(known)}"
+        )
     values = extra[metric]
     if any(v is None for v in values):
-        raise ValueError(f"{KEY}.metric='{metric}': some samples lack it (the scorer returned it for only part of "
-                         "the batch)")
+        raise ValueError(
+            f"{KEY}.metric='{metric}': some samples lack it (the scorer returned it for only part of the batch)"
+        )
     return np.asarray(values, dtype=np.float64)
 
 
@@ -100,8 +107,9 @@ def select_scored(scored: Scored, rows: np.ndarray) -> Scored:
     index = np.flatnonzero(rows) if rows.dtype == bool else rows
     reward = dict(scored.reward)
     reward["reward_tensor"] = scored.reward["reward_tensor"][torch.as_tensor(index, dtype=torch.long)]
-    reward["reward_extra_info"] = {k: [v[i] for i in index]
-                                   for k, v in (scored.reward.get("reward_extra_info") or {}).items()}
+    reward["reward_extra_info"] = {
+        k: [v[i] for i in index] for k, v in (scored.reward.get("reward_extra_info") or {}).items()
+    }
     return Scored(scored.batch.select_idxs(index), reward, scored.metrics)
 
 
@@ -123,8 +131,13 @@ def _mean_metrics(all_metrics: list[dict[str, float]]) -> dict[str, float]:
     return {k: float(np.mean([m[k] for m in all_metrics if k in m])) for k in keys}
 
 
-def collect_groups(first: DataProto, rollout: Callable[[DataProto, int], Scored], next_batch: Callable[[], DataProto],
-                   config: FilterGroupsConfig, train_batch_size: int) -> tuple[Scored, dict[str, float]]:
+def collect_groups(
+    first: DataProto,
+    rollout: Callable[[DataProto, int], Scored],
+    next_batch: Callable[[], DataProto],
+    config: FilterGroupsConfig,
+    train_batch_size: int,
+) -> tuple[Scored, dict[str, float]]:
     """Generate (``rollout(prompts, gen_index)``), score and filter batches, starting with ``first`` and drawing more
     with ``next_batch()``, until ``train_batch_size`` groups are kept; returns exactly those groups' rows and the
     metrics ``train/num_gen_batches`` and ``train/kept_group_ratio`` (kept / generated groups)."""
@@ -139,13 +152,16 @@ def collect_groups(first: DataProto, rollout: Callable[[DataProto, int], Scored]
         kept_parts.append(select_scored(scored, keep))
         if kept >= train_batch_size:
             break
-        logger.info("dynamic sampling: %d of %d groups kept after %d generation batches", kept, train_batch_size,
-                    gen_index)
+        logger.info(
+            "dynamic sampling: %d of %d groups kept after %d generation batches", kept, train_batch_size, gen_index
+        )
         if 0 < config.max_num_gen_batches <= gen_index:
-            raise RuntimeError(f"{KEY}: {gen_index} generation batches ({KEY}.max_num_gen_batches="
-                               f"{config.max_num_gen_batches}) kept only {kept} of data.train_batch_size="
-                               f"{train_batch_size} groups whose {config.metric} varies; raise the limit, the "
-                               "temperature or rollout.n, or check the reward")
+            raise RuntimeError(
+                f"{KEY}: {gen_index} generation batches ({KEY}.max_num_gen_batches="
+                f"{config.max_num_gen_batches}) kept only {kept} of data.train_batch_size="
+                f"{train_batch_size} groups whose {config.metric} varies; raise the limit, the "
+                "temperature or rollout.n, or check the reward"
+            )
         prompts = next_batch()
     merged = concat_scored(kept_parts)
     uids = merged.batch.non_tensor_batch["uid"]

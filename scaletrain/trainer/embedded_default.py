@@ -17,8 +17,14 @@ from scaletrain.trainer.config import PPOConfig
 logger = logging.getLogger(__name__)
 
 EMBEDDED_GRPO_STEPS = 700  # measured: +16 points by step 400, rising (see README "The embedded default")
-SFT_RECIPE = {"stop_at_val_acc": 0.15, "total_steps": 1200, "test_freq": 25, "lr": 1e-3, "warmup_steps": 100,
-              "train_batch_size": 128}
+SFT_RECIPE = {
+    "stop_at_val_acc": 0.15,
+    "total_steps": 1200,
+    "test_freq": 25,
+    "lr": 1e-3,
+    "warmup_steps": 100,
+    "train_batch_size": 128,
+}
 
 
 def needs_embedded(cfg: PPOConfig) -> bool:
@@ -59,15 +65,24 @@ def warm_up(cfg: PPOConfig, paths: dict[str, str]) -> str:
         return summary["hf_path"]
     shutil.rmtree(out_dir, ignore_errors=True)
     logger.info("embedded default: SFT warm-up until validation accuracy >= %s", SFT_RECIPE["stop_at_val_acc"])
-    summary = run_sft({
-        "data": {"train_batch_size": SFT_RECIPE["train_batch_size"], "seed": cfg.trainer.seed},
-        "optim": {"lr": SFT_RECIPE["lr"], "warmup_steps": SFT_RECIPE["warmup_steps"]},
-        "backend": {"name": cfg.backend.name},
-        "trainer": {"stop_at_val_acc": SFT_RECIPE["stop_at_val_acc"], "total_steps": SFT_RECIPE["total_steps"],
-                    "test_freq": SFT_RECIPE["test_freq"], "n_gpus_per_node": cfg.trainer.n_gpus_per_node,
-                    "nnodes": cfg.trainer.nnodes, "device": cfg.trainer.device, "default_local_dir": out_dir,
-                    "seed": cfg.trainer.seed, "logger": ["console", "jsonl"]},
-    })
+    summary = run_sft(
+        {
+            "data": {"train_batch_size": SFT_RECIPE["train_batch_size"], "seed": cfg.trainer.seed},
+            "optim": {"lr": SFT_RECIPE["lr"], "warmup_steps": SFT_RECIPE["warmup_steps"]},
+            "backend": {"name": cfg.backend.name},
+            "trainer": {
+                "stop_at_val_acc": SFT_RECIPE["stop_at_val_acc"],
+                "total_steps": SFT_RECIPE["total_steps"],
+                "test_freq": SFT_RECIPE["test_freq"],
+                "n_gpus_per_node": cfg.trainer.n_gpus_per_node,
+                "nnodes": cfg.trainer.nnodes,
+                "device": cfg.trainer.device,
+                "default_local_dir": out_dir,
+                "seed": cfg.trainer.seed,
+                "logger": ["console", "jsonl"],
+            },
+        }
+    )
     with open(stamp, "w") as f:
         json.dump(summary, f)
     return summary["hf_path"]

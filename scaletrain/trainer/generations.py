@@ -42,7 +42,7 @@ class ScoredSamples:
         self.data_sources: list[str] = []
         self.uids: list[Any] = []
         self.scores: list[float] = []
-        self.extra: dict[str, list] = {}         # reward extra info; None where a batch lacked a key
+        self.extra: dict[str, list] = {}  # reward extra info; None where a batch lacked a key
         self.inputs: list[str] = []
         self.outputs: list[str] = []
         self.gts: list[Any] = []
@@ -80,9 +80,18 @@ class ScoredSamples:
         if len(self.inputs) != len(self):
             raise RuntimeError("ScoredSamples.records needs the decoded samples: pass a tokenizer to add()")
         extra = {k: v for k, v in self.extra.items() if k not in _RECORD_KEYS}
-        return [{"input": self.inputs[i], "output": self.outputs[i], "gts": self.gts[i], "score": self.scores[i],
-                 "step": step, "data_source": self.data_sources[i], **{k: v[i] for k, v in extra.items()}}
-                for i in range(len(self))]
+        return [
+            {
+                "input": self.inputs[i],
+                "output": self.outputs[i],
+                "gts": self.gts[i],
+                "score": self.scores[i],
+                "step": step,
+                "data_source": self.data_sources[i],
+                **{k: v[i] for k, v in extra.items()},
+            }
+            for i in range(len(self))
+        ]
 
 
 def _json_default(value: Any) -> Any:

@@ -54,7 +54,7 @@ def run_ppo(raw: dict[str, Any]) -> dict[str, Any]:
     from scaletrain.trainer.run import train
 
     cfg = resolve_device(load_ppo_config(raw))
-    validate(cfg)                                  # everything checkable is checked before any heavy work
+    validate(cfg)  # everything checkable is checked before any heavy work
     init_ray(cfg)
     cfg = validate(resolve_embedded_default(cfg))  # may run the embedded SFT warm-up on this Ray cluster
     return train(cfg)

@@ -24,8 +24,12 @@ logger = logging.getLogger(__name__)
 def main(config: DictConfig) -> dict:
     cfg = load_sft_config(OmegaConf.to_container(config, resolve=True))
     summary = run_sft(cfg)
-    logger.info("SFT finished at step %d (val acc %s); HF checkpoint: %s", summary["step"], summary["val_acc"],
-                summary["hf_path"])
+    logger.info(
+        "SFT finished at step %d (val acc %s); HF checkpoint: %s",
+        summary["step"],
+        summary["val_acc"],
+        summary["hf_path"],
+    )
     return summary
 
 

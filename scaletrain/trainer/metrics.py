@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -29,8 +29,11 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     values = values.float()
     if values.numel() == 0:
         return {}
-    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
-            f"{prefix}/min": values.min().item()}
+    return {
+        f"{prefix}/mean": values.mean().item(),
+        f"{prefix}/max": values.max().item(),
+        f"{prefix}/min": values.min().item(),
+    }
 
 
 def data_metrics(batch: DataProto) -> dict[str, float]:
@@ -63,8 +66,9 @@ def mixed_group_share(batch: DataProto) -> float:
     return sum(len(s) > 1 for s in groups.values()) / max(1, len(groups))
 
 
-def throughput_metrics(batch: DataProto, timings: dict[str, float], world_size: int, actor_params: int,
-                       peak_flops: float | None) -> dict[str, float]:
+def throughput_metrics(
+    batch: DataProto, timings: dict[str, float], world_size: int, actor_params: int, peak_flops: float | None
+) -> dict[str, float]:
     tokens = int(batch.batch["attention_mask"].sum())
     metrics = {"perf/total_num_tokens": float(tokens)}
     step_s = timings.get("step")

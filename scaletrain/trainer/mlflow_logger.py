@@ -8,6 +8,7 @@ resume); params are the flattened config (``a.b.c``, values cut to 500 chars). M
 Telemetry is off unless ``MLFLOW_DISABLE_TELEMETRY`` is set otherwise. Validation samples go to the artifact
 ``val_generations/step_<step>.json``.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -16,7 +17,8 @@ import logging
 import os
 import re
 import time
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from scaletrain.trainer.tracking import INSTALL_HINT, LoggerBackend, RunInfo, register_logger, require_module
 
@@ -43,12 +45,12 @@ def flatten_config(config: Mapping, prefix: str = "") -> dict[str, str]:
             flat.update(flatten_config(value, name + "."))
         else:
             text = str(value)
-            flat[name] = text if len(text) <= _MLFLOW_PARAM_CHARS else text[:_MLFLOW_PARAM_CHARS - 3] + "..."
+            flat[name] = text if len(text) <= _MLFLOW_PARAM_CHARS else text[: _MLFLOW_PARAM_CHARS - 3] + "..."
     return flat
 
 
 def _chunks(items: list, size: int) -> Iterable[list]:
-    return (items[i:i + size] for i in range(0, len(items), size))
+    return (items[i : i + size] for i in range(0, len(items), size))
 
 
 @register_logger("mlflow")
@@ -68,8 +70,10 @@ class MlflowLogger(LoggerBackend):
         try:
             experiment = self.client.get_experiment_by_name(run.project_name)
         except ImportError as e:
-            raise ImportError(f"the 'mlflow' logger's store {self.tracking_uri} needs a package that is missing ({e});"
-                              f" install it with `{INSTALL_HINT}`") from e
+            raise ImportError(
+                f"the 'mlflow' logger's store {self.tracking_uri} needs a package that is missing ({e});"
+                f" install it with `{INSTALL_HINT}`"
+            ) from e
         if experiment is not None:
             experiment_id = experiment.experiment_id
         else:
@@ -85,8 +89,12 @@ class MlflowLogger(LoggerBackend):
 
     def _resumable_run(self, experiment_id: str) -> str | None:
         name = self.run.experiment_name.replace("'", "\\'")
-        runs = self.client.search_runs([experiment_id], filter_string=f"attributes.run_name = '{name}'",
-                                       order_by=["attributes.start_time DESC"], max_results=1)
+        runs = self.client.search_runs(
+            [experiment_id],
+            filter_string=f"attributes.run_name = '{name}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
         if not runs:
             return None
         self.client.update_run(runs[0].info.run_id, status="RUNNING")
@@ -99,8 +107,9 @@ class MlflowLogger(LoggerBackend):
             self.client.log_batch(self.run_id, metrics=chunk)
 
     def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
-        self.client.log_text(self.run_id, json.dumps(samples, ensure_ascii=False, indent=1),
-                             f"val_generations/step_{step}.json")
+        self.client.log_text(
+            self.run_id, json.dumps(samples, ensure_ascii=False, indent=1), f"val_generations/step_{step}.json"
+        )
 
     def finish(self) -> None:
         self.client.set_terminated(self.run_id)

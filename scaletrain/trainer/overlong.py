@@ -32,5 +32,7 @@ def mask_overlong_responses(batch: DataProto, eos_ids: list[int]) -> dict[str, f
     truncated = truncated_rows(batch, eos_ids)
     mask = batch.batch["response_mask"]
     batch.batch["response_mask"] = mask * (~truncated).to(mask.dtype)[:, None]
-    return {"train/overlong_masked": float(truncated.sum()),
-            "train/overlong_masked_ratio": truncated.float().mean().item()}
+    return {
+        "train/overlong_masked": float(truncated.sum()),
+        "train/overlong_masked_ratio": truncated.float().mean().item(),
+    }

@@ -35,8 +35,14 @@ from scaletrain.trainer.rollout_correction import apply_rollout_correction
 from scaletrain.trainer.tracking import Tracking
 from scaletrain.trainer.val_metrics import validation_metrics
 from scaletrain.utils.typed_config import build, to_dict
-from scaletrain.workers import (ActorRolloutRefConfig, ActorRolloutRefWorker, CriticConfig, CriticWorker,
-                                RewardModelWorker, reduce_metrics)
+from scaletrain.workers import (
+    ActorRolloutRefConfig,
+    ActorRolloutRefWorker,
+    CriticConfig,
+    CriticWorker,
+    RewardModelWorker,
+    reduce_metrics,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,48 +50,76 @@ GEN_KEYS = ["input_ids", "attention_mask", "position_ids"]
 
 
 def _model_config(m: HFModelConfig, path: str, kind: str = "causal_lm") -> ModelConfig:
-    return ModelConfig(path=path, kind=kind, dtype=m.dtype, gradient_checkpointing=m.enable_gradient_checkpointing,
-                       use_remove_padding=m.use_remove_padding, trust_remote_code=m.trust_remote_code,
-                       attn_implementation=m.attn_implementation)
+    return ModelConfig(
+        path=path,
+        kind=kind,
+        dtype=m.dtype,
+        gradient_checkpointing=m.enable_gradient_checkpointing,
+        use_remove_padding=m.use_remove_padding,
+        trust_remote_code=m.trust_remote_code,
+        attn_implementation=m.attn_implementation,
+    )
 
 
 class RayPPOTrainer:
     def __init__(self, cfg: PPOConfig, tokenizer, train_dataset, val_dataset) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.loader = StatefulDataLoader(train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
-                                         seed=cfg.data.seed)
+        self.loader = StatefulDataLoader(
+            train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed
+        )
         self.val_dataset = val_dataset
         steps_per_epoch = len(self.loader)
         self.total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
         self.use_ref = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl.type, kl_coef=cfg.algorithm.kl_ctrl.kl_coef,
-                                           target_kl=cfg.algorithm.kl_ctrl.target_kl,
-                                           horizon=cfg.algorithm.kl_ctrl.horizon)
+        self.kl_ctrl = build_kl_controller(
+            cfg.algorithm.kl_ctrl.type,
+            kl_coef=cfg.algorithm.kl_ctrl.kl_coef,
+            target_kl=cfg.algorithm.kl_ctrl.target_kl,
+            horizon=cfg.algorithm.kl_ctrl.horizon,
+        )
         rm = cfg.reward_model
         self.reward_fn = build_reward_manager(
-            tokenizer, rm.reward_manager, to_dict(cfg.custom_reward_function), timeout_s=rm.timeout_s,
-            num_processes=rm.num_processes, **rm.reward_kwargs,
+            tokenizer,
+            rm.reward_manager,
+            to_dict(cfg.custom_reward_function),
+            timeout_s=rm.timeout_s,
+            num_processes=rm.num_processes,
+            **rm.reward_kwargs,
         )
         self.checkpoints = CheckpointManager(cfg.trainer.default_local_dir, cfg.trainer.max_ckpt_to_keep)
         self.global_step = 0
         self.device = cfg.trainer.device
         self.initial_val_metrics: dict[str, float] = {}  # validation before the first step
-        self.agent_manager = None                          # the multi-turn rollout path (init_workers)
-        self.rm_wg = None                                  # reward_model.enable (init_workers)
-        self.train_reward_fn = self.reward_fn              # the rollouts' reward: with the RM's score once it is up
-        self.eos_ids = (eos_token_ids(tokenizer, cfg.actor_rollout_ref.model.path)  # what ends a response
-                        if cfg.algorithm.filter_overlong_responses else [])
+        self.agent_manager = None  # the multi-turn rollout path (init_workers)
+        self.rm_wg = None  # reward_model.enable (init_workers)
+        self.train_reward_fn = self.reward_fn  # the rollouts' reward: with the RM's score once it is up
+        self.eos_ids = (
+            eos_token_ids(tokenizer, cfg.actor_rollout_ref.model.path)  # what ends a response
+            if cfg.algorithm.filter_overlong_responses
+            else []
+        )
 
     # ------------------------------------------------------------------------------------------------ workers
     def _worker_configs(self) -> tuple[ActorRolloutRefConfig, CriticConfig | None]:
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
-        engine = EngineConfig(mixed_precision=cfg.backend.mixed_precision, param_offload=cfg.backend.param_offload,
-                              optimizer_offload=cfg.backend.optimizer_offload, seed=cfg.trainer.seed,
-                              collective_timeout_s=cfg.trainer.collective_timeout_s, extra=cfg.backend.extra)
+        engine = EngineConfig(
+            mixed_precision=cfg.backend.mixed_precision,
+            param_offload=cfg.backend.param_offload,
+            optimizer_offload=cfg.backend.optimizer_offload,
+            seed=cfg.trainer.seed,
+            collective_timeout_s=cfg.trainer.collective_timeout_s,
+            extra=cfg.backend.extra,
+        )
         minis = cfg.data.train_batch_size // arr.actor.ppo_mini_batch_size * arr.actor.ppo_epochs
         actor = replace(arr.actor, optim=replace(arr.actor.optim, total_steps=self.total_steps * minis))
-        actor_cfg = ActorRolloutRefConfig(model=_model_config(arr.model, arr.model.path), backend=cfg.backend.name,
-                                          actor=actor, rollout=arr.rollout, ref=arr.ref, engine=engine)
+        actor_cfg = ActorRolloutRefConfig(
+            model=_model_config(arr.model, arr.model.path),
+            backend=cfg.backend.name,
+            actor=actor,
+            rollout=arr.rollout,
+            ref=arr.ref,
+            engine=engine,
+        )
         if not cfg.use_critic:
             return actor_cfg, None
         c = cfg.critic
@@ -93,11 +127,18 @@ class RayPPOTrainer:
         optim = build(OptimConfig, c.optim, "critic.optim")
         optim = replace(optim, total_steps=self.total_steps * (cfg.data.train_batch_size // mini) * epochs)
         critic_cfg = CriticConfig(
-            model=_model_config(c.model, c.model.path or arr.model.path, kind="value"), backend=cfg.backend.name,
-            ppo_mini_batch_size=mini, ppo_micro_batch_size_per_gpu=c.ppo_micro_batch_size_per_gpu, ppo_epochs=epochs,
-            use_dynamic_bsz=c.use_dynamic_bsz, ppo_max_token_len_per_gpu=c.ppo_max_token_len_per_gpu,
-            cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode, rollout_n=arr.rollout.n,
-            optim=optim, engine=c.model.fsdp_config.applied(engine),
+            model=_model_config(c.model, c.model.path or arr.model.path, kind="value"),
+            backend=cfg.backend.name,
+            ppo_mini_batch_size=mini,
+            ppo_micro_batch_size_per_gpu=c.ppo_micro_batch_size_per_gpu,
+            ppo_epochs=epochs,
+            use_dynamic_bsz=c.use_dynamic_bsz,
+            ppo_max_token_len_per_gpu=c.ppo_max_token_len_per_gpu,
+            cliprange_value=c.cliprange_value,
+            loss_agg_mode=c.loss_agg_mode,
+            rollout_n=arr.rollout.n,
+            optim=optim,
+            engine=c.model.fsdp_config.applied(engine),
         )
         return actor_cfg, critic_cfg
 
@@ -109,12 +150,12 @@ class RayPPOTrainer:
         roles = {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, actor_cfg, role)}
         if critic_cfg is not None:
             roles["critic"] = RayClassWithInitArgs(CriticWorker, critic_cfg)
-        rm_cfg = rm_worker_config(cfg, actor_cfg.engine, _model_config(cfg.reward_model.model,
-                                                                       cfg.reward_model.model.path, kind="reward"))
+        rm_cfg = rm_worker_config(
+            cfg, actor_cfg.engine, _model_config(cfg.reward_model.model, cfg.reward_model.model.path, kind="reward")
+        )
         if rm_cfg is not None:  # the reward model: one more colocated role on the same processes
             roles["rm"] = RayClassWithInitArgs(RewardModelWorker, rm_cfg)
-        self.pool = RayResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes,
-                                    use_gpu=self.device == "cuda")
+        self.pool = RayResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes, use_gpu=self.device == "cuda")
         self.wg_dict = RayWorkerGroup(self.pool, create_colocated_worker_cls(roles), name_prefix="colocated")
         groups = self.wg_dict.spawn(prefix_set=list(roles))
         self.actor_rollout_wg = groups["actor_rollout"]
@@ -137,8 +178,9 @@ class RayPPOTrainer:
 
         rc = self.cfg.actor_rollout_ref.rollout
         server = AsyncServerManager(WorkerGroupBackend(self.actor_rollout_wg), rc.multi_turn.max_batch_wait_ms)
-        return AgentLoopManager(rc.multi_turn, server, self.tokenizer, prompt_length=rc.prompt_length,
-                                response_length=rc.response_length)
+        return AgentLoopManager(
+            rc.multi_turn, server, self.tokenizer, prompt_length=rc.prompt_length, response_length=rc.response_length
+        )
 
     def _generate(self, batch: DataProto, gen_batch: DataProto, tag: str) -> tuple[DataProto, dict[str, float]]:
         """Rollout of one batch: the sync path (one batched generate) or the agent loops (multi_turn.enable /
@@ -146,8 +188,12 @@ class RayPPOTrainer:
         if self.agent_manager is None:
             return self.actor_rollout_wg.generate_sequences(gen_batch), {}
         rc = self.cfg.actor_rollout_ref.rollout
-        sampling = {"temperature": rc.temperature, "top_p": rc.top_p, "top_k": rc.top_k,
-                    "seed": gen_batch.meta_info.get("seed")}
+        sampling = {
+            "temperature": rc.temperature,
+            "top_p": rc.top_p,
+            "top_k": rc.top_k,
+            "seed": gen_batch.meta_info.get("seed"),
+        }
         n = rc.n
         if gen_batch.meta_info.get("validate"):
             val_sampling = rc.val_sampling()
@@ -164,9 +210,8 @@ class RayPPOTrainer:
 
     @staticmethod
     def _count_params(path: str) -> int:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
@@ -215,8 +260,9 @@ class RayPPOTrainer:
         baseline = None
         if cfg.algorithm.adv_estimator == "remax":
             with timer("gen_max", timings):
-                baseline, baseline_metrics = greedy_baseline(self._generate, self.train_reward_fn, batch, gen_batch,
-                                                             tag=f"step{step}{suffix}")
+                baseline, baseline_metrics = greedy_baseline(
+                    self._generate, self.train_reward_fn, batch, gen_batch, tag=f"step{step}{suffix}"
+                )
                 metrics.update(baseline_metrics)
         n = cfg.actor_rollout_ref.rollout.n
         batch = batch.repeat(n, interleave=True).union(gen_out)
@@ -233,8 +279,12 @@ class RayPPOTrainer:
         with timer("step", timings):
             if cfg.algorithm.filter_groups.enable:  # DAPO dynamic sampling: more prompts until enough groups vary
                 scored, sampling_metrics = collect_groups(  # extra prompts advance the loader: resumable
-                    batch, partial(self._rollout, timings=timings), lambda: next(iter(self.loader)),
-                    cfg.algorithm.filter_groups, cfg.data.train_batch_size)
+                    batch,
+                    partial(self._rollout, timings=timings),
+                    lambda: next(iter(self.loader)),
+                    cfg.algorithm.filter_groups,
+                    cfg.data.train_batch_size,
+                )
                 metrics.update(sampling_metrics)
             else:
                 scored = self._rollout(batch, 0, timings)

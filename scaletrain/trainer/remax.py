@@ -12,25 +12,37 @@ Metric ``critic/remax_baseline/mean`` (the greedy responses' mean score); timing
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from scaletrain.protocol import DataProto
 
-GREEDY = {"n": 1, "temperature": 0.0}   # sampling overrides the rollout honours on both paths
+GREEDY = {"n": 1, "temperature": 0.0}  # sampling overrides the rollout honours on both paths
 
 
-def greedy_baseline(generate: Callable[[DataProto, DataProto, str], tuple[DataProto, dict]], reward_fn: Any,
-                    batch: DataProto, gen_batch: DataProto, tag: str) -> tuple[torch.Tensor, dict[str, float]]:
+def greedy_baseline(
+    generate: Callable[[DataProto, DataProto, str], tuple[DataProto, dict]],
+    reward_fn: Any,
+    batch: DataProto,
+    gen_batch: DataProto,
+    tag: str,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The reward (len(batch),) of one greedy response per prompt row of ``batch`` (the prompts' non-tensor
     fields) / ``gen_batch`` (their ids), generated with ``generate(batch, gen_batch, tag)`` like the samples."""
-    greedy = DataProto(batch=gen_batch.batch, non_tensor_batch=dict(gen_batch.non_tensor_batch),
-                       meta_info={**gen_batch.meta_info, **GREEDY})
+    greedy = DataProto(
+        batch=gen_batch.batch,
+        non_tensor_batch=dict(gen_batch.non_tensor_batch),
+        meta_info={**gen_batch.meta_info, **GREEDY},
+    )
     out, _ = generate(batch, greedy, f"{tag}-greedy")
     if len(out) != len(batch):
         raise RuntimeError(f"remax: the greedy rollout returned {len(out)} rows for {len(batch)} prompts")
-    rows = DataProto(batch=out.batch, non_tensor_batch={**batch.non_tensor_batch, **out.non_tensor_batch},
-                     meta_info=dict(out.meta_info))
+    rows = DataProto(
+        batch=out.batch,
+        non_tensor_batch={**batch.non_tensor_batch, **out.non_tensor_batch},
+        meta_info=dict(out.meta_info),
+    )
     scores = reward_fn(rows, return_dict=True)["reward_tensor"].sum(-1).float()
     return scores, {"critic/remax_baseline/mean": scores.mean().item()}

@@ -36,10 +36,15 @@ def rm_worker_config(cfg, engine, model_config):
         return None
     fsdp = getattr(rm.model, "fsdp_config", None)
     return RewardModelConfig(
-        model=model_config, backend=cfg.backend.name, micro_batch_size_per_gpu=rm.micro_batch_size_per_gpu,
-        use_dynamic_bsz=rm.use_dynamic_bsz, forward_max_token_len_per_gpu=rm.forward_max_token_len_per_gpu,
-        input_tokenizer=rm.model.input_tokenizer, max_length=rm.max_length,
-        engine=fsdp.applied(engine) if fsdp is not None else engine)
+        model=model_config,
+        backend=cfg.backend.name,
+        micro_batch_size_per_gpu=rm.micro_batch_size_per_gpu,
+        use_dynamic_bsz=rm.use_dynamic_bsz,
+        forward_max_token_len_per_gpu=rm.forward_max_token_len_per_gpu,
+        input_tokenizer=rm.model.input_tokenizer,
+        max_length=rm.max_length,
+        engine=fsdp.applied(engine) if fsdp is not None else engine,
+    )
 
 
 class RewardWithRM:
@@ -60,14 +65,23 @@ def combine_rewards(rm_scores: torch.Tensor, rule: dict[str, Any] | None) -> dic
     """``rm_scores`` (B, R) alone (``rule`` None) or added to the rule reward; both sit on each row's last valid
     response token."""
     per_row = rm_scores.sum(-1)
-    metrics = {"reward_model/score/mean": per_row.mean().item(), "reward_model/score/max": per_row.max().item(),
-               "reward_model/score/min": per_row.min().item()}
+    metrics = {
+        "reward_model/score/mean": per_row.mean().item(),
+        "reward_model/score/max": per_row.max().item(),
+        "reward_model/score/min": per_row.min().item(),
+    }
     if rule is None:
-        return {"reward_tensor": rm_scores.clone(), "reward_extra_info": {"rm_score": per_row.tolist()},
-                "metrics": metrics}
+        return {
+            "reward_tensor": rm_scores.clone(),
+            "reward_extra_info": {"rm_score": per_row.tolist()},
+            "metrics": metrics,
+        }
     extra = {**rule.get("reward_extra_info", {}), "rm_score": per_row.tolist()}
-    return {"reward_tensor": rule["reward_tensor"] + rm_scores.to(rule["reward_tensor"].dtype),
-            "reward_extra_info": extra, "metrics": {**rule["metrics"], **metrics}}
+    return {
+        "reward_tensor": rule["reward_tensor"] + rm_scores.to(rule["reward_tensor"].dtype),
+        "reward_extra_info": extra,
+        "metrics": {**rule["metrics"], **metrics},
+    }
 
 
 # ------------------------------------------------------------------------------------------------- checks
@@ -91,8 +105,10 @@ def validate_reward_model(cfg) -> None:
 
 
 def _sequence_classifier_config(model):
-    for key, path in (("reward_model.model.path", model.path),
-                      ("reward_model.model.input_tokenizer", model.input_tokenizer)):
+    for key, path in (
+        ("reward_model.model.path", model.path),
+        ("reward_model.model.input_tokenizer", model.input_tokenizer),
+    ):
         if path is not None and not os.path.exists(path):
             raise ConfigError(f"{key}: not found: {path}")
     from transformers import AutoConfig
@@ -104,12 +120,16 @@ def _sequence_classifier_config(model):
     archs = getattr(hf_config, "architectures", None) or []
     if not any(a.endswith("ForSequenceClassification") for a in archs):
         kind = ", ".join(archs) or "model without an architecture"
-        raise ConfigError(f"reward_model.model.path: {model.path} is a {kind}; the reward model must be a "
-                          "*ForSequenceClassification checkpoint (its head, 'score', is read at each sequence's "
-                          "last token)")
+        raise ConfigError(
+            f"reward_model.model.path: {model.path} is a {kind}; the reward model must be a "
+            "*ForSequenceClassification checkpoint (its head, 'score', is read at each sequence's "
+            "last token)"
+        )
     if getattr(hf_config, "num_labels", 1) != 1:
-        raise ConfigError(f"reward_model.model.path: {model.path} has num_labels={hf_config.num_labels}; "
-                          "a reward model gives one score (num_labels=1)")
+        raise ConfigError(
+            f"reward_model.model.path: {model.path} has num_labels={hf_config.num_labels}; "
+            "a reward model gives one score (num_labels=1)"
+        )
     return hf_config
 
 
@@ -150,18 +170,25 @@ def _validate_tokenizers(cfg) -> None:
                 f"reward_model.model.path: the reward model's tokenizer differs from the policy's ({diff}), so it "
                 f"cannot read the policy's token ids; set reward_model.model.input_tokenizer to the policy's "
                 f"tokenizer (e.g. actor_rollout_ref.model.path) to decode each rollout and re-tokenize it with the "
-                f"reward model's chat template")
+                f"reward model's chat template"
+            )
         return
     diff = _vocab_difference(policy, _tokenizer(rm.input_tokenizer, "reward_model.model.input_tokenizer", trust))
     if diff is not None:
-        raise ConfigError(f"reward_model.model.input_tokenizer: must be the policy's tokenizer (the one its tokens "
-                          f"are decoded with), but its vocabulary differs ({diff})")
+        raise ConfigError(
+            f"reward_model.model.input_tokenizer: must be the policy's tokenizer (the one its tokens "
+            f"are decoded with), but its vocabulary differs ({diff})"
+        )
     if not getattr(rm_tok, "chat_template", None):
-        raise ConfigError(f"reward_model.model.input_tokenizer is set, so rollouts are re-rendered with the reward "
-                          f"model's chat template, but the tokenizer in {rm.path} has none")
+        raise ConfigError(
+            f"reward_model.model.input_tokenizer is set, so rollouts are re-rendered with the reward "
+            f"model's chat template, but the tokenizer in {rm.path} has none"
+        )
     if not getattr(cfg.data, "return_raw_chat", True):
-        raise ConfigError("reward_model.model.input_tokenizer re-tokenizes from the rows' chat messages: set "
-                          "data.return_raw_chat=true")
+        raise ConfigError(
+            "reward_model.model.input_tokenizer re-tokenizes from the rows' chat messages: set "
+            "data.return_raw_chat=true"
+        )
 
 
 def _validate_megatron_rm(cfg, hf_config) -> None:
@@ -173,5 +200,7 @@ def _validate_megatron_rm(cfg, hf_config) -> None:
         check_mappable(hf_config)
         MegatronParallelConfig.from_extra(cfg.backend.extra).validate(cfg.world_size, hf_config)
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"reward_model.model.path: {exc} (backend=megatron: the reward model shares the actor's "
-                          f"layout on {cfg.world_size} ranks)") from exc
+        raise ConfigError(
+            f"reward_model.model.path: {exc} (backend=megatron: the reward model shares the actor's "
+            f"layout on {cfg.world_size} ranks)"
+        ) from exc

@@ -26,8 +26,10 @@ def validate_roles(cfg) -> None:
     _validate_offload(cfg)
     _validate_ref_layout(cfg)
     if not cfg.data.return_raw_chat and cfg.actor_rollout_ref.rollout.use_agent_loop:
-        raise ConfigError("data.return_raw_chat=false: the agent loops (rollout.mode=async / multi_turn.enable) "
-                          "start from the rows' chat messages; set it true")
+        raise ConfigError(
+            "data.return_raw_chat=false: the agent loops (rollout.mode=async / multi_turn.enable) "
+            "start from the rows' chat messages; set it true"
+        )
 
 
 def _validate_prebuilt(cfg) -> None:
@@ -38,8 +40,10 @@ def _validate_prebuilt(cfg) -> None:
     from scaletrain.reward.build import unknown_manager_kwargs
     from scaletrain.utils.typed_config import build
 
-    for key, optim in (("critic.optim", build(OptimConfig, cfg.critic.optim, "critic.optim")),
-                       ("actor_rollout_ref.actor.optim", cfg.actor_rollout_ref.actor.optim)):
+    for key, optim in (
+        ("critic.optim", build(OptimConfig, cfg.critic.optim, "critic.optim")),
+        ("actor_rollout_ref.actor.optim", cfg.actor_rollout_ref.actor.optim),
+    ):
         if optim.lr_scheduler not in SCHEDULES:
             raise ConfigError(f"{key}.lr_scheduler: unknown '{optim.lr_scheduler}'; known: {', '.join(SCHEDULES)}")
         if not 0.0 <= optim.lr_warmup_steps_ratio <= 1.0:
@@ -47,45 +51,61 @@ def _validate_prebuilt(cfg) -> None:
     rm = cfg.reward_model
     unknown = unknown_manager_kwargs(rm.reward_manager, rm.reward_kwargs)
     if unknown:
-        raise ConfigError(f"reward_model.reward_kwargs: {unknown} are not arguments of reward manager "
-                          f"'{rm.reward_manager}'")
+        raise ConfigError(
+            f"reward_model.reward_kwargs: {unknown} are not arguments of reward manager '{rm.reward_manager}'"
+        )
 
 
 def _validate_strategies(cfg) -> None:
     backend = cfg.backend.name
-    for key, strategy in (("actor_rollout_ref.actor.strategy", cfg.actor_rollout_ref.actor.strategy),
-                          ("critic.strategy", cfg.critic.strategy)):
+    for key, strategy in (
+        ("actor_rollout_ref.actor.strategy", cfg.actor_rollout_ref.actor.strategy),
+        ("critic.strategy", cfg.critic.strategy),
+    ):
         if strategy is not None and backend_of_strategy(strategy, key) != backend:
-            raise ConfigError(f"{key}={strategy} selects backend {STRATEGIES[strategy]}, but backend.name is "
-                              f"{backend} (backend={backend}): the roles share one backend, set one of the two")
+            raise ConfigError(
+                f"{key}={strategy} selects backend {STRATEGIES[strategy]}, but backend.name is "
+                f"{backend} (backend={backend}): the roles share one backend, set one of the two"
+            )
 
 
 def _offload_keys(cfg) -> list[tuple[str, bool]]:
     arr = cfg.actor_rollout_ref
-    sections = {"actor_rollout_ref.actor.fsdp_config": arr.actor.fsdp_config,
-                "actor_rollout_ref.ref.fsdp_config": arr.ref.fsdp_config,
-                "critic.model.fsdp_config": cfg.critic.model.fsdp_config,
-                "reward_model.model.fsdp_config": cfg.reward_model.model.fsdp_config}
-    keys = [(f"{prefix}.{f.name}", getattr(section, f.name)) for prefix, section in sections.items()
-            for f in fields(section)]
+    sections = {
+        "actor_rollout_ref.actor.fsdp_config": arr.actor.fsdp_config,
+        "actor_rollout_ref.ref.fsdp_config": arr.ref.fsdp_config,
+        "critic.model.fsdp_config": cfg.critic.model.fsdp_config,
+        "reward_model.model.fsdp_config": cfg.reward_model.model.fsdp_config,
+    }
+    keys = [
+        (f"{prefix}.{f.name}", getattr(section, f.name))
+        for prefix, section in sections.items()
+        for f in fields(section)
+    ]
     keys += [(f"backend.{name}", getattr(cfg.backend, name)) for name in ("param_offload", "optimizer_offload")]
     return keys
 
 
 def _validate_offload(cfg) -> None:
     arr = cfg.actor_rollout_ref
-    megatron = {"actor_rollout_ref.actor.megatron": arr.actor.megatron, "actor_rollout_ref.ref.megatron": arr.ref.megatron,
-                "critic.megatron": cfg.critic.megatron}
+    megatron = {
+        "actor_rollout_ref.actor.megatron": arr.actor.megatron,
+        "actor_rollout_ref.ref.megatron": arr.ref.megatron,
+        "critic.megatron": cfg.critic.megatron,
+    }
     for prefix, section in megatron.items():
         for name in ("param_offload", "optimizer_offload", "grad_offload"):
             if getattr(section, name):
-                raise ConfigError(f"{prefix}.{name}=true: offloading is not implemented for the megatron backend; "
-                                  f"use backend=fsdp (or deepspeed) with *.fsdp_config.{name}, or set it false")
+                raise ConfigError(
+                    f"{prefix}.{name}=true: offloading is not implemented for the megatron backend; "
+                    f"use backend=fsdp (or deepspeed) with *.fsdp_config.{name}, or set it false"
+                )
     if cfg.backend.name == "megatron":
         for key, value in _offload_keys(cfg):
             if value:
-                raise ConfigError(f"{key}=true: the megatron backend does not offload (fsdp and deepspeed do); "
-                                  f"set it false")
+                raise ConfigError(
+                    f"{key}=true: the megatron backend does not offload (fsdp and deepspeed do); set it false"
+                )
 
 
 def _validate_ref_layout(cfg) -> None:
@@ -95,5 +115,7 @@ def _validate_ref_layout(cfg) -> None:
     for name in LAYOUT_KEYS:
         mine, theirs = getattr(ref, name), getattr(actor, name)
         if mine is not None and mine != theirs:
-            raise ConfigError(f"actor_rollout_ref.ref.megatron.{name}={mine} differs from the actor's ({theirs}): "
-                              f"the reference policy runs in the actor's processes, with its layout")
+            raise ConfigError(
+                f"actor_rollout_ref.ref.megatron.{name}={mine} differs from the actor's ({theirs}): "
+                f"the reference policy runs in the actor's processes, with its layout"
+            )

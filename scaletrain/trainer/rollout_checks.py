@@ -24,13 +24,16 @@ def validate_rollout_model(rollout, model_path: str) -> None:
     positions = getattr(config, "max_position_embeddings", None)
     total = rollout.prompt_length + rollout.response_length
     if positions is not None and total > positions:
-        raise ConfigError(f"{key}.prompt_length + response_length = {total} (data.max_prompt_length + "
-                          f"max_response_length) exceeds the model's max_position_embeddings ({positions})")
+        raise ConfigError(
+            f"{key}.prompt_length + response_length = {total} (data.max_prompt_length + "
+            f"max_response_length) exceeds the model's max_position_embeddings ({positions})"
+        )
     tp, heads = rollout.tensor_model_parallel_size, config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     if heads % tp or (kv % tp if tp <= kv else tp % kv):
-        raise ConfigError(f"{key}.tensor_model_parallel_size={tp} does not split the model's {heads} attention "
-                          f"heads / {kv} KV heads")
+        raise ConfigError(
+            f"{key}.tensor_model_parallel_size={tp} does not split the model's {heads} attention heads / {kv} KV heads"
+        )
 
 
 def _validate_rollout_tp(rollout, world: int) -> None:
@@ -51,14 +54,19 @@ def _validate_multi_turn(rollout) -> None:
     if rollout.mode not in ("sync", "async"):
         raise ConfigError(f"{key}.mode must be sync | async, got '{rollout.mode}'")
     if mt.format not in TOOL_PARSERS:
-        raise ConfigError(f"{key}.multi_turn.format: unknown tool parser '{mt.format}'; "
-                          f"registered: {', '.join(TOOL_PARSERS.names())}")
+        raise ConfigError(
+            f"{key}.multi_turn.format: unknown tool parser '{mt.format}'; registered: {', '.join(TOOL_PARSERS.names())}"
+        )
     if mt.default_agent_loop is not None and mt.default_agent_loop not in AGENT_LOOPS:
-        raise ConfigError(f"{key}.multi_turn.default_agent_loop: unknown agent loop '{mt.default_agent_loop}'; "
-                          f"registered: {', '.join(AGENT_LOOPS.names())}")
+        raise ConfigError(
+            f"{key}.multi_turn.default_agent_loop: unknown agent loop '{mt.default_agent_loop}'; "
+            f"registered: {', '.join(AGENT_LOOPS.names())}"
+        )
     if mt.tool_response_truncate_side not in ("left", "right", "middle"):
-        raise ConfigError(f"{key}.multi_turn.tool_response_truncate_side must be left | right | middle, "
-                          f"got '{mt.tool_response_truncate_side}'")
+        raise ConfigError(
+            f"{key}.multi_turn.tool_response_truncate_side must be left | right | middle, "
+            f"got '{mt.tool_response_truncate_side}'"
+        )
     for name in ("max_user_turns", "max_assistant_turns"):
         value = getattr(mt, name)
         if value is not None and value <= 0:

@@ -13,6 +13,7 @@ runs on the driver right after the old log-probs (cheap tensor ops on the whole 
 The math is in ``scaletrain.algos.rollout_correction``; ``validate_rollout_correction`` checks the keys before
 Ray starts, including that the configured policy loss really uses the weights.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -37,21 +38,25 @@ def rs_bounds(cfg: RolloutCorrectionConfig) -> tuple[float, float]:
     """(lower, upper) ratio bounds of ``rollout_rs_threshold``: "lower_upper", or one upper bound (lower = 1/upper)."""
     spec = cfg.rollout_rs_threshold
     if spec is None:
-        raise ConfigError(f"{KEY}.rollout_rs={cfg.rollout_rs} needs {KEY}.rollout_rs_threshold "
-                          "(\"lower_upper\" ratio bounds, e.g. \"0.5_2.0\", or an upper bound)")
+        raise ConfigError(
+            f"{KEY}.rollout_rs={cfg.rollout_rs} needs {KEY}.rollout_rs_threshold "
+            '("lower_upper" ratio bounds, e.g. "0.5_2.0", or an upper bound)'
+        )
     parts = str(spec).split("_") if isinstance(spec, str) else [spec]
     try:
         values = [float(p) for p in parts]
     except ValueError:
         values = []
     if len(values) not in (1, 2):
-        raise ConfigError(f"{KEY}.rollout_rs_threshold: expected \"lower_upper\" or a number, got {spec!r}")
+        raise ConfigError(f'{KEY}.rollout_rs_threshold: expected "lower_upper" or a number, got {spec!r}')
     upper = values[-1]
     lower = values[0] if len(values) == 2 else (1.0 / upper if upper > 0 else 0.0)
     # a token on which both sides agree (ratio 1) must never be rejected
     if not 0.0 < lower <= 1.0 <= upper < float("inf"):
-        raise ConfigError(f"{KEY}.rollout_rs_threshold: need 0 < lower <= 1 <= upper, got lower={lower}, "
-                          f"upper={upper} (from {spec!r})")
+        raise ConfigError(
+            f"{KEY}.rollout_rs_threshold: need 0 < lower <= 1 <= upper, got lower={lower}, "
+            f"upper={upper} (from {spec!r})"
+        )
     return lower, upper
 
 
@@ -61,23 +66,29 @@ def validate_rollout_correction(cfg: PPOConfig) -> None:
     if rc.rollout_is is not None and rc.rollout_is not in IS_OPTIONS:
         raise ConfigError(f"{KEY}.rollout_is: unsupported '{rc.rollout_is}'; supported: null, {', '.join(IS_OPTIONS)}")
     if not 1.0 <= rc.rollout_is_threshold < float("inf"):
-        raise ConfigError(f"{KEY}.rollout_is_threshold must be >= 1 (a weight of 1 must pass untruncated), "
-                          f"got {rc.rollout_is_threshold}")
+        raise ConfigError(
+            f"{KEY}.rollout_is_threshold must be >= 1 (a weight of 1 must pass untruncated), "
+            f"got {rc.rollout_is_threshold}"
+        )
     if rc.rollout_is_batch_normalize and rc.rollout_is is None:
         raise ConfigError(f"{KEY}.rollout_is_batch_normalize needs {KEY}.rollout_is (token | sequence)")
     if rc.rollout_rs is not None:
         if rc.rollout_rs not in RS_OPTIONS:
-            raise ConfigError(f"{KEY}.rollout_rs: unsupported '{rc.rollout_rs}'; supported: null, "
-                              f"{', '.join(RS_OPTIONS)}")
+            raise ConfigError(
+                f"{KEY}.rollout_rs: unsupported '{rc.rollout_rs}'; supported: null, {', '.join(RS_OPTIONS)}"
+            )
         rs_bounds(rc)
     elif rc.rollout_rs_threshold is not None:
         raise ConfigError(f"{KEY}.rollout_rs_threshold is set but {KEY}.rollout_rs is null")
     if rc.bypass_mode:
-        raise ConfigError(f"{KEY}.bypass_mode: unsupported true; supported: false (the trainer recomputes the "
-                          "old log-probs)")
+        raise ConfigError(
+            f"{KEY}.bypass_mode: unsupported true; supported: false (the trainer recomputes the old log-probs)"
+        )
     if rc.loss_type != "ppo_clip":
-        raise ConfigError(f"{KEY}.loss_type: unsupported '{rc.loss_type}'; supported: ppo_clip (other loss "
-                          "types belong to bypass_mode)")
+        raise ConfigError(
+            f"{KEY}.loss_type: unsupported '{rc.loss_type}'; supported: ppo_clip (other loss "
+            "types belong to bypass_mode)"
+        )
     if not 0.0 < rc.mismatch_log_prob_threshold < float("inf"):
         raise ConfigError(f"{KEY}.mismatch_log_prob_threshold must be positive, got {rc.mismatch_log_prob_threshold}")
     if rc.rollout_is is not None:
@@ -91,22 +102,27 @@ def _check_loss_uses_weights(cfg: PPOConfig) -> None:
     keyword or ignores it would silently train without the correction."""
     actor = cfg.actor_rollout_ref.actor
     mode = actor.policy_loss.loss_mode
-    where = (f"{KEY}.rollout_is={cfg.algorithm.rollout_correction.rollout_is}: policy loss '{mode}' "
-             "(actor_rollout_ref.actor.policy_loss.loss_mode)")
+    where = (
+        f"{KEY}.rollout_is={cfg.algorithm.rollout_correction.rollout_is}: policy loss '{mode}' "
+        "(actor_rollout_ref.actor.policy_loss.loss_mode)"
+    )
     gen = torch.Generator().manual_seed(0)
     old = -torch.rand(2, 4, generator=gen) - 0.1
     log_prob = old + 0.1 * torch.randn(2, 4, generator=gen)
     advantages = torch.randn(2, 4, generator=gen)
     mask, zeros = torch.ones(2, 4), torch.zeros(2, 4)
     try:
-        loss, _ = get_policy_loss(mode)(old, log_prob, advantages, mask, actor.loss_agg_mode, actor,
-                                        rollout_is_weights=zeros)
+        loss, _ = get_policy_loss(mode)(
+            old, log_prob, advantages, mask, actor.loss_agg_mode, actor, rollout_is_weights=zeros
+        )
     except TypeError as exc:
         raise ConfigError(f"{where} takes no rollout_is_weights: {exc}") from exc
     if float(loss) != 0.0:
-        raise ConfigError(f"{where} ignores rollout_is_weights "
-                          f"(all-zero weights gave loss {float(loss):.4g}); set rollout_is to null or use a loss "
-                          "that applies them")
+        raise ConfigError(
+            f"{where} ignores rollout_is_weights "
+            f"(all-zero weights gave loss {float(loss):.4g}); set rollout_is to null or use a loss "
+            "that applies them"
+        )
 
 
 @torch.no_grad()
@@ -120,8 +136,9 @@ def apply_rollout_correction(batch: DataProto, cfg: RolloutCorrectionConfig) -> 
     mask = batch.batch["response_mask"]
     metrics = compute_mismatch_metrics(old, rollout, mask, cfg.mismatch_log_prob_threshold)
     if cfg.rollout_is is not None:
-        weights, is_metrics = compute_rollout_correction(old, rollout, mask, cfg.rollout_is_threshold,
-                                                         rollout_is_level=cfg.rollout_is, rollout_is_mode="truncate")
+        weights, is_metrics = compute_rollout_correction(
+            old, rollout, mask, cfg.rollout_is_threshold, rollout_is_level=cfg.rollout_is, rollout_is_mode="truncate"
+        )
         metrics.update(is_metrics)
         if cfg.rollout_is_batch_normalize:
             weights, metrics["rollout_corr/is_batch_norm_factor"] = _batch_normalize(weights, mask, cfg.rollout_is)
@@ -146,9 +163,15 @@ def _reject(batch: DataProto, old: torch.Tensor, rollout: torch.Tensor, cfg: Rol
     """Clear ``response_mask`` where the token (or sequence) ratio is outside the ``rollout_rs_threshold`` bounds."""
     lower, upper = rs_bounds(cfg)
     mask = batch.batch["response_mask"]
-    kept, rs_metrics = compute_rollout_correction(old, rollout, mask, upper, rollout_is_mode="mask",
-                                                  rollout_is_level=RS_OPTIONS[cfg.rollout_rs],
-                                                  rollout_is_threshold_lower=lower)
+    kept, rs_metrics = compute_rollout_correction(
+        old,
+        rollout,
+        mask,
+        upper,
+        rollout_is_mode="mask",
+        rollout_is_level=RS_OPTIONS[cfg.rollout_rs],
+        rollout_is_threshold_lower=lower,
+    )
     keep = kept > 0  # mask mode: the ratio (always > 0) inside the bounds, 0 outside
     valid = mask.bool()
     rejected = valid & ~keep

@@ -21,9 +21,16 @@ logger = logging.getLogger(__name__)
 def _dataset(files: Any, tokenizer, cfg: PPOConfig, max_samples: int | None) -> RLDataset | None:
     if not files:
         return None
-    return RLDataset(files, tokenizer, cfg.data.max_prompt_length, prompt_key=cfg.data.prompt_key,
-                     filter_overlong_prompts=cfg.data.filter_overlong_prompts, truncation=cfg.data.truncation,
-                     max_samples=max_samples, return_raw_chat=cfg.data.return_raw_chat)
+    return RLDataset(
+        files,
+        tokenizer,
+        cfg.data.max_prompt_length,
+        prompt_key=cfg.data.prompt_key,
+        filter_overlong_prompts=cfg.data.filter_overlong_prompts,
+        truncation=cfg.data.truncation,
+        max_samples=max_samples,
+        return_raw_chat=cfg.data.return_raw_chat,
+    )
 
 
 def train(cfg: PPOConfig) -> dict[str, Any]:
@@ -39,8 +46,15 @@ def train(cfg: PPOConfig) -> dict[str, Any]:
     latest = trainer.resume_path()
     if latest is not None:  # the jsonl log drops lines from steps the resumed run will redo
         resume_step = int(os.path.basename(os.path.normpath(latest)).rsplit("_", 1)[1]) + 1
-    tracking = Tracking(cfg.trainer.project_name, cfg.trainer.experiment_name, cfg.trainer.logger, run_dir,
-                        config=to_dict(cfg), total_steps=trainer.total_steps, resume_step=resume_step)
+    tracking = Tracking(
+        cfg.trainer.project_name,
+        cfg.trainer.experiment_name,
+        cfg.trainer.logger,
+        run_dir,
+        config=to_dict(cfg),
+        total_steps=trainer.total_steps,
+        resume_step=resume_step,
+    )
     try:
         with tracking:
             val_metrics = trainer.fit(tracking)

@@ -29,8 +29,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -53,16 +54,16 @@ DEVICES = ("auto", "cpu", "cuda")
 # ---------------------------------------------------------------------------------------------------- config
 @dataclass
 class SFTDataConfig:
-    train_files: Any = None                 # str | list[str]; null: the embedded default's sft_train
-    val_files: Any = None                   # null: no validation loss (embedded default: its sft_val)
-    val_prompts_file: str | None = None     # RL-format parquet for greedy accuracy (embedded default: its val)
+    train_files: Any = None  # str | list[str]; null: the embedded default's sft_train
+    val_files: Any = None  # null: no validation loss (embedded default: its sft_val)
+    val_prompts_file: str | None = None  # RL-format parquet for greedy accuracy (embedded default: its val)
     prompt_key: str = "prompt"
     response_key: str = "response"
-    train_batch_size: int = 128             # rows per optimizer step, over all ranks
+    train_batch_size: int = 128  # rows per optimizer step, over all ranks
     micro_batch_size_per_gpu: int = 64
     max_prompt_length: int = 8
-    max_response_length: int = 5            # response + EOS; also the greedy generation's max_new_tokens
-    truncation: str = "error"               # error | truncate (prompt keeps its end, response its start)
+    max_response_length: int = 5  # response + EOS; also the greedy generation's max_new_tokens
+    truncation: str = "error"  # error | truncate (prompt keeps its end, response its start)
     seed: int = 1
     max_samples: int | None = None
     val_max_samples: int | None = None
@@ -73,15 +74,15 @@ class SFTTrainerSection:
     project_name: str = "scaletrain"
     experiment_name: str = "sft"
     total_epochs: int = 1
-    total_steps: int | None = 1200          # set: overrides total_epochs
+    total_steps: int | None = 1200  # set: overrides total_epochs
     n_gpus_per_node: int = 2
     nnodes: int = 1
-    device: str = "auto"                    # auto | cpu | cuda
+    device: str = "auto"  # auto | cpu | cuda
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    default_local_dir: str | None = None    # null: outputs/<project_name>/<experiment_name>
-    test_freq: int = 25                     # steps between evaluations (and at the last step); <= 0: never
+    default_local_dir: str | None = None  # null: outputs/<project_name>/<experiment_name>
+    test_freq: int = 25  # steps between evaluations (and at the last step); <= 0: never
     val_before_train: bool = False
-    stop_at_val_acc: float | None = 0.15    # stop once greedy val accuracy >= this; null: never
+    stop_at_val_acc: float | None = 0.15  # stop once greedy val accuracy >= this; null: never
     save_hf_at_end: bool = True
     seed: int = 1
 
@@ -92,8 +93,9 @@ class SFTConfig:
 
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     model: HFModelConfig = field(default_factory=HFModelConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=0.0,
-                                                                   warmup_steps=100))
+    optim: OptimConfig = field(
+        default_factory=lambda: OptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=0.0, warmup_steps=100)
+    )
     backend: BackendConfig = field(default_factory=BackendConfig)
     rollout: GreedyRolloutConfig = field(default_factory=GreedyRolloutConfig)
     trainer: SFTTrainerSection = field(default_factory=SFTTrainerSection)
@@ -130,8 +132,12 @@ def resolve_embedded(cfg: SFTConfig) -> SFTConfig:
     paths = build_embedded_default()
     data = cfg.data
     if data.train_files is None:
-        data = replace(data, train_files=paths["sft_train"], val_files=data.val_files or paths["sft_val"],
-                       val_prompts_file=data.val_prompts_file or paths["val"])
+        data = replace(
+            data,
+            train_files=paths["sft_train"],
+            val_files=data.val_files or paths["sft_val"],
+            val_prompts_file=data.val_prompts_file or paths["val"],
+        )
     model = cfg.model if cfg.model.path is not None else replace(cfg.model, path=paths["model"])
     return replace(cfg, data=data, model=model)
 
@@ -144,27 +150,40 @@ def validate(cfg: SFTConfig) -> SFTConfig:
     from scaletrain.trainer.tracking import LOGGERS
 
     data, trainer = cfg.data, cfg.trainer
-    for key, name, registry in (("backend.name", cfg.backend.name, BACKENDS),
-                                ("rollout.name", cfg.rollout.name, ROLLOUTS)):
+    for key, name, registry in (
+        ("backend.name", cfg.backend.name, BACKENDS),
+        ("rollout.name", cfg.rollout.name, ROLLOUTS),
+    ):
         if name not in registry:
             raise ConfigError(f"{key}: unknown {registry.kind} '{name}'; registered: {', '.join(registry.names())}")
     for name in trainer.logger:
         if name not in LOGGERS:
             raise ConfigError(f"trainer.logger: unknown logger '{name}'; registered: {', '.join(LOGGERS.names())}")
     cfg.rollout.check("rollout")
-    positive = {"data.train_batch_size": data.train_batch_size, "trainer.nnodes": trainer.nnodes,
-                "data.micro_batch_size_per_gpu": data.micro_batch_size_per_gpu,
-                "data.max_prompt_length": data.max_prompt_length, "data.max_response_length": data.max_response_length,
-                "trainer.n_gpus_per_node": trainer.n_gpus_per_node, "trainer.total_epochs": trainer.total_epochs,
-                "trainer.total_steps": trainer.total_steps or 1, "optim.lr": cfg.optim.lr}
+    positive = {
+        "data.train_batch_size": data.train_batch_size,
+        "trainer.nnodes": trainer.nnodes,
+        "data.micro_batch_size_per_gpu": data.micro_batch_size_per_gpu,
+        "data.max_prompt_length": data.max_prompt_length,
+        "data.max_response_length": data.max_response_length,
+        "trainer.n_gpus_per_node": trainer.n_gpus_per_node,
+        "trainer.total_epochs": trainer.total_epochs,
+        "trainer.total_steps": trainer.total_steps or 1,
+        "optim.lr": cfg.optim.lr,
+    }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
     if data.train_batch_size % cfg.world_size:
-        raise ConfigError(f"data.train_batch_size ({data.train_batch_size}) must be divisible by the world size "
-                          f"trainer.n_gpus_per_node x trainer.nnodes = {cfg.world_size}")
-    choices = {"data.truncation": (data.truncation, TRUNCATION), "trainer.device": (trainer.device, DEVICES),
-               "optim.lr_scheduler": (cfg.optim.lr_scheduler, SCHEDULES)}
+        raise ConfigError(
+            f"data.train_batch_size ({data.train_batch_size}) must be divisible by the world size "
+            f"trainer.n_gpus_per_node x trainer.nnodes = {cfg.world_size}"
+        )
+    choices = {
+        "data.truncation": (data.truncation, TRUNCATION),
+        "trainer.device": (trainer.device, DEVICES),
+        "optim.lr_scheduler": (cfg.optim.lr_scheduler, SCHEDULES),
+    }
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise ConfigError(f"{key} must be one of {' | '.join(allowed)}, got '{value}'")
@@ -184,8 +203,10 @@ def validate(cfg: SFTConfig) -> SFTConfig:
             columns = pq.read_schema(path).names
             for col_key in ("prompt_key", "response_key"):
                 if getattr(data, col_key) not in columns:
-                    raise ConfigError(f"data.{col_key}: column '{getattr(data, col_key)}' not in {path} "
-                                      f"(columns: {', '.join(columns)})")
+                    raise ConfigError(
+                        f"data.{col_key}: column '{getattr(data, col_key)}' not in {path} "
+                        f"(columns: {', '.join(columns)})"
+                    )
     rows = sum(pq.ParquetFile(p).metadata.num_rows for p in _files(data.train_files))
     if (rows := min(rows, data.max_samples or rows)) < data.train_batch_size:
         raise ConfigError(f"data.train_batch_size ({data.train_batch_size}) exceeds the {rows} training rows")
@@ -217,8 +238,15 @@ def greedy_scores(out: DataProto, prompts: DataProto, tokenizer: Any, eos_ids: l
 class SFTTrainer:
     """Drives an SFTWorker group over the training set; ``fit`` reads top to bottom."""
 
-    def __init__(self, cfg: SFTConfig, wg: Any, tokenizer: Any, train: SFTDataset, val: SFTDataset | None,
-                 val_prompts: DataProto | None):
+    def __init__(
+        self,
+        cfg: SFTConfig,
+        wg: Any,
+        tokenizer: Any,
+        train: SFTDataset,
+        val: SFTDataset | None,
+        val_prompts: DataProto | None,
+    ):
         from backends.rollout.layout import eos_token_ids
 
         self.cfg, self.wg, self.tokenizer, self.train = cfg, wg, tokenizer, train
@@ -233,8 +261,9 @@ class SFTTrainer:
             out = self.wg.eval_loss(self.val_batch)
             metrics["val/loss"] = out.batch["nll_sum"].sum().item() / max(out.batch["num_tokens"].sum().item(), 1.0)
         if self.val_prompts is not None:
-            prompts = self.val_prompts.select(batch_keys=["input_ids", "attention_mask", "position_ids"],
-                                              non_tensor_batch_keys=[])
+            prompts = self.val_prompts.select(
+                batch_keys=["input_ids", "attention_mask", "position_ids"], non_tensor_batch_keys=[]
+            )
             out = self.wg.generate(prompts)
             metrics["val/acc"] = float(np.mean(greedy_scores(out, self.val_prompts, self.tokenizer, self.eos_ids)))
         metrics["timing_s/val"] = time.perf_counter() - start
@@ -258,7 +287,7 @@ class SFTTrainer:
                 if step >= self.total_steps or stopped:
                     break
                 tick = time.perf_counter()
-                batch = self.train.get_batch(order[b * bs:(b + 1) * bs])
+                batch = self.train.get_batch(order[b * bs : (b + 1) * bs])
                 metrics = reduce_metrics(self.wg.train_batch(batch))
                 step += 1
                 metrics.update({"train/epoch": epoch, "timing_s/step": time.perf_counter() - tick})
@@ -268,8 +297,14 @@ class SFTTrainer:
                     stopped = self._reached(last_val)
                 tracking.log(metrics, step=step)
             epoch += 1
-        return {"step": step, "stopped_early": stopped, "val_acc": last_val.get("val/acc"),
-                "val_loss": last_val.get("val/loss"), "wall_s": time.perf_counter() - start, "hf_path": None}
+        return {
+            "step": step,
+            "stopped_early": stopped,
+            "val_acc": last_val.get("val/acc"),
+            "val_loss": last_val.get("val/loss"),
+            "wall_s": time.perf_counter() - start,
+            "hf_path": None,
+        }
 
 
 def total_steps(cfg: SFTConfig, train_rows: int) -> int:
@@ -278,17 +313,33 @@ def total_steps(cfg: SFTConfig, train_rows: int) -> int:
 
 def worker_config(cfg: SFTConfig, train_rows: int) -> SFTWorkerConfig:
     m, b = cfg.model, cfg.backend
-    model = ModelConfig(path=m.path, dtype=m.dtype, gradient_checkpointing=m.enable_gradient_checkpointing,
-                        use_remove_padding=m.use_remove_padding, trust_remote_code=m.trust_remote_code,
-                        attn_implementation=m.attn_implementation)
-    engine = EngineConfig(micro_batch_size_per_gpu=cfg.data.micro_batch_size_per_gpu, seed=cfg.trainer.seed,
-                          mixed_precision=b.mixed_precision, param_offload=b.param_offload,
-                          optimizer_offload=b.optimizer_offload, extra=dict(b.extra))
+    model = ModelConfig(
+        path=m.path,
+        dtype=m.dtype,
+        gradient_checkpointing=m.enable_gradient_checkpointing,
+        use_remove_padding=m.use_remove_padding,
+        trust_remote_code=m.trust_remote_code,
+        attn_implementation=m.attn_implementation,
+    )
+    engine = EngineConfig(
+        micro_batch_size_per_gpu=cfg.data.micro_batch_size_per_gpu,
+        seed=cfg.trainer.seed,
+        mixed_precision=b.mixed_precision,
+        param_offload=b.param_offload,
+        optimizer_offload=b.optimizer_offload,
+        extra=dict(b.extra),
+    )
     optim = cfg.optim if cfg.optim.total_steps else replace(cfg.optim, total_steps=total_steps(cfg, train_rows))
     rollout = cfg.rollout if cfg.data.val_prompts_file else None  # no accuracy to measure: no rollout engine
-    return SFTWorkerConfig(model=model, backend=b.name, optim=optim, engine=engine, rollout=rollout,
-                           max_prompt_length=cfg.data.max_prompt_length,
-                           max_response_length=cfg.data.max_response_length)
+    return SFTWorkerConfig(
+        model=model,
+        backend=b.name,
+        optim=optim,
+        engine=engine,
+        rollout=rollout,
+        max_prompt_length=cfg.data.max_prompt_length,
+        max_response_length=cfg.data.max_response_length,
+    )
 
 
 def run_sft(config: SFTConfig | Mapping[str, Any]) -> dict[str, Any]:
@@ -308,10 +359,30 @@ def run_sft(config: SFTConfig | Mapping[str, Any]) -> dict[str, Any]:
     cfg = validate(resolve_embedded(cfg))
     data = cfg.data
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    train = SFTDataset(data.train_files, tokenizer, data.prompt_key, data.response_key, data.max_prompt_length,
-                       data.max_response_length, data.truncation, data.max_samples)
-    val = SFTDataset(data.val_files, tokenizer, data.prompt_key, data.response_key, data.max_prompt_length,
-                     data.max_response_length, data.truncation, data.val_max_samples) if _files(data.val_files) else None
+    train = SFTDataset(
+        data.train_files,
+        tokenizer,
+        data.prompt_key,
+        data.response_key,
+        data.max_prompt_length,
+        data.max_response_length,
+        data.truncation,
+        data.max_samples,
+    )
+    val = (
+        SFTDataset(
+            data.val_files,
+            tokenizer,
+            data.prompt_key,
+            data.response_key,
+            data.max_prompt_length,
+            data.max_response_length,
+            data.truncation,
+            data.val_max_samples,
+        )
+        if _files(data.val_files)
+        else None
+    )
     prompts = None
     if data.val_prompts_file:
         rl = RLDataset(data.val_prompts_file, tokenizer, data.max_prompt_length, max_samples=data.val_max_samples)
@@ -319,8 +390,12 @@ def run_sft(config: SFTConfig | Mapping[str, Any]) -> dict[str, Any]:
 
     started_ray, ri = not ray.is_initialized(), cfg.ray_init
     if started_ray:
-        ray.init(address=ri.address or "local", num_cpus=ri.num_cpus, object_store_memory=ri.object_store_memory,
-                 include_dashboard=False)
+        ray.init(
+            address=ri.address or "local",
+            num_cpus=ri.num_cpus,
+            object_store_memory=ri.object_store_memory,
+            include_dashboard=False,
+        )
     use_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
     pool = RayResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes, use_gpu=use_gpu, name_prefix="sft")
     wg = None
@@ -328,8 +403,14 @@ def run_sft(config: SFTConfig | Mapping[str, Any]) -> dict[str, Any]:
         wg = RayWorkerGroup(pool, RayClassWithInitArgs(SFTWorker, worker_config(cfg, len(train))), name_prefix="sft")
         wg.init_model()
         trainer, t = SFTTrainer(cfg, wg, tokenizer, train, val, prompts), cfg.trainer
-        with Tracking(t.project_name, t.experiment_name, t.logger, cfg.output_dir, config=to_dict(cfg),
-                      total_steps=trainer.total_steps) as tracking:
+        with Tracking(
+            t.project_name,
+            t.experiment_name,
+            t.logger,
+            cfg.output_dir,
+            config=to_dict(cfg),
+            total_steps=trainer.total_steps,
+        ) as tracking:
             summary = trainer.fit(tracking)
         if t.save_hf_at_end:
             summary["hf_path"] = os.path.abspath(os.path.join(cfg.output_dir, "hf"))

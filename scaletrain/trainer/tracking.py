@@ -25,6 +25,7 @@ step, input, output, score) and mlflow stores ``val_generations/step_<step>.json
 wandb, mlflow and tensorboard are imported only when selected (``pip install scaletrain[loggers]``). Add a backend
 with ``@register_logger("name")`` on a ``LoggerBackend`` subclass taking one ``RunInfo``.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -33,9 +34,10 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from scaletrain.utils.registry import Registry
 
@@ -81,12 +83,21 @@ class LoggerBackend:
 class Tracking:
     """Logs each step's metrics to every selected backend; ``finish()`` (or leaving the ``with`` block) closes them."""
 
-    def __init__(self, project_name: str, experiment_name: str, backends: Iterable[str] | str, log_dir: str | Path,
-                 config: Mapping | None = None, total_steps: int | None = None, resume_step: int | None = None):
+    def __init__(
+        self,
+        project_name: str,
+        experiment_name: str,
+        backends: Iterable[str] | str,
+        log_dir: str | Path,
+        config: Mapping | None = None,
+        total_steps: int | None = None,
+        resume_step: int | None = None,
+    ):
         names = [backends] if isinstance(backends, str) else list(backends)
         classes = [LOGGERS.get(name) for name in names]  # every name checked before any backend starts
-        self.run = RunInfo(project_name, experiment_name, Path(log_dir), _plain_config(config), total_steps,
-                           resume_step)
+        self.run = RunInfo(
+            project_name, experiment_name, Path(log_dir), _plain_config(config), total_steps, resume_step
+        )
         self.run.log_dir.mkdir(parents=True, exist_ok=True)
         self.backends: dict[str, LoggerBackend] = {}
         try:
@@ -164,14 +175,21 @@ def require_module(module: str, package: str, backend: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"the '{backend}' logger needs the '{package}' package ({e}); install it with "
-                          f"`{INSTALL_HINT}` or `pip install {package}`") from e
+        raise ImportError(
+            f"the '{backend}' logger needs the '{package}' package ({e}); install it with "
+            f"`{INSTALL_HINT}` or `pip install {package}`"
+        ) from e
 
 
 # ---------------------------------------------------------------------------------------------------- console
 
-_CONSOLE_KEYS = (("response_length/mean", "resp_len"), ("actor/pg_loss", "pg_loss"), ("actor/entropy", "entropy"),
-                 ("timing_s/step", "step_s"), ("perf/throughput", "tput"))
+_CONSOLE_KEYS = (
+    ("response_length/mean", "resp_len"),
+    ("actor/pg_loss", "pg_loss"),
+    ("actor/entropy", "entropy"),
+    ("timing_s/step", "step_s"),
+    ("perf/throughput", "tput"),
+)
 
 
 def _is_val_acc(key: str) -> bool:
@@ -199,8 +217,14 @@ class ConsoleLogger(LoggerBackend):
 
         self._tqdm = tqdm
         start = max((run.resume_step or 1) - 1, 0)
-        self.bar = tqdm(total=run.total_steps, initial=start, desc=run.experiment_name, unit="step",
-                        dynamic_ncols=True, disable=None)
+        self.bar = tqdm(
+            total=run.total_steps,
+            initial=start,
+            desc=run.experiment_name,
+            unit="step",
+            dynamic_ncols=True,
+            disable=None,
+        )
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if step > self.bar.n:
@@ -217,10 +241,11 @@ class ConsoleLogger(LoggerBackend):
 
 
 def _shorten(text: str, limit: int = 200) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---------------------------------------------------------------------------------------------------- jsonl
+
 
 def truncate_jsonl(path: str | Path, resume_step: int) -> int:
     """Drops the lines of a metrics.jsonl with ``step >= resume_step`` (and unreadable ones); returns lines dropped."""
@@ -274,6 +299,7 @@ class JsonlLogger(LoggerBackend):
 
 # ---------------------------------------------------------------------------------------------------- tensorboard
 
+
 @register_logger("tensorboard")
 class TensorboardLogger(LoggerBackend):
     """Scalars via ``torch.utils.tensorboard.SummaryWriter`` into ``<log_dir>/tensorboard``; flushed every step."""
@@ -291,8 +317,10 @@ class TensorboardLogger(LoggerBackend):
         self.writer.flush()
 
     def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
-        parts = [f"### Sample {i + 1} (score {s['score']:.4g})\n\n**Input:** {s['input']}\n\n**Output:** {s['output']}"
-                 for i, s in enumerate(samples)]
+        parts = [
+            f"### Sample {i + 1} (score {s['score']:.4g})\n\n**Input:** {s['input']}\n\n**Output:** {s['output']}"
+            for i, s in enumerate(samples)
+        ]
         self.writer.add_text("val/generations", "\n\n---\n\n".join(parts), step)
         self.writer.flush()
 
@@ -301,6 +329,7 @@ class TensorboardLogger(LoggerBackend):
 
 
 # ---------------------------------------------------------------------------------------------------- wandb
+
 
 @register_logger("wandb")
 class WandbLogger(LoggerBackend):
@@ -312,8 +341,9 @@ class WandbLogger(LoggerBackend):
         if mode != "online":
             os.environ.setdefault("WANDB_ERROR_REPORTING", "false")  # no crash reports sent from offline runs
         self.wandb = require_module("wandb", "wandb", "wandb")
-        self.wandb_run = self.wandb.init(project=run.project_name, name=run.experiment_name, config=run.config,
-                                         dir=str(run.log_dir), mode=mode)
+        self.wandb_run = self.wandb.init(
+            project=run.project_name, name=run.experiment_name, config=run.config, dir=str(run.log_dir), mode=mode
+        )
         self.generation_rows: list[list] = []  # every validation's samples so far: one table shows them all
 
     def log(self, metrics: dict[str, float], step: int) -> None:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import numbers
 from collections import defaultdict
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -54,9 +55,9 @@ def majority_values(values: np.ndarray, votes: np.ndarray, n_codes: int) -> np.n
     the last axis (ties: the vote seen first; its first occurrence's value). Returns (...)."""
     shape, k = votes.shape[:-1], votes.shape[-1]
     flat = votes.reshape(-1, k)
-    cells = (np.arange(len(flat))[:, None] * n_codes + flat).ravel()      # one (row, vote) counter per position
+    cells = (np.arange(len(flat))[:, None] * n_codes + flat).ravel()  # one (row, vote) counter per position
     counts = np.bincount(cells, minlength=len(flat) * n_codes)
-    at_position = counts[cells].reshape(-1, k)                            # how often each position's vote occurs
+    at_position = counts[cells].reshape(-1, k)  # how often each position's vote occurs
     # the first position holding a most frequent vote is that vote's first occurrence, and no other most frequent
     # vote occurs earlier: the same winner as counting votes in a dict in order of first appearance
     winner = np.argmax(at_position == at_position.max(1, keepdims=True), axis=1).reshape(shape)
@@ -70,8 +71,9 @@ def dense_votes(votes: np.ndarray) -> np.ndarray:
     return np.argmax(same, axis=-1)
 
 
-def prompt_metrics(values: np.ndarray, votes: np.ndarray | None = None, n_bootstrap: int = N_BOOTSTRAP,
-                   seed: int = SEED) -> dict[str, np.ndarray]:
+def prompt_metrics(
+    values: np.ndarray, votes: np.ndarray | None = None, n_bootstrap: int = N_BOOTSTRAP, seed: int = SEED
+) -> dict[str, np.ndarray]:
     """Per-prompt figures of a (G, N) value matrix (G prompts with N samples each); ``votes`` (G, N) integer codes
     of the predicted answers, or None (no maj@k). Returns {metric name: (G,) array}."""
     values = np.asarray(values, dtype=np.float64)
@@ -85,13 +87,13 @@ def prompt_metrics(values: np.ndarray, votes: np.ndarray | None = None, n_bootst
         stats: dict[str, list[np.ndarray]] = defaultdict(list)
         chunk = max(1, _MAX_CHUNK_ELEMENTS // (n_bootstrap * n))
         for lo in range(0, n_prompts, chunk):
-            drawn = values[lo:lo + chunk][:, idx]                       # (g, n_bootstrap, k)
+            drawn = values[lo : lo + chunk][:, idx]  # (g, n_bootstrap, k)
             stats["best"].append(drawn.max(-1))
             stats["worst"].append(drawn.min(-1))
             if votes is not None:
-                stats["maj"].append(majority_values(drawn, votes[lo:lo + chunk][:, idx], n))
+                stats["maj"].append(majority_values(drawn, votes[lo : lo + chunk][:, idx], n))
         for name, parts in stats.items():
-            draws = np.concatenate(parts)                               # (G, n_bootstrap)
+            draws = np.concatenate(parts)  # (G, n_bootstrap)
             out[f"{name}@{k}/mean"] = draws.mean(-1)
             out[f"{name}@{k}/std"] = draws.std(-1)
     return out
@@ -136,8 +138,13 @@ def group_prompts(data_sources: Sequence[str], uids: Sequence[Any]) -> dict[str,
     return grouped
 
 
-def validation_metrics(data_sources: Sequence[str], uids: Sequence[Any], columns: Mapping[str, Sequence[Any]],
-                       n_bootstrap: int = N_BOOTSTRAP, seed: int = SEED) -> dict[str, float]:
+def validation_metrics(
+    data_sources: Sequence[str],
+    uids: Sequence[Any],
+    columns: Mapping[str, Sequence[Any]],
+    n_bootstrap: int = N_BOOTSTRAP,
+    seed: int = SEED,
+) -> dict[str, float]:
     """``{"val-core/<source>/<var>/<metric>": value, "val-aux/...": ...}`` over all samples of a validation run.
 
     ``columns``: one value per sample for each variable (``reward`` and the reward extra info); the ``pred`` column,
@@ -169,6 +176,10 @@ def _core_keys(keys: list[tuple[str, str, str]]) -> set[tuple[str, str, str]]:
     for source, var, metric in keys:
         variables[source].add(var)
         n_max[(source, var)] = max(n_max[(source, var)], _at(metric))
-    return {(source, var, metric) for source, var, metric in keys
-            if var == ("acc" if "acc" in variables[source] else "reward")
-            and metric.split("@")[0] in ("mean", "best", "maj") and _at(metric) == n_max[(source, var)]}
+    return {
+        (source, var, metric)
+        for source, var, metric in keys
+        if var == ("acc" if "acc" in variables[source] else "reward")
+        and metric.split("@")[0] in ("mean", "best", "maj")
+        and _at(metric) == n_max[(source, var)]
+    }

@@ -17,34 +17,49 @@ import dataclasses
 from scaletrain.trainer.role_checks import backend_of_strategy
 from scaletrain.utils.typed_config import ConfigError
 
+
 @dataclasses.dataclass(frozen=True)
 class Unsupported:
-    instead: str                    # what to use instead
-    accepted: tuple = ()            # values that mean "off" in verl: accepted and dropped
+    instead: str  # what to use instead
+    accepted: tuple = ()  # values that mean "off" in verl: accepted and dropped
 
 
 UNSUPPORTED = {
     "trainer.use_legacy_worker_impl": Unsupported("remove it: scaletrain has one worker implementation", ("auto",)),
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": Unsupported(
         "Ulysses sequence parallelism is not implemented: use backend=megatron with "
-        "actor_rollout_ref.actor.megatron.sequence_parallel=true", ("1",)),
+        "actor_rollout_ref.actor.megatron.sequence_parallel=true",
+        ("1",),
+    ),
     "critic.ulysses_sequence_parallel_size": Unsupported(
         "Ulysses sequence parallelism is not implemented: use backend=megatron with "
-        "critic.megatron.sequence_parallel=true", ("1",)),
+        "critic.megatron.sequence_parallel=true",
+        ("1",),
+    ),
     "actor_rollout_ref.model.use_fused_kernels": Unsupported(
-        "fused log-prob kernels are not implemented; log-probs are computed in chunks "
-        "(remove the key)", ("false", "False")),
+        "fused log-prob kernels are not implemented; log-probs are computed in chunks (remove the key)",
+        ("false", "False"),
+    ),
     "actor_rollout_ref.model.fused_kernel_options.impl_backend": Unsupported(
-        "fused log-prob kernels are not implemented (remove the key)"),
-    "algorithm.use_pf_ppo": Unsupported("policy-filtration PPO is not implemented (remove the key)", ("false", "False")),
+        "fused log-prob kernels are not implemented (remove the key)"
+    ),
+    "algorithm.use_pf_ppo": Unsupported(
+        "policy-filtration PPO is not implemented (remove the key)", ("false", "False")
+    ),
     "algorithm.pf_ppo": Unsupported("policy-filtration PPO is not implemented (remove the key)"),
     "reward_model.use_reward_loop": Unsupported(
         "generative reward models are not supported; a discriminative one runs with reward_model.enable=true and "
-        "reward_model.model.path", ("false", "False")),
-    "reward_model.rollout": Unsupported("generative reward models (a rollout for the reward model) are not "
-                                        "supported; use a discriminative reward_model.model.path"),
-    "reward_model.num_workers": Unsupported("reward computation runs in reward_model.num_processes worker processes "
-                                            "(the reward loop of verl is not implemented)"),
+        "reward_model.model.path",
+        ("false", "False"),
+    ),
+    "reward_model.rollout": Unsupported(
+        "generative reward models (a rollout for the reward model) are not "
+        "supported; use a discriminative reward_model.model.path"
+    ),
+    "reward_model.num_workers": Unsupported(
+        "reward computation runs in reward_model.num_processes worker processes "
+        "(the reward loop of verl is not implemented)"
+    ),
 }
 
 
@@ -89,13 +104,16 @@ def translate_overrides(overrides: list[str], known: set[str]) -> list[str]:
         out.append(body if plus and key in known else item)
     chosen = set(strategies.values())
     if len(chosen) > 1:
-        raise ConfigError(f"{' and '.join(f'{k}' for k in strategies)} select different backends "
-                          f"({', '.join(sorted(chosen))}): the roles share one backend")
+        raise ConfigError(
+            f"{' and '.join(f'{k}' for k in strategies)} select different backends "
+            f"({', '.join(sorted(chosen))}): the roles share one backend"
+        )
     if chosen:
         (wanted,) = chosen
         if backend is not None and backend != wanted:
-            raise ConfigError(f"backend={backend} conflicts with {next(iter(strategies))} (backend {wanted}): "
-                              f"set one of the two")
+            raise ConfigError(
+                f"backend={backend} conflicts with {next(iter(strategies))} (backend {wanted}): set one of the two"
+            )
         if backend is None:
             out.insert(0, f"backend={wanted}")
     return out

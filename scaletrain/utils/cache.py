@@ -4,6 +4,7 @@ A cached directory is complete when its stamp file (written last) holds the para
 goes into a temporary sibling directory that is renamed into place, so a crash leaves no half-built cache behind
 that looks complete, and two processes building the same entry at once both end with the finished one.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,9 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 

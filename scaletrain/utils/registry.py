@@ -10,11 +10,13 @@ Advantage estimators, policy losses, reward managers, backends, rollout engines,
 
     POLICY_LOSSES.get("vanilla")   # -> the function; an unknown name raises ValueError listing the known ones
 """
+
 from __future__ import annotations
 
 import enum
 import importlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 
 def _key(name: Any) -> str:
@@ -49,7 +51,9 @@ class Registry:
         def decorator(obj: Any) -> Any:
             old = self._entries.get(key)
             if old is not None and old is not obj and not override:
-                raise ValueError(f"{self.kind} '{key}' is already registered ({old!r}); pass override=True to replace it")
+                raise ValueError(
+                    f"{self.kind} '{key}' is already registered ({old!r}); pass override=True to replace it"
+                )
             self._entries[key] = obj
             return obj
 
@@ -62,11 +66,15 @@ class Registry:
             try:
                 importlib.import_module(self._lazy[key])
             except ImportError as exc:
-                raise ImportError(f"{self.kind} '{key}' is not available: importing {self._lazy[key]} failed: {exc}") from exc
+                raise ImportError(
+                    f"{self.kind} '{key}' is not available: importing {self._lazy[key]} failed: {exc}"
+                ) from exc
         try:
             return self._entries[key]
         except KeyError:
-            raise ValueError(f"unknown {self.kind} '{key}'; registered: {', '.join(self.names()) or '(none)'}") from None
+            raise ValueError(
+                f"unknown {self.kind} '{key}'; registered: {', '.join(self.names()) or '(none)'}"
+            ) from None
 
     def names(self) -> list[str]:
         """Registered names (and not yet imported built-ins), sorted."""

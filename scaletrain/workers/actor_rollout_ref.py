@@ -25,8 +25,7 @@ from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
 from scaletrain.workers.colocated_rollout import ColocatedRollout
 from scaletrain.workers.config import ActorRolloutRefConfig, log_prob_micro_batching
-from scaletrain.workers.dispatch import (ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO, ROLLOUT_TOKENS,
-                                        declare_engine_mesh)
+from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO, ROLLOUT_TOKENS, declare_engine_mesh
 from scaletrain.workers.losses import ACTOR_INPUTS, actor_loss_fn, actor_outputs
 from scaletrain.workers.rollout_setup import build_rollout
 
@@ -83,12 +82,21 @@ class ActorRolloutRefWorker(Worker):
     def _init_rollout(self) -> None:
         cfg, rc = self.config, self.config.rollout
         engine, self.tokenizer = build_rollout(
-            self, rc.name, cfg.model.path, rc, tensor_parallel_size=rc.tensor_model_parallel_size,
-            max_model_len=rc.prompt_length + rc.response_length, trust_remote_code=cfg.model.trust_remote_code,
+            self,
+            rc.name,
+            cfg.model.path,
+            rc,
+            tensor_parallel_size=rc.tensor_model_parallel_size,
+            max_model_len=rc.prompt_length + rc.response_length,
+            trust_remote_code=cfg.model.trust_remote_code,
         )
-        self.rollout = ColocatedRollout(engine, self.actor, free_cache_engine=rc.free_cache_engine,
-                                        offload_trainer=rc.offload_train_during_rollout,
-                                        bucket_bytes=rc.weight_bucket_bytes)
+        self.rollout = ColocatedRollout(
+            engine,
+            self.actor,
+            free_cache_engine=rc.free_cache_engine,
+            offload_trainer=rc.offload_train_during_rollout,
+            bucket_bytes=rc.weight_bucket_bytes,
+        )
         if rc.load_format == "dummy":  # random weights: the actor's replace them before any generation
             if self.actor is None:
                 raise ValueError(f"rollout.load_format=dummy needs the actor in the same worker (role '{self.role}')")
@@ -104,8 +112,14 @@ class ActorRolloutRefWorker(Worker):
     # ---------------------------------------------------------------------------------------------- rollout
     def _sampling(self, meta: dict) -> SamplingConfig:
         rc = self.config.rollout
-        sampling = SamplingConfig(n=rc.n, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                                  max_new_tokens=rc.response_length, seed=None)
+        sampling = SamplingConfig(
+            n=rc.n,
+            temperature=rc.temperature,
+            top_p=rc.top_p,
+            top_k=rc.top_k,
+            max_new_tokens=rc.response_length,
+            seed=None,
+        )
         if meta.get("validate"):
             sampling = replace(sampling, **{k: v for k, v in rc.val_sampling().items() if k in SAMPLING_KEYS})
         overrides = {k: meta[k] for k in SAMPLING_KEYS if k in meta}
@@ -143,8 +157,11 @@ class ActorRolloutRefWorker(Worker):
         """The rollout engine's lifecycle state, the moves taken so far and the bytes this rank received in the
         last weight sync (for checks and debugging)."""
         rollout = self._need("rollout")
-        return {"state": rollout.lifecycle.state.value, "history": list(rollout.lifecycle.history),
-                "last_update_bytes": getattr(rollout.engine, "last_update_bytes", None)}
+        return {
+            "state": rollout.lifecycle.state.value,
+            "history": list(rollout.lifecycle.history),
+            "last_update_bytes": getattr(rollout.engine, "last_update_bytes", None),
+        }
 
     # ------------------------------------------------------------------------------------------- log-probs
     @register(dispatch_mode=ENGINE_PROTO)
@@ -166,8 +183,11 @@ class ActorRolloutRefWorker(Worker):
     def update_actor(self, data: DataProto) -> dict[str, float]:
         actor, cfg = self._training("actor"), self.config.actor
         keys = list(ACTOR_INPUTS)
-        keys += [k for k in ("ref_log_prob", "rollout_log_probs", "token_level_rewards", "rollout_is_weights")
-                 if k in data.batch.keys()]
+        keys += [
+            k
+            for k in ("ref_log_prob", "rollout_log_probs", "token_level_rewards", "rollout_is_weights")
+            if k in data.batch.keys()
+        ]
         if cfg.use_kl_loss and "ref_log_prob" not in data.batch.keys():
             raise ValueError("actor.use_kl_loss needs 'ref_log_prob' in the batch (run compute_ref_log_prob)")
         batch = data.select(batch_keys=keys)

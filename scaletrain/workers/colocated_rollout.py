@@ -24,8 +24,15 @@ from scaletrain.protocol import DataProto
 
 
 class ColocatedRollout:
-    def __init__(self, engine: RolloutEngine, trainer: TrainEngine | None, *, free_cache_engine: bool,
-                 offload_trainer: bool, bucket_bytes: int) -> None:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        trainer: TrainEngine | None,
+        *,
+        free_cache_engine: bool,
+        offload_trainer: bool,
+        bucket_bytes: int,
+    ) -> None:
         self.engine = engine
         self.lifecycle = EngineLifecycle(engine)
         self.trainer = trainer

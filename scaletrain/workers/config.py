@@ -13,7 +13,7 @@ from backends.config import EngineConfig, ModelConfig, OptimConfig
 from backends.rollout.base import RolloutEngineSettings
 from scaletrain.utils.typed_config import ConfigError
 
-VAL_KWARGS = ("n", "temperature", "top_p", "top_k", "do_sample")   # actor_rollout_ref.rollout.val_kwargs
+VAL_KWARGS = ("n", "temperature", "top_p", "top_k", "do_sample")  # actor_rollout_ref.rollout.val_kwargs
 
 
 @dataclass
@@ -49,8 +49,13 @@ class MegatronConfig:
     def merged(self, extra: dict[str, Any]) -> dict[str, Any]:
         """``extra["megatron"]`` with this section's set layout keys on top."""
         out = dict(extra.get("megatron") or {})
-        out.update({f.name: getattr(self, f.name) for f in fields(self)
-                    if f.name in LAYOUT_KEYS and getattr(self, f.name) is not None})
+        out.update(
+            {
+                f.name: getattr(self, f.name)
+                for f in fields(self)
+                if f.name in LAYOUT_KEYS and getattr(self, f.name) is not None
+            }
+        )
         return out
 
     def resolved(self, extra: dict[str, Any]):
@@ -61,8 +66,12 @@ class MegatronConfig:
         return MegatronParallelConfig.from_extra({"megatron": self.merged(extra)})
 
 
-LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
-               "use_distributed_optimizer")
+LAYOUT_KEYS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "sequence_parallel",
+    "use_distributed_optimizer",
+)
 
 
 @dataclass
@@ -75,8 +84,9 @@ class FSDPConfig:
 
     def applied(self, engine: EngineConfig) -> EngineConfig:
         """``engine`` with this section's set keys on top."""
-        return replace(engine, **{f.name: getattr(self, f.name) for f in fields(self)
-                                  if getattr(self, f.name) is not None})
+        return replace(
+            engine, **{f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        )
 
 
 def with_megatron(engine: EngineConfig, backend: str, section: MegatronConfig) -> EngineConfig:
@@ -88,10 +98,10 @@ def with_megatron(engine: EngineConfig, backend: str, section: MegatronConfig) -
 
 @dataclass
 class ActorConfig:
-    strategy: str | None = None              # verl's backend selector: fsdp | fsdp2 | deepspeed | megatron; null:
-                                             # the backend group's (configs/backend, the `backend=` short form)
-    ppo_mini_batch_size: int = 8             # prompts per mini-batch (x rollout.n rows), over all DP ranks
-    ppo_micro_batch_size_per_gpu: int = 4    # rows per micro-batch on one rank
+    strategy: str | None = None  # verl's backend selector: fsdp | fsdp2 | deepspeed | megatron; null:
+    # the backend group's (configs/backend, the `backend=` short form)
+    ppo_mini_batch_size: int = 8  # prompts per mini-batch (x rollout.n rows), over all DP ranks
+    ppo_micro_batch_size_per_gpu: int = 4  # rows per micro-batch on one rank
     ppo_epochs: int = 1
     shuffle: bool = False
     data_loader_seed: int = 1
@@ -116,18 +126,18 @@ class ActorConfig:
 class MultiTurnConfig:
     """``actor_rollout_ref.rollout.multi_turn``: the agent-loop rollout path (scaletrain/agent)."""
 
-    enable: bool = False                     # true: rollouts go through the agent loops (as does rollout.mode=async)
-    format: str = "hermes"                   # registered ToolParser
-    default_agent_loop: str | None = None    # rows without agent_name; null: tool_agent if enable, else single_turn
-    max_user_turns: int | None = None        # tool results and interaction replies count as user turns
+    enable: bool = False  # true: rollouts go through the agent loops (as does rollout.mode=async)
+    format: str = "hermes"  # registered ToolParser
+    default_agent_loop: str | None = None  # rows without agent_name; null: tool_agent if enable, else single_turn
+    max_user_turns: int | None = None  # tool results and interaction replies count as user turns
     max_assistant_turns: int | None = None
-    max_parallel_calls: int = 1              # tool calls run per assistant turn (the rest are dropped and counted)
-    max_tool_response_length: int = 256      # characters of a tool's answer shown to the model
+    max_parallel_calls: int = 1  # tool calls run per assistant turn (the rest are dropped and counted)
+    max_tool_response_length: int = 256  # characters of a tool's answer shown to the model
     tool_response_truncate_side: str = "middle"  # left (keep the start) | right (keep the end) | middle
     tool_timeout_s: float = 30.0
     tools_config_file: str | None = None
     interaction_config_file: str | None = None
-    max_batch_wait_ms: float = 5.0           # a generate batch waits at most this long for more requests
+    max_batch_wait_ms: float = 5.0  # a generate batch waits at most this long for more requests
 
 
 @dataclass
@@ -135,8 +145,8 @@ class RolloutWorkerConfig(RolloutEngineSettings):
     """``actor_rollout_ref.rollout``: sampling, lengths, layout and the rollout path; the engine's memory and
     kernel settings (dtype, gpu_memory_utilization, free_cache_engine, ...) come from RolloutEngineSettings."""
 
-    name: str = "vllm"                       # vllm | hf
-    mode: str = "sync"                       # sync: one batched generate | async: agent loops (see multi_turn)
+    name: str = "vllm"  # vllm | hf
+    mode: str = "sync"  # sync: one batched generate | async: agent loops (see multi_turn)
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -144,8 +154,8 @@ class RolloutWorkerConfig(RolloutEngineSettings):
     prompt_length: int = 512
     response_length: int = 512
     tensor_model_parallel_size: int = 1
-    log_prob_micro_batch_size_per_gpu: int = 8   # rows per micro-batch of the old-log-prob pass
-    log_prob_use_dynamic_bsz: bool = False       # that pass batches by tokens instead (log_prob_max_token_len_per_gpu)
+    log_prob_micro_batch_size_per_gpu: int = 8  # rows per micro-batch of the old-log-prob pass
+    log_prob_use_dynamic_bsz: bool = False  # that pass batches by tokens instead (log_prob_max_token_len_per_gpu)
     log_prob_max_token_len_per_gpu: int = 16384
     weight_bucket_bytes: int = 256 << 20
     offload_train_during_rollout: bool = False  # the actor's memory goes to CPU while the engine generates
@@ -176,9 +186,11 @@ class RolloutWorkerConfig(RolloutEngineSettings):
 def log_prob_micro_batching(section) -> dict[str, Any]:
     """A log-prob pass's micro-batch settings (backends/dist.py ``MICRO_BATCHING``) from its section's
     ``log_prob_*`` keys (``actor_rollout_ref.rollout`` for old log-probs, ``actor_rollout_ref.ref``)."""
-    return {"micro_batch_size_per_gpu": section.log_prob_micro_batch_size_per_gpu,
-            "use_dynamic_bsz": section.log_prob_use_dynamic_bsz,
-            "max_token_len_per_gpu": section.log_prob_max_token_len_per_gpu}
+    return {
+        "micro_batch_size_per_gpu": section.log_prob_micro_batch_size_per_gpu,
+        "use_dynamic_bsz": section.log_prob_use_dynamic_bsz,
+        "max_token_len_per_gpu": section.log_prob_max_token_len_per_gpu,
+    }
 
 
 @dataclass
@@ -216,7 +228,7 @@ class CriticConfig:
     ppo_max_token_len_per_gpu: int = 16384
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
-    rollout_n: int = 1                       # rows per prompt, to turn ppo_mini_batch_size into rows
+    rollout_n: int = 1  # rows per prompt, to turn ppo_mini_batch_size into rows
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -234,6 +246,6 @@ class RewardModelConfig:
     micro_batch_size_per_gpu: int = 8
     use_dynamic_bsz: bool = False
     forward_max_token_len_per_gpu: int = 16384
-    input_tokenizer: str | None = None       # set: the policy's tokenizer; rollouts are re-tokenized for the RM
-    max_length: int | None = None            # re-tokenized inputs longer than this keep their last tokens
+    input_tokenizer: str | None = None  # set: the policy's tokenizer; rollouts are re-tokenized for the RM
+    max_length: int | None = None  # re-tokenized inputs longer than this keep their last tokens
     engine: EngineConfig = field(default_factory=EngineConfig)

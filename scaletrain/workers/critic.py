@@ -31,13 +31,16 @@ class CriticWorker(Worker):
         if cfg.model.kind != "value":
             cfg = replace(cfg, model=replace(cfg.model, kind="value"))
         engine_cfg = replace(
-            cfg.engine, micro_batch_size_per_gpu=cfg.ppo_micro_batch_size_per_gpu, use_dynamic_bsz=cfg.use_dynamic_bsz,
+            cfg.engine,
+            micro_batch_size_per_gpu=cfg.ppo_micro_batch_size_per_gpu,
+            use_dynamic_bsz=cfg.use_dynamic_bsz,
             max_token_len_per_gpu=cfg.ppo_max_token_len_per_gpu,
         )
         self.engine = get_backend(cfg.backend)(cfg.model, cfg.optim, engine_cfg)
         declare_engine_mesh(self, self.engine)
-        self._mini_rows = rows_per_rank(cfg.ppo_mini_batch_size, cfg.rollout_n, self.engine.dp_size,
-                                        "critic.ppo_mini_batch_size")
+        self._mini_rows = rows_per_rank(
+            cfg.ppo_mini_batch_size, cfg.rollout_n, self.engine.dp_size, "critic.ppo_mini_batch_size"
+        )
 
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:

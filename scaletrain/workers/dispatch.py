@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from scaletrain.controller import make_mesh_collect, make_mesh_dispatch, register_dispatch_mode
 
-ENGINE_PROTO = "ENGINE_COMPUTE_PROTO"      # DataProto in, DataProto out (log-probs, values)
-ENGINE_METRIC = "ENGINE_COMPUTE_METRIC"    # DataProto in, one metrics dict per kept rank out (updates)
-ROLLOUT_PROTO = "ROLLOUT_COMPUTE_PROTO"    # prompts in, sequences out
-ROLLOUT_TOKENS = "ROLLOUT_TOKENS"          # one list of token requests per rollout DP rank in, one list out each
+ENGINE_PROTO = "ENGINE_COMPUTE_PROTO"  # DataProto in, DataProto out (log-probs, values)
+ENGINE_METRIC = "ENGINE_COMPUTE_METRIC"  # DataProto in, one metrics dict per kept rank out (updates)
+ROLLOUT_PROTO = "ROLLOUT_COMPUTE_PROTO"  # prompts in, sequences out
+ROLLOUT_TOKENS = "ROLLOUT_TOKENS"  # one list of token requests per rollout DP rank in, one list out each
 
 register_dispatch_mode(ENGINE_PROTO, make_mesh_dispatch("engine", proto=True), make_mesh_collect("engine", proto=True))
-register_dispatch_mode(ENGINE_METRIC, make_mesh_dispatch("engine", proto=True), make_mesh_collect("engine", proto=False))
+register_dispatch_mode(
+    ENGINE_METRIC, make_mesh_dispatch("engine", proto=True), make_mesh_collect("engine", proto=False)
+)
 register_dispatch_mode(
     ROLLOUT_PROTO, make_mesh_dispatch("rollout", proto=True), make_mesh_collect("rollout", proto=True)
 )

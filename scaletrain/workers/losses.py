@@ -9,7 +9,7 @@ micro-batches and DP ranks (backends/accumulation.py).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -19,17 +19,26 @@ from scaletrain.protocol import DataProto
 from scaletrain.workers.config import ActorConfig, CriticConfig
 
 # batch fields the actor update reads besides the model inputs
-ACTOR_INPUTS = ("responses", "input_ids", "attention_mask", "position_ids", "response_mask", "old_log_probs",
-                "advantages")
+ACTOR_INPUTS = (
+    "responses",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "response_mask",
+    "old_log_probs",
+    "advantages",
+)
 CRITIC_INPUTS = ("responses", "input_ids", "attention_mask", "position_ids", "response_mask", "values", "returns")
 
 
 def aggregated(mode: str, mask_key: str = "response_mask") -> Callable[[Callable], Callable]:
     """Decorator for a loss_fn that aggregates over ``mb.batch[mask_key]`` with ``mode``: gives it the
     ``count(micro_batch)`` the engines weight micro-batches by (backends/base.py ``LossFn``)."""
+
     def wrap(loss_fn: Callable) -> Callable:
         loss_fn.count = lambda mb: agg_count(mb.batch[mask_key], mode)
         return loss_fn
+
     return wrap
 
 
@@ -42,8 +51,11 @@ def actor_loss_fn(config: ActorConfig) -> LossFn:
     def loss_fn(outputs: dict[str, torch.Tensor], mb: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         log_prob = outputs["log_probs"]
         mask = mb.batch["response_mask"]
-        extra = {k: mb.batch[k] for k in ("rollout_log_probs", "token_level_rewards", "rollout_is_weights")
-                 if k in mb.batch.keys()}
+        extra = {
+            k: mb.batch[k]
+            for k in ("rollout_log_probs", "token_level_rewards", "rollout_is_weights")
+            if k in mb.batch.keys()
+        }
         pg_loss, metrics = policy_loss(
             mb.batch["old_log_probs"], log_prob, mb.batch["advantages"], mask, mode, config, **extra
         )
@@ -75,8 +87,12 @@ def critic_loss_fn(config: CriticConfig) -> Callable:
     def loss_fn(outputs: dict[str, torch.Tensor], mb: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         vpreds = outputs["values"]
         loss, clipfrac = compute_value_loss(
-            vpreds, mb.batch["returns"], mb.batch["values"], mb.batch["response_mask"],
-            config.cliprange_value, config.loss_agg_mode,
+            vpreds,
+            mb.batch["returns"],
+            mb.batch["values"],
+            mb.batch["response_mask"],
+            config.cliprange_value,
+            config.loss_agg_mode,
         )
         mask = mb.batch["response_mask"].bool()
         return loss, {

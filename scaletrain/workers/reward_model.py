@@ -45,16 +45,21 @@ class RewardModelWorker(Worker):
     def init_model(self) -> None:
         cfg = self.config
         model = replace(cfg.model, kind="reward")
-        engine_cfg = replace(cfg.engine, micro_batch_size_per_gpu=cfg.micro_batch_size_per_gpu,
-                             use_dynamic_bsz=cfg.use_dynamic_bsz,
-                             max_token_len_per_gpu=cfg.forward_max_token_len_per_gpu)
+        engine_cfg = replace(
+            cfg.engine,
+            micro_batch_size_per_gpu=cfg.micro_batch_size_per_gpu,
+            use_dynamic_bsz=cfg.use_dynamic_bsz,
+            max_token_len_per_gpu=cfg.forward_max_token_len_per_gpu,
+        )
         self.engine = get_backend(cfg.backend)(model, None, engine_cfg)
         declare_engine_mesh(self, self.engine)
         if cfg.input_tokenizer:
             from transformers import AutoTokenizer
 
-            self.tokenizers = tuple(AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-                                    for path in (cfg.input_tokenizer, cfg.model.path))
+            self.tokenizers = tuple(
+                AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+                for path in (cfg.input_tokenizer, cfg.model.path)
+            )
 
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:
@@ -64,8 +69,13 @@ class RewardModelWorker(Worker):
         else:
             inputs, truncated = retokenized_inputs(data, *self.tokenizers, self.config.max_length)
             if truncated:
-                logger.warning("reward model: %d of %d re-tokenized rows were longer than reward_model.max_length=%s "
-                               "and keep only their last tokens", truncated, len(data), self.config.max_length)
+                logger.warning(
+                    "reward model: %d of %d re-tokenized rows were longer than reward_model.max_length=%s "
+                    "and keep only their last tokens",
+                    truncated,
+                    len(data),
+                    self.config.max_length,
+                )
         scores = self.engine.forward(inputs, outputs=("scores",)).batch["scores"]
         response_mask = data.batch["attention_mask"][:, -resp_len:]
         return DataProto.from_dict({"rm_scores": place_at_last_token(scores, response_mask)})

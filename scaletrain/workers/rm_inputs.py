@@ -34,12 +34,15 @@ def policy_inputs(data: DataProto) -> DataProto:
 def rm_texts(data: DataProto, src_tokenizer: Any, rm_tokenizer: Any) -> list[str]:
     """Each row as the RM's chat-template text: its chat messages plus the decoded response as the assistant."""
     if "raw_prompt" not in data.non_tensor_batch:
-        raise ValueError("reward_model.model.input_tokenizer re-tokenizes from the rows' chat messages "
-                         "(non-tensor 'raw_prompt'), which this batch lacks; set data.return_raw_chat=true")
+        raise ValueError(
+            "reward_model.model.input_tokenizer re-tokenizes from the rows' chat messages "
+            "(non-tensor 'raw_prompt'), which this batch lacks; set data.return_raw_chat=true"
+        )
     responses = data.batch["responses"]
-    response_mask = data.batch["attention_mask"][:, -responses.shape[1]:].bool()
-    decoded = src_tokenizer.batch_decode([row[m].tolist() for row, m in zip(responses, response_mask)],
-                                         skip_special_tokens=True)
+    response_mask = data.batch["attention_mask"][:, -responses.shape[1] :].bool()
+    decoded = src_tokenizer.batch_decode(
+        [row[m].tolist() for row, m in zip(responses, response_mask)], skip_special_tokens=True
+    )
     texts = []
     for messages, response in zip(data.non_tensor_batch["raw_prompt"], decoded):
         chat = [dict(m) for m in messages] + [{"role": "assistant", "content": response}]
@@ -47,8 +50,9 @@ def rm_texts(data: DataProto, src_tokenizer: Any, rm_tokenizer: Any) -> list[str
     return texts
 
 
-def retokenized_inputs(data: DataProto, src_tokenizer: Any, rm_tokenizer: Any,
-                       max_length: int | None) -> tuple[DataProto, int]:
+def retokenized_inputs(
+    data: DataProto, src_tokenizer: Any, rm_tokenizer: Any, max_length: int | None
+) -> tuple[DataProto, int]:
     """(the RM's right-padded inputs, the number of rows cut to ``max_length``)."""
     texts = rm_texts(data, src_tokenizer, rm_tokenizer)
     rows = rm_tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
@@ -60,9 +64,10 @@ def retokenized_inputs(data: DataProto, src_tokenizer: Any, rm_tokenizer: Any,
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        input_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        attention_mask[i, :len(r)] = 1
+        input_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        attention_mask[i, : len(r)] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    batch = DataProto.from_dict({"input_ids": input_ids, "attention_mask": attention_mask,
-                                 "position_ids": position_ids})
+    batch = DataProto.from_dict(
+        {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    )
     return batch, truncated

@@ -11,17 +11,25 @@ from backends.rollout.base import RolloutConfig, RolloutEngine, RolloutEngineSet
 from scaletrain.controller import Worker
 
 
-def build_rollout(worker: Worker, name: str, model_path: str, settings: RolloutEngineSettings, *,
-                  tensor_parallel_size: int, max_model_len: int,
-                  trust_remote_code: bool = False) -> tuple[RolloutEngine, Any]:
+def build_rollout(
+    worker: Worker,
+    name: str,
+    model_path: str,
+    settings: RolloutEngineSettings,
+    *,
+    tensor_parallel_size: int,
+    max_model_len: int,
+    trust_remote_code: bool = False,
+) -> tuple[RolloutEngine, Any]:
     """(engine, tokenizer). Ranks form rollout groups of ``tensor_parallel_size``; rank 0 of each is collected.
     ``settings`` is the worker's rollout section (it extends RolloutEngineSettings); each engine seeds seed + its
     rollout DP rank. With TP > 1 every rank hosts one shard of its group's engine (backends/rollout/vllm_tp.py)."""
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     shared = {f.name: getattr(settings, f.name) for f in fields(RolloutEngineSettings)}
-    shared["seed"] = settings.seed + worker.rank // tensor_parallel_size   # the ranks of one engine agree
-    config = RolloutConfig(**shared, model_path=model_path, tensor_parallel_size=tensor_parallel_size,
-                           max_model_len=max_model_len)
+    shared["seed"] = settings.seed + worker.rank // tensor_parallel_size  # the ranks of one engine agree
+    config = RolloutConfig(
+        **shared, model_path=model_path, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len
+    )
     engine = get_rollout(name)(config, tokenizer)
     tp = tensor_parallel_size
     worker.register_mesh("rollout", worker.rank // tp, worker.world_size // tp, worker.rank % tp == 0)

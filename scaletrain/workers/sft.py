@@ -40,7 +40,7 @@ SFT_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses", "respo
 class GreedyRolloutConfig(RolloutEngineSettings):
     """The rollout engine that measures greedy accuracy (named as in ``actor_rollout_ref.rollout``)."""
 
-    name: str = "hf"                         # hf | vllm
+    name: str = "hf"  # hf | vllm
     tensor_model_parallel_size: int = 1
     weight_bucket_bytes: int = 256 << 20
 
@@ -50,10 +50,10 @@ class SFTWorkerConfig:
     model: ModelConfig
     backend: str = "fsdp"
     optim: OptimConfig = field(default_factory=OptimConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)   # micro_batch_size_per_gpu etc.
+    engine: EngineConfig = field(default_factory=EngineConfig)  # micro_batch_size_per_gpu etc.
     rollout: GreedyRolloutConfig | None = field(default_factory=GreedyRolloutConfig)  # None: no generation
     max_prompt_length: int = 16
-    max_response_length: int = 8             # also the greedy generation's max_new_tokens
+    max_response_length: int = 8  # also the greedy generation's max_new_tokens
 
 
 @aggregated("token-mean")
@@ -80,12 +80,21 @@ class SFTWorker(Worker):
         if cfg.rollout is not None:
             rc = cfg.rollout
             engine, _ = build_rollout(
-                self, rc.name, cfg.model.path, rc, tensor_parallel_size=rc.tensor_model_parallel_size,
+                self,
+                rc.name,
+                cfg.model.path,
+                rc,
+                tensor_parallel_size=rc.tensor_model_parallel_size,
                 max_model_len=cfg.max_prompt_length + cfg.max_response_length,
                 trust_remote_code=cfg.model.trust_remote_code,
             )
-            self.rollout = ColocatedRollout(engine, self.engine, free_cache_engine=rc.free_cache_engine,
-                                            offload_trainer=False, bucket_bytes=rc.weight_bucket_bytes)
+            self.rollout = ColocatedRollout(
+                engine,
+                self.engine,
+                free_cache_engine=rc.free_cache_engine,
+                offload_trainer=False,
+                bucket_bytes=rc.weight_bucket_bytes,
+            )
             self._rollout_stale = True  # the engine may have loaded other weights than the path (e.g. a resume)
             self.rollout.release()
 

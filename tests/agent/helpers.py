@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from backends.rollout.base import TokenOutput
 from scaletrain.workers.config import MultiTurnConfig
@@ -15,7 +15,7 @@ AGENT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}"
 )
 # multi-character tokens (as a BPE vocabulary would have): single ids a model may also spell char by char
-EXTRA_TOKENS = ["<tool_call>", "</tool_call>", "{\"name\":", "\"calculator\"", ",\"arguments\":", "{\"expression\":"]
+EXTRA_TOKENS = ["<tool_call>", "</tool_call>", '{"name":', '"calculator"', ',"arguments":', '{"expression":']
 
 
 def make_agent_tokenizer():
@@ -52,7 +52,7 @@ class ScriptedServer:
         turn = self.turns.get(request_id, 0)
         self.turns[request_id] = turn + 1
         result = self.script(request_id, turn, list(prompt_ids))
-        ids, reason = (result if isinstance(result, tuple) else (list(result) + [EOS_ID], "stop"))
+        ids, reason = result if isinstance(result, tuple) else (list(result) + [EOS_ID], "stop")
         ids = ids[: sampling_params["max_new_tokens"]]
         if len(ids) == sampling_params["max_new_tokens"] and reason == "stop" and ids[-1] != EOS_ID:
             reason = "length"

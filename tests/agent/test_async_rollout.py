@@ -25,8 +25,10 @@ TOK = make_agent_tokenizer()
 def batch(questions, agent_name=None, interaction=None):
     import numpy as np
 
-    rows = {"raw_prompt": [[{"role": "user", "content": q}] for q in questions],
-            "extra_info": [{"interaction_kwargs": interaction} if interaction else {} for _ in questions]}
+    rows = {
+        "raw_prompt": [[{"role": "user", "content": q}] for q in questions],
+        "extra_info": [{"interaction_kwargs": interaction} if interaction else {} for _ in questions],
+    }
     if agent_name:
         rows["agent_name"] = [agent_name] * len(questions)
     arr = {}
@@ -75,7 +77,7 @@ def test_batching_sticky_routing_and_assembly(tmp_path):
         assert all(any(s[: len(f)] == f for f in first) for s in second)
     assert len(out) == 6 and out.batch["responses"].shape == (6, 120) and out.batch["prompts"].shape[1] == 24
     mask, attn = out.batch["response_mask"], out.batch["attention_mask"][:, 24:]
-    assert ((mask == 1) <= (attn == 1)).all() and (attn.sum(-1) > mask.sum(-1)).all()   # tool tokens: attn only
+    assert ((mask == 1) <= (attn == 1)).all() and (attn.sum(-1) > mask.sum(-1)).all()  # tool tokens: attn only
     assert (out.batch["rollout_log_probs"][mask == 0] == 0).all()
     assert (out.batch["rollout_log_probs"][mask == 1] == -0.5).all()
     assert list(out.non_tensor_batch["num_turns"]) == [4] * 6
@@ -87,10 +89,11 @@ def test_batching_sticky_routing_and_assembly(tmp_path):
 
 def test_agent_name_per_row_and_unknown(tmp_path):
     server = AsyncServerManager(LocalEngineBackend([FakeEngine()]))
-    manager = AgentLoopManager(config(tools_config_file=tools_file(tmp_path)), server, TOK, prompt_length=24,
-                               response_length=120)
+    manager = AgentLoopManager(
+        config(tools_config_file=tools_file(tmp_path)), server, TOK, prompt_length=24, response_length=120
+    )
     out = manager.generate_sequences(batch(["2+3?"], agent_name="single_turn_agent"), {"temperature": 1.0})
-    assert list(out.non_tensor_batch["num_turns"]) == [2]   # the single-turn loop: no tool turn
+    assert list(out.non_tensor_batch["num_turns"]) == [2]  # the single-turn loop: no tool turn
     with pytest.raises(ValueError, match="unknown agent loop 'nope'"):
         manager.generate_sequences(batch(["x"], agent_name="nope"), {"temperature": 1.0})
 
@@ -120,10 +123,12 @@ def test_token_exactness_multi_turn(engine_name, tool_model, tmp_path):
         pytest.importorskip("vllm")
     engine = make_engine(engine_name, tool_model)
     interaction = tmp_path / "interaction.yaml"
-    interaction.write_text("interaction:\n  - name: checker\n    class_name: answer_checker\n"
-                           "    config: {max_attempts: 10}\n")
-    cfg = config(tools_config_file=tools_file(tmp_path), interaction_config_file=str(interaction),
-                 max_assistant_turns=4)
+    interaction.write_text(
+        "interaction:\n  - name: checker\n    class_name: answer_checker\n    config: {max_attempts: 10}\n"
+    )
+    cfg = config(
+        tools_config_file=tools_file(tmp_path), interaction_config_file=str(interaction), max_assistant_turns=4
+    )
     backend = SpyBackend([engine])
     manager = AgentLoopManager(cfg, AsyncServerManager(backend), TOK, prompt_length=24, response_length=240)
     questions = ["12+34", "56+21", "70+18", "33+44"]
@@ -150,7 +155,7 @@ def test_token_exactness_multi_turn(engine_name, tool_model, tmp_path):
         multi += len(spans) >= 3
         assert len(out.response_logprobs) == len(out.response_ids)
     assert multi >= len(outputs) // 2, "most trajectories should have 3+ model turns"
-    assert sum(o.metrics.get("tool_calls", 0) for o in outputs) >= len(outputs) // 2   # tool turns happened too
+    assert sum(o.metrics.get("tool_calls", 0) for o in outputs) >= len(outputs) // 2  # tool turns happened too
     # log-probs on the right positions: one forward pass over the assembled batch (temperature 1, no top-k)
     data = manager._assemble(outputs)
     from transformers import AutoModelForCausalLM
@@ -158,8 +163,15 @@ def test_token_exactness_multi_turn(engine_name, tool_model, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tool_model).eval()
     R = data.batch["responses"].shape[1]
     with torch.no_grad():
-        logits = model(input_ids=data.batch["input_ids"], attention_mask=data.batch["attention_mask"],
-                       position_ids=data.batch["position_ids"]).logits[:, -R - 1:-1].float()
+        logits = (
+            model(
+                input_ids=data.batch["input_ids"],
+                attention_mask=data.batch["attention_mask"],
+                position_ids=data.batch["position_ids"],
+            )
+            .logits[:, -R - 1 : -1]
+            .float()
+        )
     lp = torch.log_softmax(logits, -1).gather(-1, data.batch["responses"].unsqueeze(-1)).squeeze(-1)
     mask = data.batch["response_mask"].bool()
     torch.testing.assert_close(lp[mask], data.batch["rollout_log_probs"][mask], atol=2e-3, rtol=1e-3)
@@ -169,8 +181,9 @@ def test_token_exactness_multi_turn(engine_name, tool_model, tmp_path):
 
 def test_overlong_rendered_prompt_fails_naming_the_row(tmp_path):
     server = AsyncServerManager(LocalEngineBackend([FakeEngine()]))
-    manager = AgentLoopManager(config(tools_config_file=tools_file(tmp_path)), server, TOK, prompt_length=8,
-                               response_length=64)
+    manager = AgentLoopManager(
+        config(tools_config_file=tools_file(tmp_path)), server, TOK, prompt_length=8, response_length=64
+    )
     with pytest.raises(ValueError, match="row t-0-0: the rendered prompt has 22 tokens, more than rollout"):
         manager.generate_sequences(batch(["2+3?"]), {"temperature": 1.0}, tag="t")
 
@@ -181,8 +194,9 @@ def test_hf_generate_tokens_cuts_each_request_to_its_limit(tool_model):
     engine = make_engine("hf", tool_model)
     prompt = TOK("<user>12+34<eos><assistant>", add_special_tokens=False)["input_ids"]
     greedy = lambda k: SamplingConfig(temperature=0.0, max_new_tokens=k)  # noqa: E731
-    short, long, other = engine.generate_tokens([TokenRequest(prompt, greedy(3)), TokenRequest(prompt, greedy(40)),
-                                                 TokenRequest(prompt[:5], greedy(40))])
+    short, long, other = engine.generate_tokens(
+        [TokenRequest(prompt, greedy(3)), TokenRequest(prompt, greedy(40)), TokenRequest(prompt[:5], greedy(40))]
+    )
     assert short.token_ids == long.token_ids[:3] and short.finish_reason == "length"
     assert long.finish_reason == "stop" and long.token_ids[-1] == EOS_ID
     assert len(short.log_probs) == 3 and long.log_probs[:3] == pytest.approx(short.log_probs)

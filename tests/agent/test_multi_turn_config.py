@@ -11,22 +11,34 @@ def test_multi_turn_defaults_and_overrides():
     cfg = validate(load_ppo_config(composed()))
     rollout = cfg.actor_rollout_ref.rollout
     assert rollout.mode == "sync" and not rollout.multi_turn.enable and not rollout.use_agent_loop
-    cfg = validate(load_ppo_config(composed(
-        "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_user_turns=3",
-        "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=left")))
+    cfg = validate(
+        load_ppo_config(
+            composed(
+                "actor_rollout_ref.rollout.multi_turn.enable=true",
+                "actor_rollout_ref.rollout.multi_turn.max_user_turns=3",
+                "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=left",
+            )
+        )
+    )
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     assert cfg.actor_rollout_ref.rollout.use_agent_loop and mt.max_user_turns == 3 and mt.format == "hermes"
     assert load_ppo_config(composed("actor_rollout_ref.rollout.mode=async")).actor_rollout_ref.rollout.use_agent_loop
 
 
-@pytest.mark.parametrize("override, message", [
-    ("actor_rollout_ref.rollout.mode=fast", "actor_rollout_ref.rollout.mode must be sync | async"),
-    ("actor_rollout_ref.rollout.multi_turn.format=nope", "multi_turn.format: unknown tool parser 'nope'"),
-    ("actor_rollout_ref.rollout.multi_turn.default_agent_loop=nope", "default_agent_loop: unknown agent loop 'nope'"),
-    ("actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=top", "left | right | middle"),
-    ("actor_rollout_ref.rollout.multi_turn.tools_config_file=/no/tools.yaml", "tools_config_file: not found"),
-    ("actor_rollout_ref.rollout.multi_turn.max_parallel_calls=0", "max_parallel_calls must be positive"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("actor_rollout_ref.rollout.mode=fast", "actor_rollout_ref.rollout.mode must be sync | async"),
+        ("actor_rollout_ref.rollout.multi_turn.format=nope", "multi_turn.format: unknown tool parser 'nope'"),
+        (
+            "actor_rollout_ref.rollout.multi_turn.default_agent_loop=nope",
+            "default_agent_loop: unknown agent loop 'nope'",
+        ),
+        ("actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=top", "left | right | middle"),
+        ("actor_rollout_ref.rollout.multi_turn.tools_config_file=/no/tools.yaml", "tools_config_file: not found"),
+        ("actor_rollout_ref.rollout.multi_turn.max_parallel_calls=0", "max_parallel_calls must be positive"),
+    ],
+)
 def test_multi_turn_validation(override, message):
     with pytest.raises(ConfigError, match=message.replace("|", "\\|")):
         validate(load_ppo_config(composed(override)))

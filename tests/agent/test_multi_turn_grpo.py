@@ -27,11 +27,19 @@ def write_data(path: Path, n: int, seed: int) -> str:
     rows = []
     for i in range(n):
         a, b = rng.randint(10, 99), rng.randint(10, 99)
-        rows.append({
-            "data_source": "calc", "prompt": [{"role": "user", "content": f"{a}+{b}"}], "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(a + b)}, "agent_name": "tool_agent",
-            "extra_info": {"index": i, "tools_kwargs": {"calculator": {"create_kwargs": {"ground_truth": str(a + b)}}}},
-        })
+        rows.append(
+            {
+                "data_source": "calc",
+                "prompt": [{"role": "user", "content": f"{a}+{b}"}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "agent_name": "tool_agent",
+                "extra_info": {
+                    "index": i,
+                    "tools_kwargs": {"calculator": {"create_kwargs": {"ground_truth": str(a + b)}}},
+                },
+            }
+        )
     pq.write_table(pa.Table.from_pylist(rows), path)
     return str(path)
 
@@ -41,19 +49,34 @@ def test_multi_turn_grpo_uses_the_calculator(tool_model, tmp_path):
     tools.write_text("tools:\n  - class_name: calculator\n")
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "scaletrain.trainer.main_ppo", "rollout=hf", f"actor_rollout_ref.model.path={tool_model}",
+        sys.executable,
+        "-m",
+        "scaletrain.trainer.main_ppo",
+        "rollout=hf",
+        f"actor_rollout_ref.model.path={tool_model}",
         f"data.train_files={write_data(tmp_path / 'train.parquet', 32, 0)}",
         f"data.val_files={write_data(tmp_path / 'val.parquet', 4, 1)}",
-        "data.train_batch_size=4", "data.max_prompt_length=24", "data.max_response_length=64",
-        "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.optim.lr=1e-4",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=24",
+        "data.max_response_length=64",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.actor.optim.lr=1e-4",
         "actor_rollout_ref.rollout.multi_turn.enable=true",
         f"actor_rollout_ref.rollout.multi_turn.tools_config_file={tools}",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
         f"custom_reward_function.path={Path(__file__).parent / 'calc_reward.py'}",
-        "trainer.total_training_steps=3", "trainer.val_before_train=false", "trainer.test_freq=-1",
-        f"trainer.default_local_dir={run_dir}", "trainer.logger=[jsonl]", "trainer.save_hf_at_end=false",
-        "trainer.plot_at_end=false", "trainer.save_freq=-1", "ray_init.num_cpus=4", "reward_model.num_processes=1",
+        "trainer.total_training_steps=3",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.logger=[jsonl]",
+        "trainer.save_hf_at_end=false",
+        "trainer.plot_at_end=false",
+        "trainer.save_freq=-1",
+        "ray_init.num_cpus=4",
+        "reward_model.num_processes=1",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
@@ -62,7 +85,7 @@ def test_multi_turn_grpo_uses_the_calculator(tool_model, tmp_path):
     steps = [r for r in rows if r["step"] >= 1 and "agent/tool_calls" in r]
     assert len(steps) == 3
     for r in steps:
-        assert r["agent/tool_calls"] > 0 and r["num_turns/mean"] > 2   # the model called the calculator
+        assert r["agent/tool_calls"] > 0 and r["num_turns/mean"] > 2  # the model called the calculator
         assert "agent/tool_errors" in r and "num_turns/max" in r and "actor/pg_loss" in r
         assert r["agent/generate_batches"] >= 2 and r["agent/mean_batch_size"] > 1
     assert "val/calc/acc" in rows[-1]

@@ -23,10 +23,12 @@ def parse(text, name="hermes"):
 
 
 def test_hermes_parses_calls_and_skips_malformed():
-    text = ('I will compute. <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
-            '<tool_call>{"name": "search", "arguments": "{\\"query\\": \\"x\\"}"}</tool_call>'
-            '<tool_call>{"arguments": {}}</tool_call><tool_call>not json</tool_call>'
-            '<tool_call>{"name": "a", "arguments": [1]}</tool_call><tool_call>{"name": "open"')
+    text = (
+        'I will compute. <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
+        '<tool_call>{"name": "search", "arguments": "{\\"query\\": \\"x\\"}"}</tool_call>'
+        '<tool_call>{"arguments": {}}</tool_call><tool_call>not json</tool_call>'
+        '<tool_call>{"name": "a", "arguments": [1]}</tool_call><tool_call>{"name": "open"'
+    )
     content, calls, bad = parse(text)
     assert calls == [FunctionCall("calculator", '{"expression": "1+2"}'), FunctionCall("search", '{"query": "x"}')]
     assert bad == 4 and content.startswith("I will compute.")
@@ -52,6 +54,7 @@ def execute(tool, **params):
             return await tool.execute(instance, params)
         finally:
             await tool.release(instance)
+
     return asyncio.run(go())
 
 
@@ -75,17 +78,18 @@ def test_code_runner_output_errors_limits_and_no_network():
 
 
 def test_search_tool_against_local_retrieval_server():
-    server, url = serve_in_thread(["Paris is the capital of France.", "Berlin is the capital of Germany.",
-                                   "Cats are small mammals."])
+    server, url = serve_in_thread(
+        ["Paris is the capital of France.", "Berlin is the capital of Germany.", "Cats are small mammals."]
+    )
     try:
-        tool = SearchTool({"retrieval_service_url": url, "topk": 2, "num_workers": 2, "rate_limit": 50,
-                           "timeout": 5})
+        tool = SearchTool({"retrieval_service_url": url, "topk": 2, "num_workers": 2, "rate_limit": 50, "timeout": 5})
         response, _, metrics = execute(tool, query="capital of France")
         assert response.text.splitlines()[0] == "Doc 1: Paris is the capital of France." and not metrics
 
         async def many():
             inst, _ = await tool.create()
             return await asyncio.gather(*(tool.execute(inst, {"query": "cats"}) for _ in range(6)))
+
         assert all("Cats" in r[0].text for r in asyncio.run(many()))
         down = SearchTool({"retrieval_service_url": "http://127.0.0.1:9/retrieve", "timeout": 1})
         response, _, metrics = execute(down, query="x")
@@ -96,14 +100,16 @@ def test_search_tool_against_local_retrieval_server():
 
 def test_load_tools_and_interactions_from_yaml(tmp_path):
     path = tmp_path / "tools.yaml"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         tools:
           - class_name: calculator
             config: {reward_correct: 1.0}
           - class_name: scaletrain.agent.tools.code_runner.CodeRunnerTool
             config: {timeout: 3}
             tool_schema: {type: function, function: {name: python, description: run code}}
-    """))
+    """)
+    )
     tools = load_tools(str(path))
     assert [t.name for t in tools] == ["calculator", "python"] and tools[1].config["timeout"] == 3
     path.write_text("tools:\n  - class_name: nosuchtool\n")

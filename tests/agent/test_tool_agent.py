@@ -17,7 +17,7 @@ PROMPT = [{"role": "user", "content": "What is 2+3?"}]
 
 
 def call(name="calculator", **args):
-    return f'<tool_call>{json.dumps({"name": name, "arguments": args})}</tool_call>'
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>"
 
 
 def ids(text):
@@ -32,9 +32,14 @@ def run(loop, **row):
 
 def make_loop(script, tools=None, interactions=None, response_length=200, **cfg):
     server = ScriptedServer(script)
-    loop = ToolAgentLoop(config(**cfg), server, TOK, response_length=response_length,
-                         tools=tools if tools is not None else {"calculator": CalculatorTool()},
-                         interactions=interactions)
+    loop = ToolAgentLoop(
+        config(**cfg),
+        server,
+        TOK,
+        response_length=response_length,
+        tools=tools if tools is not None else {"calculator": CalculatorTool()},
+        interactions=interactions,
+    )
     return loop, server
 
 
@@ -88,7 +93,7 @@ def test_states_tool_call_then_answer():
     runs = segments(out)
     assert [m for m, _ in runs] == [1, 0, 1]
     assert runs[0][1] == ids(call(expression="2+3")) + [EOS_ID]
-    assert runs[1][1] == ids("<tool>5<eos><assistant>")          # template-rendered tool turn, mask 0
+    assert runs[1][1] == ids("<tool>5<eos><assistant>")  # template-rendered tool turn, mask 0
     assert runs[2][1] == ids("5") + [EOS_ID]
     # the second request's prompt is exactly the whole sequence so far
     assert server.calls[1][1] == out.prompt_ids + runs[0][1] + runs[1][1]
@@ -157,18 +162,24 @@ def tool_text(out):
     return TOK.decode(segments(out)[1][1])
 
 
-@pytest.mark.parametrize("args, expect, counter", [
-    ({"mode": "raise"}, "Error when executing tool 'flaky': RuntimeError: boom", "tool_errors"),
-    ({"mode": "sleep", "s": 10}, "Error: tool 'flaky' timed out after 0.2 s", "tool_timeouts"),
-])
+@pytest.mark.parametrize(
+    "args, expect, counter",
+    [
+        ({"mode": "raise"}, "Error when executing tool 'flaky': RuntimeError: boom", "tool_errors"),
+        ({"mode": "sleep", "s": 10}, "Error: tool 'flaky' timed out after 0.2 s", "tool_timeouts"),
+    ],
+)
 def test_tool_failure_and_timeout_come_back_as_text(args, expect, counter):
     FlakyTool.released = []
-    loop, _ = make_loop(lambda rid, turn, p: ids(call("flaky", **args)) if turn == 0 else ids("ok"),
-                        tools={"flaky": FlakyTool()}, tool_timeout_s=0.2)
+    loop, _ = make_loop(
+        lambda rid, turn, p: ids(call("flaky", **args)) if turn == 0 else ids("ok"),
+        tools={"flaky": FlakyTool()},
+        tool_timeout_s=0.2,
+    )
     out = run(loop)
     assert expect in tool_text(out)
     assert out.metrics[counter] == 1 and out.metrics["tool_errors"] == 1
-    assert len(FlakyTool.released) == 1                     # release ran despite the failure
+    assert len(FlakyTool.released) == 1  # release ran despite the failure
 
 
 def test_unknown_tool_and_malformed_call():
@@ -181,16 +192,19 @@ def test_unknown_tool_and_malformed_call():
 
 def test_parallel_calls_run_concurrently_and_are_capped():
     three = "".join(call("flaky", mode="sleep", s=0.3) for _ in range(3))
-    loop, _ = make_loop(lambda rid, turn, p: ids(three) if turn == 0 else ids("ok"),
-                        tools={"flaky": FlakyTool()}, max_parallel_calls=2)
+    loop, _ = make_loop(
+        lambda rid, turn, p: ids(three) if turn == 0 else ids("ok"), tools={"flaky": FlakyTool()}, max_parallel_calls=2
+    )
     start = time.perf_counter()
     out = run(loop)
-    assert time.perf_counter() - start < 0.55               # two 0.3 s calls overlapped
+    assert time.perf_counter() - start < 0.55  # two 0.3 s calls overlapped
     assert out.metrics["tool_calls"] == 2 and out.metrics["tool_calls_dropped"] == 1
 
 
-@pytest.mark.parametrize("side, expect", [
-    ("left", "xxxxAB...(truncated)"), ("right", "(truncated)...YZzzzz"), ("middle", "xxx...(truncated)...zzz")])
+@pytest.mark.parametrize(
+    "side, expect",
+    [("left", "xxxxAB...(truncated)"), ("right", "(truncated)...YZzzzz"), ("middle", "xxx...(truncated)...zzz")],
+)
 def test_tool_response_truncation(side, expect):
     class Long(BaseTool):
         default_schema = {"type": "function", "function": {"name": "long"}}
@@ -198,16 +212,27 @@ def test_tool_response_truncation(side, expect):
         async def execute(self, instance_id, parameters, **kwargs):
             return ToolResponse(text="xxxxAB" + "m" * 50 + "YZzzzz"), 0.0, {}
 
-    loop, _ = make_loop(lambda rid, turn, p: ids(call("long")) if turn == 0 else ids("ok"),
-                        tools={"long": Long()}, max_tool_response_length=6, tool_response_truncate_side=side)
+    loop, _ = make_loop(
+        lambda rid, turn, p: ids(call("long")) if turn == 0 else ids("ok"),
+        tools={"long": Long()},
+        max_tool_response_length=6,
+        tool_response_truncate_side=side,
+    )
     assert tool_text(run(loop)) == f"<tool>{expect}<eos><assistant>"
 
 
 def test_tool_selection_and_create_kwargs():
-    loop, _ = make_loop(lambda rid, turn, p: ids(call(expression="2+3")) if turn == 0 else ids("5"),
-                        tools={"calculator": CalculatorTool({"reward_correct": 1.0}), "flaky": FlakyTool()})
-    out = run(loop, extra_info={"tool_selection": ["calculator"],
-                                "tools_kwargs": {"calculator": {"create_kwargs": {"ground_truth": "5"}}}})
+    loop, _ = make_loop(
+        lambda rid, turn, p: ids(call(expression="2+3")) if turn == 0 else ids("5"),
+        tools={"calculator": CalculatorTool({"reward_correct": 1.0}), "flaky": FlakyTool()},
+    )
+    out = run(
+        loop,
+        extra_info={
+            "tool_selection": ["calculator"],
+            "tools_kwargs": {"calculator": {"create_kwargs": {"ground_truth": "5"}}},
+        },
+    )
     assert out.extra_fields["tool_rewards"] == [1.0]
     with pytest.raises(ValueError, match="unknown tools \\['missing'\\]"):
         run(loop, extra_info={"tool_selection": ["missing"]})
@@ -220,12 +245,20 @@ def test_interaction_wrong_then_right():
     loop = RecordingLoop(config(), server, TOK, response_length=200, tools={}, interactions={"checker": checker})
     out = run(loop, extra_info={"interaction_kwargs": {"name": "checker", "ground_truth": "5"}})
     S = AgentState
-    assert loop.states == [S.PENDING, S.GENERATING, S.INTERACTING, S.GENERATING, S.INTERACTING, S.GENERATING,
-                           S.INTERACTING, S.TERMINATED]
+    assert loop.states == [
+        S.PENDING,
+        S.GENERATING,
+        S.INTERACTING,
+        S.GENERATING,
+        S.INTERACTING,
+        S.GENERATING,
+        S.INTERACTING,
+        S.TERMINATED,
+    ]
     assert out.extra_fields["turn_scores"] == [0.0, 0.0, 1.0]
     runs = segments(out)
     assert runs[1] == (0, ids("<user>Your answer is wrong. Try again.<eos><assistant>"))
-    assert out.num_turns == 7 and checker._instances == {}   # finalized
+    assert out.num_turns == 7 and checker._instances == {}  # finalized
 
 
 def test_interaction_max_attempts_terminates():

@@ -25,8 +25,12 @@ def problem(rng: random.Random) -> tuple[str, str]:
 
 
 def conversation(question: str, answer: str) -> list[dict]:
-    return [{"role": "user", "content": question}, {"role": "assistant", "content": CALL % question},
-            {"role": "tool", "content": answer}, {"role": "assistant", "content": answer}]
+    return [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": CALL % question},
+        {"role": "tool", "content": answer},
+        {"role": "assistant", "content": answer},
+    ]
 
 
 def encode(tok, messages: list[dict]) -> tuple[list[int], list[int]]:
@@ -49,9 +53,20 @@ def build_tool_model(path: str, steps: int = 250, seed: int = 0) -> str:
     tok = make_agent_tokenizer()
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
-                      tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = Qwen2ForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()

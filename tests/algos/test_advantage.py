@@ -1,4 +1,5 @@
 """Advantage estimators against slow loop references (verl's recursions written row by row, step by step)."""
+
 import math
 import statistics
 from types import SimpleNamespace
@@ -26,8 +27,10 @@ def ref_whiten(x, mask):
     vals = [x[b][t] for b in range(len(x)) for t in range(len(x[0])) if mask[b][t]]
     mean = sum(vals) / len(vals)
     var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
-    return [[(x[b][t] - mean) / math.sqrt(var + 1e-8) if mask[b][t] else 0.0 for t in range(len(x[0]))]
-            for b in range(len(x))]
+    return [
+        [(x[b][t] - mean) / math.sqrt(var + 1e-8) if mask[b][t] else 0.0 for t in range(len(x[0]))]
+        for b in range(len(x))
+    ]
 
 
 def ref_gae(rewards, values, mask, gamma, lam):
@@ -143,8 +146,10 @@ def ref_rpp_baseline(rewards, mask, index):
 
 def ref_remax(rewards, mask, baselines):
     B, T = len(rewards), len(rewards[0])
-    returns = [[sum(rewards[b][s] for s in range(t, T) if mask[b][s]) if mask[b][t] else 0.0 for t in range(T)]
-               for b in range(B)]
+    returns = [
+        [sum(rewards[b][s] for s in range(t, T) if mask[b][s]) if mask[b][t] else 0.0 for t in range(T)]
+        for b in range(B)
+    ]
     adv = [[returns[b][t] - baselines[b] if mask[b][t] else 0.0 for t in range(T)] for b in range(B)]
     return adv, returns
 
@@ -161,7 +166,9 @@ def outcome_batch(seed, n_groups=4, n=4, T=6, singleton=False, binary=False):
     last = mask.sum(-1).long() - 1
     score = torch.randint(0, 2, (B,), generator=gen).float() if binary else torch.randn(B, generator=gen)
     rewards[torch.arange(B), last] = score
-    uids = np.array([f"p{g}" for g in range(n_groups) for _ in range(n)] + (["solo"] if singleton else []), dtype=object)
+    uids = np.array(
+        [f"p{g}" for g in range(n_groups) for _ in range(n)] + (["solo"] if singleton else []), dtype=object
+    )
     perm = torch.randperm(B, generator=gen)  # groups need not be contiguous
     return rewards[perm], mask[perm], uids[perm.numpy()]
 

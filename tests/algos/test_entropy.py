@@ -1,4 +1,5 @@
 """Chunked entropy / label log-probs equal the full-softmax versions, values and gradients."""
+
 import pytest
 import torch
 
@@ -48,8 +49,10 @@ def test_bf16_logits_and_combined_backward():
     loss.backward()
     assert logits.grad.dtype == torch.bfloat16
     ref_logits = logits.detach().float().requires_grad_(True)
-    ref_loss = (-torch.log_softmax(ref_logits, -1).gather(-1, labels[..., None]).mean()
-                - 0.01 * full_entropy(ref_logits).float().mean())
+    ref_loss = (
+        -torch.log_softmax(ref_logits, -1).gather(-1, labels[..., None]).mean()
+        - 0.01 * full_entropy(ref_logits).float().mean()
+    )
     ref_loss.backward()
     assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-4)
     torch.testing.assert_close(logits.grad.float(), ref_logits.grad, atol=1e-3, rtol=2e-2)

@@ -1,5 +1,6 @@
 """Loss aggregation modes, KL estimators (incl. straight-through '+' variants), KL controllers, the in-reward
 KL penalty, the KL loss term and the clipped value loss, against loop references."""
+
 import math
 
 import pytest
@@ -57,7 +58,8 @@ def test_agg_modes_differ_and_unknown_mode():
     values = {m: agg_loss(x, mask, m).item() for m in ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]}
     assert len(set(round(v, 6) for v in values.values())) == 3
     assert agg_loss(x, mask, "seq-mean-token-sum-norm", norm_length=3).item() == pytest.approx(
-        sum(x[b, t].item() for b in range(5) for t in range(6) if mask[b, t]) / (5 * 3), abs=1e-6)
+        sum(x[b, t].item() for b in range(5) for t in range(6) if mask[b, t]) / (5 * 3), abs=1e-6
+    )
     with pytest.raises(ValueError, match="seq-sum-bogus"):
         agg_loss(x, mask, "seq-sum-bogus")
     assert agg_loss(x, torch.zeros_like(mask), "token-mean").item() == 0.0
@@ -83,8 +85,9 @@ def test_kl_estimators(name):
     ref = torch.randn(4, 5, generator=gen, dtype=torch.float64)
     lp[0, 0], ref[0, 0] = -15.0, 0.0  # k3 clamp at 10
     out = kl_penalty(lp, ref, name)
-    expected = torch.tensor([[ref_kl(lp[b, t].item(), ref[b, t].item(), name) for t in range(5)] for b in range(4)],
-                            dtype=torch.float64)
+    expected = torch.tensor(
+        [[ref_kl(lp[b, t].item(), ref[b, t].item(), name) for t in range(5)] for b in range(4)], dtype=torch.float64
+    )
     torch.testing.assert_close(out, expected)
     if name in ("k3", "low_var_kl"):
         assert out[0, 0].item() == 10.0
@@ -177,7 +180,9 @@ def test_value_loss_clipping(mode):
             token_losses[b, t] = max((v - r) ** 2, (vc - r) ** 2)
             if mask[b, t]:
                 clipped.append((vc - r) ** 2 > (v - r) ** 2)
-            grads[b, t] = 2 * (v - r) if (v - r) ** 2 >= (vc - r) ** 2 else (2 * (vc - r) if old - c < v < old + c else 0.0)
+            grads[b, t] = (
+                2 * (v - r) if (v - r) ** 2 >= (vc - r) ** 2 else (2 * (vc - r) if old - c < v < old + c else 0.0)
+            )
     assert loss.item() == pytest.approx(0.5 * ref_agg(token_losses, mask, mode), abs=1e-5)
     assert clipfrac == pytest.approx(sum(clipped) / len(clipped))
     assert 0 < clipfrac < 1

@@ -1,4 +1,5 @@
 """Policy losses against per-token loop references: loss values, metrics and gradients w.r.t. log_prob."""
+
 import math
 
 import pytest
@@ -29,9 +30,12 @@ def agg_weights(mask, mode):
     for b in range(B):
         for t in range(T):
             if mask[b, t]:
-                w[b, t] = {"token-mean": 1 / n_tokens, "seq-mean-token-sum": 1 / n_seqs,
-                           "seq-mean-token-mean": 1 / (n_seqs * lengths[b]),
-                           "seq-mean-token-sum-norm": 1 / (B * T)}[mode]
+                w[b, t] = {
+                    "token-mean": 1 / n_tokens,
+                    "seq-mean-token-sum": 1 / n_seqs,
+                    "seq-mean-token-mean": 1 / (n_seqs * lengths[b]),
+                    "seq-mean-token-sum-norm": 1 / (B * T),
+                }[mode]
     return w
 
 
@@ -50,8 +54,12 @@ def run(name, old, log_prob, adv, mask, mode, config, **kwargs):
 
 def ref_run(token_loss_fn, old, log_prob, adv, mask, mode):
     lp = log_prob.detach().double().clone().requires_grad_(True)
-    losses = {(b, t): token_loss_fn(old[b, t].double(), lp[b, t], adv[b, t].double(), b, t)
-              for b in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[b, t]}
+    losses = {
+        (b, t): token_loss_fn(old[b, t].double(), lp[b, t], adv[b, t].double(), b, t)
+        for b in range(mask.shape[0])
+        for t in range(mask.shape[1])
+        if mask[b, t]
+    }
     total = ref_aggregate(losses, mask, mode)
     total.backward()
     return total.detach(), lp.grad
@@ -72,15 +80,15 @@ def test_vanilla_ppo_with_asymmetric_and_dual_clip(mode):
     low, high, c = 0.2, 0.28, 1.5
     cfg = {"clip_ratio": 0.1, "clip_ratio_low": low, "clip_ratio_high": high, "clip_ratio_c": c}
 
-    def token_loss(o, l, a, b, t):
-        ratio = torch.exp(l - o)
+    def token_loss(o, logp, a, b, t):
+        ratio = torch.exp(logp - o)
         r_clip = min(max(ratio.item(), 1 - low), 1 + high)
         if (-a * ratio).item() >= (-a * r_clip).item():
             loss = -a * ratio
         else:
             loss = (-a * r_clip).detach()  # clipped: no gradient
         if a < 0 and loss.item() > (-a * c).item():
-            loss = (-a * c).detach()       # dual clip caps the loss for negative advantages
+            loss = (-a * c).detach()  # dual clip caps the loss for negative advantages
         return loss
 
     loss, grad, metrics = run("vanilla", old, lp, adv, mask, mode, cfg)
@@ -89,8 +97,10 @@ def test_vanilla_ppo_with_asymmetric_and_dual_clip(mode):
     assert_close(grad, ref_grad)
 
     ratio = torch.exp(lp.detach() - old)
-    clipped = [[(-adv[b, t] * min(max(ratio[b, t], 1 - low), 1 + high) > -adv[b, t] * ratio[b, t]).item()
-                for t in range(8)] for b in range(8)]
+    clipped = [
+        [(-adv[b, t] * min(max(ratio[b, t], 1 - low), 1 + high) > -adv[b, t] * ratio[b, t]).item() for t in range(8)]
+        for b in range(8)
+    ]
     dual = [[bool(adv[b, t] < 0 and max(ratio[b, t].item(), 1 - low) > c) for t in range(8)] for b in range(8)]
     assert metrics["actor/pg_clipfrac"] == pytest.approx(masked_frac(clipped, mask), abs=1e-6)
     assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(masked_frac(dual, mask), abs=1e-6)
@@ -142,7 +152,7 @@ def test_gspo_sequence_ratio_and_gradient(mode):
 def test_gpg_is_plain_policy_gradient(mode):
     old, lp, adv, mask = batch(3)
     loss, grad, _ = run("gpg", old, lp, adv, mask, mode, None)
-    ref_loss, ref_grad = ref_run(lambda o, l, a, b, t: -a * l, old, lp, adv, mask, mode)
+    ref_loss, ref_grad = ref_run(lambda o, logp, a, b, t: -a * logp, old, lp, adv, mask, mode)
     assert_close(loss, ref_loss)
     assert_close(grad, ref_grad)
 
@@ -151,11 +161,13 @@ def test_cispo_clipped_detached_weight():
     old, lp, adv, mask = batch(4, spread=0.5)
     low, high = 0.3, 0.2
 
-    def token_loss(o, l, a, b, t):
-        weight = min(max(math.exp((l - o).item()), 1 - low), 1 + high)  # a constant: no gradient through it
-        return -a * weight * l
+    def token_loss(o, logp, a, b, t):
+        weight = min(max(math.exp((logp - o).item()), 1 - low), 1 + high)  # a constant: no gradient through it
+        return -a * weight * logp
 
-    loss, grad, metrics = run("cispo", old, lp, adv, mask, "token-mean", {"clip_ratio_low": low, "clip_ratio_high": high})
+    loss, grad, metrics = run(
+        "cispo", old, lp, adv, mask, "token-mean", {"clip_ratio_low": low, "clip_ratio_high": high}
+    )
     ref_loss, ref_grad = ref_run(token_loss, old, lp, adv, mask, "token-mean")
     assert_close(loss, ref_loss)
     assert_close(grad, ref_grad)
@@ -169,12 +181,14 @@ def test_sapo_soft_gate():
     old, lp, adv, mask = batch(5, spread=0.5)
     tau_pos, tau_neg = 1.0, 2.0
 
-    def token_loss(o, l, a, b, t):
+    def token_loss(o, logp, a, b, t):
         tau = tau_pos if a > 0 else tau_neg
-        gate = 1.0 / (1.0 + torch.exp(-tau * (torch.exp(l - o) - 1.0)))
+        gate = 1.0 / (1.0 + torch.exp(-tau * (torch.exp(logp - o) - 1.0)))
         return -a * gate * 4.0 / tau
 
-    loss, grad, metrics = run("sapo", old, lp, adv, mask, "seq-mean-token-mean", {"policy_loss": {"tau_pos": tau_pos, "tau_neg": tau_neg}})
+    loss, grad, metrics = run(
+        "sapo", old, lp, adv, mask, "seq-mean-token-mean", {"policy_loss": {"tau_pos": tau_pos, "tau_neg": tau_neg}}
+    )
     ref_loss, ref_grad = ref_run(token_loss, old, lp, adv, mask, "seq-mean-token-mean")
     assert_close(loss, ref_loss)
     assert_close(grad, ref_grad)
@@ -198,19 +212,20 @@ def test_clip_cov_detaches_all_eligible_tokens_when_ratio_is_large():
     cfg = {"clip_ratio": 0.2, "clip_cov_ratio": 1.0, "clip_cov_lb": 0.2, "clip_cov_ub": 1.5}
     valid, cov = cov_stats(old, lp, adv, mask)
 
-    def ppo(o, l, a):
-        ratio = torch.exp(l - o)
+    def ppo(o, logp, a):
+        ratio = torch.exp(logp - o)
         r = ratio.item()
         if 0.8 <= r <= 1.2 or -a * r >= -a * min(max(r, 0.8), 1.2):
             return -a * ratio, False
         return (-a * min(max(r, 0.8), 1.2)).detach(), True
 
-    eligible = {(b, t) for b, t in valid if not ppo(old[b, t], lp[b, t].detach(), adv[b, t])[1]
-                and 0.2 < cov[(b, t)] < 1.5}
+    eligible = {
+        (b, t) for b, t in valid if not ppo(old[b, t], lp[b, t].detach(), adv[b, t])[1] and 0.2 < cov[(b, t)] < 1.5
+    }
     assert 0 < len(eligible) < len(valid)
 
-    def token_loss(o, l, a, b, t):
-        loss, _ = ppo(o, l, a)
+    def token_loss(o, logp, a, b, t):
+        loss, _ = ppo(o, logp, a)
         return loss * 0.0 if (b, t) in eligible else loss
 
     loss, grad, metrics = run("clip_cov", old, lp, adv, mask, "token-mean", cfg)
@@ -247,11 +262,13 @@ def test_kl_cov_penalises_top_covariance_tokens():
     k = max(int(len(valid) * ratio_share), 1)
     top = set(sorted(valid, key=lambda bt: cov[bt], reverse=True)[:k])
 
-    def token_loss(o, l, a, b, t):
-        loss = -a * torch.exp(l - o)
-        return loss + coef * (l - o).abs() if (b, t) in top else loss
+    def token_loss(o, logp, a, b, t):
+        loss = -a * torch.exp(logp - o)
+        return loss + coef * (logp - o).abs() if (b, t) in top else loss
 
-    loss, grad, metrics = run("kl_cov", old, lp, adv, mask, "token-mean", {"kl_cov_ratio": ratio_share, "ppo_kl_coef": coef})
+    loss, grad, metrics = run(
+        "kl_cov", old, lp, adv, mask, "token-mean", {"kl_cov_ratio": ratio_share, "ppo_kl_coef": coef}
+    )
     ref_loss, ref_grad = ref_run(token_loss, old, lp, adv, mask, "token-mean")
     assert_close(loss, ref_loss)
     assert_close(grad, ref_grad)
@@ -270,6 +287,10 @@ def test_unknown_policy_loss_and_registration():
 
     old, lp, adv, mask = batch(9)
     rewards = torch.randn(5, 7)
-    loss, _ = get_policy_loss("test_only_reward_aware")(old, lp, adv, mask, "token-mean", None, token_level_rewards=rewards)
-    expected = sum((-lp[b, t] * rewards[b, t]).item() for b in range(5) for t in range(7) if mask[b, t]) / mask.sum().item()
+    loss, _ = get_policy_loss("test_only_reward_aware")(
+        old, lp, adv, mask, "token-mean", None, token_level_rewards=rewards
+    )
+    expected = (
+        sum((-lp[b, t] * rewards[b, t]).item() for b in range(5) for t in range(7) if mask[b, t]) / mask.sum().item()
+    )
     assert loss.item() == pytest.approx(expected, abs=1e-5)

@@ -1,4 +1,5 @@
 """Rollout correction weights and mismatch metrics against loop references."""
+
 import math
 
 import pytest
@@ -25,8 +26,9 @@ def valid_cells(mask):
 def test_token_level(mode):
     old, rollout, mask = batch(0)
     thr = 1.5
-    weights, m = compute_rollout_correction(old, rollout, mask, rollout_is_threshold=thr, rollout_is_level="token",
-                                            rollout_is_mode=mode)
+    weights, m = compute_rollout_correction(
+        old, rollout, mask, rollout_is_threshold=thr, rollout_is_level="token", rollout_is_mode=mode
+    )
     cells = valid_cells(mask)
     raw = {bt: math.exp(old[bt].item() - rollout[bt].item()) for bt in cells}
     for b in range(mask.shape[0]):
@@ -48,7 +50,9 @@ def test_token_level(mode):
         frac = sum(not (1 / thr <= v <= thr) for v in raw.values()) / len(raw)
         assert m["rollout_corr/is_masked_frac"] == pytest.approx(frac) and 0 < frac < 1
     final = [weights[bt].item() for bt in cells]
-    assert m["rollout_corr/is_ess"] == pytest.approx(sum(final) ** 2 / (len(final) * sum(w * w for w in final)), rel=1e-5)
+    assert m["rollout_corr/is_ess"] == pytest.approx(
+        sum(final) ** 2 / (len(final) * sum(w * w for w in final)), rel=1e-5
+    )
     assert not weights.requires_grad
 
 
@@ -57,8 +61,15 @@ def test_sequence_level(mode):
     old, rollout, mask = batch(1)
     old = rollout + 0.3 * (old - rollout)  # keep sequence products in a sensible range
     thr, lower = 2.0, 0.6
-    weights, m = compute_rollout_correction(old, rollout, mask, rollout_is_threshold=thr, rollout_is_level="sequence",
-                                            rollout_is_mode=mode, rollout_is_threshold_lower=lower)
+    weights, m = compute_rollout_correction(
+        old,
+        rollout,
+        mask,
+        rollout_is_threshold=thr,
+        rollout_is_level="sequence",
+        rollout_is_mode=mode,
+        rollout_is_threshold_lower=lower,
+    )
     seq = []
     for b in range(mask.shape[0]):
         s = math.exp(sum(old[b, t].item() - rollout[b, t].item() for t in range(mask.shape[1]) if mask[b, t]))
@@ -78,8 +89,9 @@ def test_mismatch_metrics():
     _, m = compute_rollout_correction(old, rollout, mask)
     cells = valid_cells(mask)
     k1 = sum(rollout[bt].item() - old[bt].item() for bt in cells) / len(cells)
-    k3 = sum(math.exp(old[bt].item() - rollout[bt].item()) - 1 - (old[bt].item() - rollout[bt].item())
-             for bt in cells) / len(cells)
+    k3 = sum(
+        math.exp(old[bt].item() - rollout[bt].item()) - 1 - (old[bt].item() - rollout[bt].item()) for bt in cells
+    ) / len(cells)
     assert m["rollout_corr/kl_k1"] == pytest.approx(k1, abs=1e-6)
     assert m["rollout_corr/kl_k3"] == pytest.approx(k3, rel=1e-5)
     train, roll = [], []

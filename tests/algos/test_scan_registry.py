@@ -1,8 +1,15 @@
 """Discounted scans against step-by-step loops; the generic Registry; masked statistics."""
+
 import pytest
 import torch
 
-from scaletrain.algos import discounted_suffix_sum, masked_mean, masked_var, masked_whiten, segmented_discounted_suffix_sum
+from scaletrain.algos import (
+    discounted_suffix_sum,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    segmented_discounted_suffix_sum,
+)
 from scaletrain.utils.registry import Registry
 
 
@@ -25,8 +32,9 @@ def loop_suffix(x, f, mask=None):
 def test_discounted_suffix_sum(T, f):
     x = torch.randn(3, T, generator=torch.Generator().manual_seed(T))
     for chunk in (1, 8, 64):
-        torch.testing.assert_close(discounted_suffix_sum(x, f, chunk_size=chunk).double(), loop_suffix(x, f),
-                                   atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(
+            discounted_suffix_sum(x, f, chunk_size=chunk).double(), loop_suffix(x, f), atol=1e-4, rtol=1e-5
+        )
 
 
 def test_discounted_suffix_sum_long_and_batched_shapes():
@@ -36,7 +44,9 @@ def test_discounted_suffix_sum_long_and_batched_shapes():
         assert torch.isfinite(y).all()
         torch.testing.assert_close(y, loop_suffix(x, f), atol=1e-9, rtol=1e-9)
     x3 = torch.randn(2, 3, 10)
-    torch.testing.assert_close(discounted_suffix_sum(x3, 0.9), discounted_suffix_sum(x3.reshape(6, 10), 0.9).reshape(2, 3, 10))
+    torch.testing.assert_close(
+        discounted_suffix_sum(x3, 0.9), discounted_suffix_sum(x3.reshape(6, 10), 0.9).reshape(2, 3, 10)
+    )
     with pytest.raises(ValueError):
         discounted_suffix_sum(x3, 1.5)
 
@@ -46,8 +56,9 @@ def test_segmented_suffix_sum_resets_at_masked_positions():
     x = torch.randn(4, 40, generator=gen)
     mask = (torch.rand(4, 40, generator=gen) > 0.25).float()
     for f in (0.8, 1.0):
-        torch.testing.assert_close(segmented_discounted_suffix_sum(x, mask, f).double(), loop_suffix(x, f, mask),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            segmented_discounted_suffix_sum(x, mask, f).double(), loop_suffix(x, f, mask), atol=1e-5, rtol=1e-5
+        )
 
 
 def test_masked_stats():
@@ -57,8 +68,10 @@ def test_masked_stats():
     vals = x[mask.bool()]
     assert masked_mean(x, mask).item() == pytest.approx(vals.mean().item())
     assert masked_var(x, mask).item() == pytest.approx(vals.var(unbiased=True).item())
-    torch.testing.assert_close(masked_mean(x, mask, dim=-1)[mask.sum(-1) > 0],
-                               torch.stack([x[b][mask[b].bool()].mean() for b in range(3) if mask[b].sum() > 0]))
+    torch.testing.assert_close(
+        masked_mean(x, mask, dim=-1)[mask.sum(-1) > 0],
+        torch.stack([x[b][mask[b].bool()].mean() for b in range(3) if mask[b].sum() > 0]),
+    )
     w = masked_whiten(x, mask)
     assert w[mask.bool()].mean().item() == pytest.approx(0.0, abs=1e-7)
     w2 = masked_whiten(x, mask, shift_mean=False)

@@ -17,8 +17,9 @@ from tests.backends.tiny import EOS_ID, PAD_ID, make_tokenizer, tiny_qwen2_confi
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-ROLLOUT_MODEL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                     initializer_range=0.2)
+ROLLOUT_MODEL = dict(
+    hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2
+)
 EOS_SCALE = 1.5
 PROMPTS = ["hello", "ab", "a longer prompt", "x", "What is 2+3?", "zzz", "The quick brown fox", "42"]
 
@@ -54,8 +55,12 @@ def make_prompts(tokenizer, texts=PROMPTS):
     enc = tokenizer(list(texts), return_tensors="pt", padding=True)
     mask = enc["attention_mask"]
     return DataProto.from_dict(
-        {"input_ids": enc["input_ids"], "attention_mask": mask,
-         "position_ids": (mask.cumsum(-1) - 1).clamp(min=0), "index": torch.arange(len(texts))},
+        {
+            "input_ids": enc["input_ids"],
+            "attention_mask": mask,
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            "index": torch.arange(len(texts)),
+        },
         {"uid": np.array([f"u{i}" for i in range(len(texts))], dtype=object)},
         {"global_step": 3},
     )
@@ -99,7 +104,8 @@ def recompute_log_probs(model, out, temperature: float, top_k: int = -1) -> torc
     R = responses.shape[1]
     with torch.no_grad():
         logits = model(
-            input_ids=out.batch["input_ids"], attention_mask=out.batch["attention_mask"],
+            input_ids=out.batch["input_ids"],
+            attention_mask=out.batch["attention_mask"],
             position_ids=out.batch["position_ids"],
         ).logits.float()
     logits = logits[:, -R - 1 : -1] / (temperature if temperature > 0 else 1.0)
@@ -115,8 +121,15 @@ def check_layout(out, prompts, n: int, max_new: int, eos_id: int = EOS_ID, pad_i
     rows, R = B * n, max_new
     b = out.batch
     assert len(out) == rows
-    for key, width in [("prompts", P), ("responses", R), ("response_mask", R), ("rollout_log_probs", R),
-                       ("input_ids", P + R), ("attention_mask", P + R), ("position_ids", P + R)]:
+    for key, width in [
+        ("prompts", P),
+        ("responses", R),
+        ("response_mask", R),
+        ("rollout_log_probs", R),
+        ("input_ids", P + R),
+        ("attention_mask", P + R),
+        ("position_ids", P + R),
+    ]:
         assert tuple(b[key].shape) == (rows, width), key
     assert b["rollout_log_probs"].dtype == torch.float32
     rep = torch.arange(B).repeat_interleave(n)

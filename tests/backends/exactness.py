@@ -25,8 +25,11 @@ from tests.backends.multirank import assert_close
 from tests.backends.tiny import make_batch
 
 # an engine config's micro-batching per split (each rank holds 4 rows; lengths = prompt + response tokens <= 22)
-SPLITS = {"one_micro_batch": dict(micro_batch_size_per_gpu=4), "four_micro_batches": dict(micro_batch_size_per_gpu=1),
-          "dynamic_bsz": dict(use_dynamic_bsz=True, max_token_len_per_gpu=30)}
+SPLITS = {
+    "one_micro_batch": dict(micro_batch_size_per_gpu=4),
+    "four_micro_batches": dict(micro_batch_size_per_gpu=1),
+    "dynamic_bsz": dict(use_dynamic_bsz=True, max_token_len_per_gpu=30),
+}
 MODES = ("token-mean", "seq-mean-token-mean")
 SGD_LIKE = OptimConfig(lr=0.05, betas=(0.0, 0.0), eps=1.0, weight_decay=0.0, grad_clip=0.0)
 REL = 1e-6

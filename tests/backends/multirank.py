@@ -16,8 +16,8 @@ import socket
 import subprocess
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -34,9 +34,16 @@ def launch(module: str, work: Path, world: int, timeout_s: float) -> dict[int, d
     port = free_port()
     procs = []
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        }
         code = f"from {module} import run_rank; run_rank({str(work)!r})"
         log = open(work / f"rank{rank}.log", "w")
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=log, stderr=log))
@@ -71,6 +78,7 @@ def run_checks(work: str, fn: Callable[[str, int, dict], None]) -> None:
 
 def rank_check(results: dict, name: str):
     """Decorator running one check, recording None or the failure text (the run continues either way)."""
+
     def wrap(fn):
         try:
             fn()
@@ -78,6 +86,7 @@ def rank_check(results: dict, name: str):
         except Exception:  # noqa: BLE001 - reported to the parent test
             results[name] = traceback.format_exc()
         return fn
+
     return wrap
 
 
@@ -97,8 +106,9 @@ def assert_ranks_passed(results: dict[int, dict], check: str) -> None:
         assert res[check] is None, f"rank {rank}: {res[check]}"
 
 
-def assert_step_matches_reference(metrics: dict, loss: float, weights: dict, ref_loss: float, ref_norm: float,
-                                  ref_sd: dict, optim) -> None:
+def assert_step_matches_reference(
+    metrics: dict, loss: float, weights: dict, ref_loss: float, ref_norm: float, ref_sd: dict, optim
+) -> None:
     """An engine's train_step (its metrics, the ``loss`` this rank reports: the whole batch's, its exported
     ``weights``) equals the reference step (tests/backends/reference.py ``ref_step``), which must have exercised
     gradient clipping."""

@@ -36,27 +36,34 @@ actor_loss.count = value_loss.count = response_tokens
 def ref_outputs(model, data):
     b = data.batch
     R = b["responses"].shape[1]
-    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                   position_ids=b["position_ids"]).logits[:, -R - 1:-1].float()
+    logits = (
+        model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"])
+        .logits[:, -R - 1 : -1]
+        .float()
+    )
     logp = torch.log_softmax(logits, -1)
     mask = b["attention_mask"][:, -R:]
-    return {"log_probs": logp.gather(-1, b["responses"][..., None])[..., 0] * mask,
-            "entropy": -(logp.exp() * logp).sum(-1) * mask}
+    return {
+        "log_probs": logp.gather(-1, b["responses"][..., None])[..., 0] * mask,
+        "entropy": -(logp.exp() * logp).sum(-1) * mask,
+    }
 
 
 def ref_values(model, data):
     b = data.batch
     R = b["responses"].shape[1]
-    v = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-              position_ids=b["position_ids"]).logits[:, -R - 1:-1, 0]
+    v = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits[
+        :, -R - 1 : -1, 0
+    ]
     return {"values": v * b["attention_mask"][:, -R:]}
 
 
 def ref_step(model, data, loss_fn, outputs_fn, optim):
     """One step of torch AdamW (``optim``: an OptimConfig, constant lr; ``grad_clip`` <= 0: no clipping) on
     ``data``; returns (loss, grad_norm)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, eps=optim.eps, weight_decay=optim.weight_decay,
-                            betas=tuple(optim.betas))
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=optim.lr, eps=optim.eps, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
+    )
     model.zero_grad(set_to_none=True)
     loss, _ = loss_fn(outputs_fn(model, data), data)
     loss.backward()

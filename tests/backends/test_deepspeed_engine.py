@@ -12,14 +12,29 @@ import os
 
 import pytest
 
-from tests.backends.multirank import (assert_close, assert_ranks_passed, assert_step_matches_reference, launch,
-                                      rank_check, run_checks)
+from tests.backends.multirank import (
+    assert_close,
+    assert_ranks_passed,
+    assert_step_matches_reference,
+    launch,
+    rank_check,
+    run_checks,
+)
 
 pytestmark = pytest.mark.slow  # a multi-process launch (setup.cfg: `pytest -m "not slow"` skips it)
 
 WORLD = 2
-CHECKS = ("partitioned", "forward_logprobs", "train_step_matches_reference", "export_buckets", "forward_only",
-          "reward_scores", "exact_aggregation", "resume_exact", "save_hf")
+CHECKS = (
+    "partitioned",
+    "forward_logprobs",
+    "train_step_matches_reference",
+    "export_buckets",
+    "forward_only",
+    "reward_scores",
+    "exact_aggregation",
+    "resume_exact",
+    "save_hf",
+)
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +111,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
     @rank_check(results, "train_step_matches_reference")
     def _():
         metrics = engine.train_step(share, actor_loss, ("log_probs", "entropy"))  # 2 micro-batches: 3 + 1 rows
-        assert_step_matches_reference(metrics, metrics["loss"], exported(engine), ref_loss,
-                                      ref_norm, ref_sd, optim)
+        assert_step_matches_reference(metrics, metrics["loss"], exported(engine), ref_loss, ref_norm, ref_sd, optim)
 
     @rank_check(results, "export_buckets")
     def _():
@@ -113,8 +127,11 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
 
     @rank_check(results, "forward_only")
     def _():
-        frozen = DS(ModelConfig(path=model_dir, use_remove_padding=True), None,
-                    EngineConfig(use_dynamic_bsz=True, max_token_len_per_gpu=64))
+        frozen = DS(
+            ModelConfig(path=model_dir, use_remove_padding=True),
+            None,
+            EngineConfig(use_dynamic_bsz=True, max_token_len_per_gpu=64),
+        )
         assert_close(frozen.forward(share, ("log_probs",)).batch["log_probs"], ref_before["log_probs"], "frozen")
         assert not any(p.requires_grad for p in frozen.model.parameters())
         try:
@@ -133,13 +150,15 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
     def _():  # the reward model's engine: frozen ZeRO-3 sequence classifier, scored at each row's last token
         rm_dir = os.path.join(work, "rm")
         rm = DS(ModelConfig(path=rm_dir, kind="reward"), None, EngineConfig(micro_batch_size_per_gpu=3))
-        assert_close(rm.forward(share, ("scores",)).batch["scores"], reference_rm_scores(rm_dir, share), "rm scores",
-                     tol=1e-4)
+        assert_close(
+            rm.forward(share, ("scores",)).batch["scores"], reference_rm_scores(rm_dir, share), "rm scores", tol=1e-4
+        )
 
     @rank_check(results, "exact_aggregation")
     def _():  # 1 vs 4 micro-batches vs dynamic bsz, 2 ranks vs 1 process (tests/backends/exactness.py)
-        check_exact_aggregation(lambda opt, **kw: DS(ModelConfig(path=model_dir), opt, EngineConfig(**kw)),
-                                model_dir, rank, WORLD)
+        check_exact_aggregation(
+            lambda opt, **kw: DS(ModelConfig(path=model_dir), opt, EngineConfig(**kw)), model_dir, rank, WORLD
+        )
 
     ckpt, hf_dir = os.path.join(work, "ckpt"), os.path.join(work, "hf")
     later = [make_batch(8, 12, 10, seed=s).select_idxs(rows) for s in (2, 3)]

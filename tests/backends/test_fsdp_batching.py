@@ -77,7 +77,7 @@ def test_restore_order():
     lengths = [3, 17, 5, 11, 2, 8, 13]
     parts = token_budget_partition(lengths, 20)
     rows = torch.arange(len(lengths)) * 10
-    per_part = [rows[p] for p in parts]                 # what a forward would return per micro-batch
+    per_part = [rows[p] for p in parts]  # what a forward would return per micro-batch
     assert torch.equal(torch.cat(per_part)[restore_order(parts)], rows)
 
 
@@ -100,8 +100,12 @@ def test_accumulation_is_partition_invariant(mode):
     def loss_fn(_, mb):
         return agg_loss(mb.batch["x"], mb.batch["response_mask"], mode), {"const": 2.0}
 
-    for parts in (fixed_partition(9, 2), fixed_partition(9, 4), fixed_partition(9, 9),
-                  token_budget_partition(lengths, 8)):
+    for parts in (
+        fixed_partition(9, 2),
+        fixed_partition(9, 4),
+        fixed_partition(9, 9),
+        token_budget_partition(lengths, 8),
+    ):
         micros = [data.select_idxs(p) for p in parts]
         acc = Accumulation(loss_fn, micros, torch.device("cpu"))
         total = 0.0
@@ -149,7 +153,7 @@ def test_lr_multiplier_warmup_constant_cosine():
     assert [lr_multiplier(s, 4, 0, "constant", 0.0) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     cos = [lr_multiplier(s, 2, 12, "cosine", 0.1) for s in range(14)]
     assert cos[:3] == [0.5, 1.0, 1.0]
-    assert all(a >= b for a, b in zip(cos[2:], cos[3:]))              # non-increasing after warm-up
+    assert all(a >= b for a, b in zip(cos[2:], cos[3:]))  # non-increasing after warm-up
     assert math.isclose(cos[7], 0.1 + 0.9 * 0.5) and math.isclose(cos[12], 0.1) and math.isclose(cos[13], 0.1)
     with pytest.raises(ValueError):
         lr_multiplier(0, 0, 0, "linear", 0.0)

@@ -18,9 +18,21 @@ from tests.backends.multirank import assert_close, assert_ranks_passed, launch, 
 pytestmark = pytest.mark.slow  # a multi-process launch (setup.cfg: `pytest -m "not slow"` skips it)
 
 WORLD = 2
-CHECKS = ("forward_logprobs", "train_step_matches_reference", "export_buckets", "dynamic_bsz", "remove_padding",
-          "dynamic_rmpad_checkpointing", "nonfinite_grad_skips_step", "mixed_precision_bf16", "value_model",
-          "reward_model", "exact_aggregation", "resume_exact", "save_hf")
+CHECKS = (
+    "forward_logprobs",
+    "train_step_matches_reference",
+    "export_buckets",
+    "dynamic_bsz",
+    "remove_padding",
+    "dynamic_rmpad_checkpointing",
+    "nonfinite_grad_skips_step",
+    "mixed_precision_bf16",
+    "value_model",
+    "reward_model",
+    "exact_aggregation",
+    "resume_exact",
+    "save_hf",
+)
 TOL = 1e-5
 
 
@@ -104,10 +116,14 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
         assert_close(out.batch["log_probs"], ref_before["log_probs"], "log_probs")
         assert_close(out.batch["entropy"], ref_before["entropy"], "entropy")
         assert engine.dp_rank == rank and engine.dp_size == WORLD
-        frozen = FSDP(ModelConfig(path=model_dir, use_remove_padding=True), None,
-                      EngineConfig(use_dynamic_bsz=True, max_token_len_per_gpu=64))  # a reference policy
-        assert_close(frozen.forward(share, ("log_probs",)).batch["log_probs"], ref_before["log_probs"],
-                     "frozen log_probs")
+        frozen = FSDP(
+            ModelConfig(path=model_dir, use_remove_padding=True),
+            None,
+            EngineConfig(use_dynamic_bsz=True, max_token_len_per_gpu=64),
+        )  # a reference policy
+        assert_close(
+            frozen.forward(share, ("log_probs",)).batch["log_probs"], ref_before["log_probs"], "frozen log_probs"
+        )
         assert not any(p.requires_grad for p in frozen.model.parameters())
         try:
             frozen.train_step(share, actor_loss)
@@ -138,24 +154,36 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
     engines = {}
     for name, cfg in (
         ("dynamic_bsz", (ModelConfig(path=model_dir), EngineConfig(use_dynamic_bsz=True, max_token_len_per_gpu=40))),
-        ("remove_padding", (ModelConfig(path=model_dir, use_remove_padding=True),
-                            EngineConfig(micro_batch_size_per_gpu=3))),
-        ("dynamic_rmpad_checkpointing", (ModelConfig(path=model_dir, use_remove_padding=True,
-                                                     gradient_checkpointing=True),
-                                         EngineConfig(use_dynamic_bsz=True, max_token_len_per_gpu=30))),
+        (
+            "remove_padding",
+            (ModelConfig(path=model_dir, use_remove_padding=True), EngineConfig(micro_batch_size_per_gpu=3)),
+        ),
+        (
+            "dynamic_rmpad_checkpointing",
+            (
+                ModelConfig(path=model_dir, use_remove_padding=True, gradient_checkpointing=True),
+                EngineConfig(use_dynamic_bsz=True, max_token_len_per_gpu=30),
+            ),
+        ),
     ):
+
         @rank_check(results, name)
         def _():
             other = FSDP(cfg[0], optim, cfg[1])
             if cfg[1].use_dynamic_bsz:
                 from backends.batching import token_budget_partition
+
                 lengths = share.batch["attention_mask"].sum(-1).tolist()
                 local = len(token_budget_partition(lengths, cfg[1].max_token_len_per_gpu))
                 parts = other._partition(share)
                 counts = [0] * WORLD
                 dist.all_gather_object(counts, (local, len(parts)))
-                assert len(parts) > 1 and len({c[1] for c in counts}) == 1 and parts and \
-                    counts[0][1] == max(c[0] for c in counts), counts
+                assert (
+                    len(parts) > 1
+                    and len({c[1] for c in counts}) == 1
+                    and parts
+                    and counts[0][1] == max(c[0] for c in counts)
+                ), counts
                 for p in parts:
                     assert len(p) == 1 or sum(lengths[i] for i in p) <= cfg[1].max_token_len_per_gpu
             out = other.forward(share, ("log_probs", "entropy"))
@@ -167,16 +195,18 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
     def _():
         other = engines["dynamic_bsz"]
         before = exported(other)
-        metrics = other.train_step(share, lambda o, mb: (actor_loss(o, mb)[0] * float("nan"), {}),
-                                   ("log_probs", "entropy"))
+        metrics = other.train_step(
+            share, lambda o, mb: (actor_loss(o, mb)[0] * float("nan"), {}), ("log_probs", "entropy")
+        )
         assert metrics["step_skipped"] == 1.0, metrics
         for k, v in exported(other).items():
             assert torch.equal(v, before[k]), k
 
     @rank_check(results, "mixed_precision_bf16")
     def _():
-        bf16 = FSDP(ModelConfig(path=model_dir), optim, EngineConfig(micro_batch_size_per_gpu=4,
-                                                                    mixed_precision="bfloat16"))
+        bf16 = FSDP(
+            ModelConfig(path=model_dir), optim, EngineConfig(micro_batch_size_per_gpu=4, mixed_precision="bfloat16")
+        )
         out = bf16.forward(share, ("log_probs",)).batch["log_probs"]
         assert_close(out, ref_before["log_probs"], "bf16 log_probs", tol=0.1)
         metrics = bf16.train_step(share, actor_loss, ("log_probs", "entropy"))
@@ -196,8 +226,11 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
         with torch.no_grad():
             before = ref_values(critic_ref, share)["values"]
         loss, norm = ref_step(critic_ref, batch, value_loss, ref_values)
-        critic = FSDP(ModelConfig(path=model_dir, kind="value", use_remove_padding=True), optim,
-                      EngineConfig(micro_batch_size_per_gpu=3, seed=7))
+        critic = FSDP(
+            ModelConfig(path=model_dir, kind="value", use_remove_padding=True),
+            optim,
+            EngineConfig(micro_batch_size_per_gpu=3, seed=7),
+        )
         assert_close(critic.forward(share, ("values",)).batch["values"], before, "values")
         metrics = critic.train_step(share, value_loss, ("values",))
         assert_close(torch.tensor(metrics["loss"]), torch.tensor(loss), "value loss")
@@ -210,19 +243,27 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
         config = AutoConfig.from_pretrained(model_dir, num_labels=1)
         torch.manual_seed(5)
         rm_ref = AutoModelForSequenceClassification.from_pretrained(model_dir, config=config)
-        rm = FSDP(ModelConfig(path=model_dir, kind="reward", use_remove_padding=True), optim,
-                  EngineConfig(use_dynamic_bsz=True, max_token_len_per_gpu=40, seed=5))
+        rm = FSDP(
+            ModelConfig(path=model_dir, kind="reward", use_remove_padding=True),
+            optim,
+            EngineConfig(use_dynamic_bsz=True, max_token_len_per_gpu=40, seed=5),
+        )
         scores = rm.forward(share, ("scores",)).batch["scores"]
         b = share.batch
         with torch.no_grad():  # each row alone, unpadded: the score at its last token
-            alone = torch.stack([rm_ref(input_ids=b["input_ids"][i][b["attention_mask"][i].bool()][None]).logits[0, 0]
-                                 for i in range(len(share))])
+            alone = torch.stack(
+                [
+                    rm_ref(input_ids=b["input_ids"][i][b["attention_mask"][i].bool()][None]).logits[0, 0]
+                    for i in range(len(share))
+                ]
+            )
         assert_close(scores, alone, "reward scores")
 
     @rank_check(results, "exact_aggregation")
     def _():  # 1 vs 4 micro-batches vs dynamic bsz, 2 ranks vs 1 process (tests/backends/exactness.py)
-        check_exact_aggregation(lambda opt, **kw: FSDP(ModelConfig(path=model_dir), opt, EngineConfig(**kw)),
-                                model_dir, rank, WORLD)
+        check_exact_aggregation(
+            lambda opt, **kw: FSDP(ModelConfig(path=model_dir), opt, EngineConfig(**kw)), model_dir, rank, WORLD
+        )
 
     ckpt, hf_dir = os.path.join(work, "ckpt"), os.path.join(work, "hf")
     later = [make_batch(8, 12, 10, seed=s).select_idxs(rows) for s in (2, 3)]
@@ -238,8 +279,11 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
         engine.onload()
         first = steps_2_3(engine)
         first_weights = exported(engine)
-        fresh = FSDP(ModelConfig(path=model_dir), optim,
-                     EngineConfig(micro_batch_size_per_gpu=3, param_offload=True, optimizer_offload=True))
+        fresh = FSDP(
+            ModelConfig(path=model_dir),
+            optim,
+            EngineConfig(micro_batch_size_per_gpu=3, param_offload=True, optimizer_offload=True),
+        )
         fresh.load(ckpt)
         assert torch.equal(torch.rand(4), draw), "RNG state not restored"
         assert fresh.global_step == 1

@@ -24,8 +24,12 @@ def batch():
 
 def _reference_logprobs(model, b, temperature):
     R = b["responses"].shape[1]
-    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                   position_ids=b["position_ids"]).logits[:, -R - 1:-1] / temperature
+    logits = (
+        model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits[
+            :, -R - 1 : -1
+        ]
+        / temperature
+    )
     logp = torch.log_softmax(logits.float(), -1)
     mask = b["attention_mask"][:, -R:]
     return logp.gather(-1, b["responses"][..., None])[..., 0] * mask, -(logp.exp() * logp).sum(-1) * mask
@@ -36,8 +40,9 @@ def test_causal_lm_packed_equals_padded_equals_reference(model_dir, batch, attn)
     model = build_model(ModelConfig(path=model_dir, dtype="float32", override_config={"attn_implementation": attn}))
     with torch.no_grad():
         padded = forward_micro_batch(model, batch, ("log_probs", "entropy"), temperature=0.7)
-        packed = forward_micro_batch(model, batch, ("log_probs", "entropy"), remove_padding=True, temperature=0.7,
-                                     chunk_size=7)
+        packed = forward_micro_batch(
+            model, batch, ("log_probs", "entropy"), remove_padding=True, temperature=0.7, chunk_size=7
+        )
         ref_lp, ref_ent = _reference_logprobs(model, batch, 0.7)
     for out in (padded, packed):
         assert out["log_probs"].shape == batch["responses"].shape and out["log_probs"].dtype == torch.float32
@@ -76,11 +81,12 @@ def test_value_and_reward_heads(model_dir, batch):
     torch.manual_seed(0)
     rm = build_model(ModelConfig(path=model_dir, dtype="float32", kind="reward"))
     with torch.no_grad():
-        token_values = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                              position_ids=batch["position_ids"]).logits[..., 0]
+        token_values = critic(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        ).logits[..., 0]
         for remove_padding in (False, True):
             values = forward_micro_batch(critic, batch, ("values",), "value", remove_padding)["values"]
-            torch.testing.assert_close(values, token_values[:, -R - 1:-1] * resp_mask, atol=1e-5, rtol=0)
+            torch.testing.assert_close(values, token_values[:, -R - 1 : -1] * resp_mask, atol=1e-5, rtol=0)
             scores = forward_micro_batch(rm, batch, ("scores",), "reward", remove_padding)["scores"]
             assert scores.shape == (batch["input_ids"].shape[0],)
             # each row scored alone, unpadded, at its last token
@@ -93,8 +99,11 @@ def test_value_and_reward_heads(model_dir, batch):
 
 
 def test_build_options(model_dir):
-    model = build_model(ModelConfig(path=model_dir, dtype="bfloat16", gradient_checkpointing=True,
-                                    override_config={"rms_norm_eps": 1e-5}))
+    model = build_model(
+        ModelConfig(
+            path=model_dir, dtype="bfloat16", gradient_checkpointing=True, override_config={"rms_norm_eps": 1e-5}
+        )
+    )
     assert next(model.parameters()).dtype == torch.bfloat16
     assert model.is_gradient_checkpointing and model.config.rms_norm_eps == 1e-5 and not model.config.use_cache
     assert len(decoder_layers(model)) == 2

@@ -30,8 +30,20 @@ LAYOUTS = {  # name -> (world, megatron settings, model dir, micro batch)
     "dp2_distopt": (2, dict(use_distributed_optimizer=True), "untied", 3),
     "tp2_pp2": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), "untied", 3),
 }
-CHECKS = ("forward", "train_step", "export_buckets", "critic", "resume_exact", "save_hf", "bf16", "dynamic_bsz",
-          "recompute", "forward_only", "llama", "exact_aggregation")
+CHECKS = (
+    "forward",
+    "train_step",
+    "export_buckets",
+    "critic",
+    "resume_exact",
+    "save_hf",
+    "bf16",
+    "dynamic_bsz",
+    "recompute",
+    "forward_only",
+    "llama",
+    "exact_aggregation",
+)
 EXACT_LAYOUTS = ("pp2", "dp2_distopt")  # tests/backends/exactness.py: PP=2 with padded micro-batches; DP=2
 TOL = 1e-5
 
@@ -42,10 +54,23 @@ def tiny_llama_config(**overrides):
 
     from tests.backends.tiny import tiny_qwen2_config
 
-    settings = {k: v for k, v in tiny_qwen2_config().to_dict().items()
-                if k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                         "num_key_value_heads", "max_position_embeddings", "pad_token_id", "bos_token_id",
-                         "eos_token_id")}
+    settings = {
+        k: v
+        for k, v in tiny_qwen2_config().to_dict().items()
+        if k
+        in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "pad_token_id",
+            "bos_token_id",
+            "eos_token_id",
+        )
+    }
     return LlamaConfig(**{**settings, "tie_word_embeddings": False, **overrides})
 
 
@@ -60,8 +85,14 @@ def test_mapping_round_trip(arch, tied, kind):
     from tests.backends.tiny import tiny_qwen2_config
 
     make_config = tiny_qwen2_config if arch == "qwen2" else tiny_llama_config
-    config = make_config(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         tie_word_embeddings=tied, vocab_size=99, num_labels=1)
+    config = make_config(
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        vocab_size=99,
+        num_labels=1,
+    )
     torch.manual_seed(0)
     model = (AutoModelForCausalLM if kind == "causal_lm" else AutoModelForTokenClassification).from_config(config)
     hf = {k: v.detach() for k, v in model.state_dict().items()}
@@ -192,8 +223,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
         @rank_check(results, f"{layout}/train_step")
         def _():
             metrics = engine.train_step(share, ref.actor_loss, ("log_probs", "entropy"))
-            assert_step_matches_reference(metrics, metrics["loss"], exported(engine), ref_loss,
-                                          ref_norm, ref_sd, optim)
+            assert_step_matches_reference(metrics, metrics["loss"], exported(engine), ref_loss, ref_norm, ref_sd, optim)
 
         @rank_check(results, f"{layout}/export_buckets")
         def _():
@@ -232,21 +262,24 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
             weights = exported(other)
             assert all(v.dtype == torch.float32 for v in weights.values())
             if name == "bf16":
-                assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), "bf16 grad_norm",
-                             tol=0.05 * ref_norm)
+                assert_close(
+                    torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), "bf16 grad_norm", tol=0.05 * ref_norm
+                )
                 assert max((v - ref_sd[k]).abs().max().item() for k, v in weights.items()) < 3 * optim.lr
                 return
             assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), f"{name} grad_norm")
             for k, v in weights.items():
                 assert_close(v, ref_sd[k], f"{name} weight {k}")
             if name == "dynamic_bsz":  # a non-finite gradient skips the step and leaves the weights alone
-                nan = other.train_step(share, lambda o, mb: (ref.actor_loss(o, mb)[0] * float("nan"), {}),
-                                       ("log_probs", "entropy"))
+                nan = other.train_step(
+                    share, lambda o, mb: (ref.actor_loss(o, mb)[0] * float("nan"), {}), ("log_probs", "entropy")
+                )
                 assert nan["step_skipped"] == 1.0, nan
                 for k, v in exported(other).items():
                     assert torch.equal(v, weights[k]), k
 
         if layout == "tp2_sp":
+
             @rank_check(results, f"{layout}/llama")
             def _():  # Llama: no QKV bias, untied head, TP-sharded
                 llama_dir = os.path.join(work, "llama")
@@ -258,6 +291,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
                 assert_close(out["entropy"], expected["entropy"], "llama entropy")
 
         if layout in ("tp2_sp", "tp2_pp2"):
+
             @rank_check(results, f"{layout}/critic")
             def _():
                 torch.manual_seed(7)
@@ -267,8 +301,11 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
                 with torch.no_grad():
                     values = ref.ref_values(critic_ref, share)["values"]
                 loss, norm = ref.ref_step(critic_ref, batch, ref.value_loss, ref.ref_values, optim)
-                critic = Megatron(ModelConfig(path=model_dir, kind="value"), optim,
-                                  EngineConfig(micro_batch_size_per_gpu=micro, seed=7, extra={"megatron": settings}))
+                critic = Megatron(
+                    ModelConfig(path=model_dir, kind="value"),
+                    optim,
+                    EngineConfig(micro_batch_size_per_gpu=micro, seed=7, extra={"megatron": settings}),
+                )
                 assert_close(critic.forward(share, ("values",)).batch["values"], values, "values")
                 metrics = critic.train_step(share, ref.value_loss, ("values",))
                 assert_close(torch.tensor(metrics["loss"]), torch.tensor(loss), "value loss")
@@ -279,12 +316,20 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
                     assert_close(v, critic_ref.state_dict()[k], f"critic weight {k}")
 
         if layout in EXACT_LAYOUTS:
+
             @rank_check(results, f"{layout}/exact_aggregation")
             def _():  # 1 vs 4 micro-batches vs dynamic bsz against 1 process
-                check_exact_aggregation(lambda opt, **kw: Megatron(ModelConfig(path=model_dir), opt, EngineConfig(
-                    **kw, extra={"megatron": settings})), model_dir, dp_rank, dp_size)
+                check_exact_aggregation(
+                    lambda opt, **kw: Megatron(
+                        ModelConfig(path=model_dir), opt, EngineConfig(**kw, extra={"megatron": settings})
+                    ),
+                    model_dir,
+                    dp_rank,
+                    dp_size,
+                )
 
         if layout in ("tp2_sp", "dp2_distopt", "tp2_pp2"):
+
             @rank_check(results, f"{layout}/resume_exact")
             def _():
                 ckpt = os.path.join(work, f"ckpt_{layout}")
@@ -305,6 +350,7 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
                     assert torch.equal(v, first_weights[k]), k
 
         if layout == "pp2":
+
             @rank_check(results, f"{layout}/save_hf")
             def _():
                 hf_dir = os.path.join(work, "hf_pp2")

@@ -33,10 +33,16 @@ def test_meta_overrides_the_engine_settings(single_rank_group):
     engine = EngineConfig(micro_batch_size_per_gpu=4)
     rows = batch([5] * 12)
     assert len(agreed_partition(rows, engine, torch.device("cpu"))) == 3
-    rows.meta_info[MICRO_BATCHING] = {"micro_batch_size_per_gpu": 2, "use_dynamic_bsz": False,
-                                      "max_token_len_per_gpu": 100}
+    rows.meta_info[MICRO_BATCHING] = {
+        "micro_batch_size_per_gpu": 2,
+        "use_dynamic_bsz": False,
+        "max_token_len_per_gpu": 100,
+    }
     assert len(agreed_partition(rows, engine, torch.device("cpu"))) == 6
-    rows.meta_info[MICRO_BATCHING] = {"micro_batch_size_per_gpu": 2, "use_dynamic_bsz": True,
-                                      "max_token_len_per_gpu": 20}
+    rows.meta_info[MICRO_BATCHING] = {
+        "micro_batch_size_per_gpu": 2,
+        "use_dynamic_bsz": True,
+        "max_token_len_per_gpu": 20,
+    }
     parts = agreed_partition(rows, engine, torch.device("cpu"))
-    assert len(parts) == 3 and all(len(p) == 4 for p in parts)     # 4 rows x 5 tokens fit a 20-token budget
+    assert len(parts) == 3 and all(len(p) == 4 for p in parts)  # 4 rows x 5 tokens fit a 20-token budget

@@ -64,15 +64,23 @@ def chat_batch(model_dir: str):
     ids = torch.full((len(prompts), P + R), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, P - len(p):P], ids[i, P:P + len(r)] = torch.tensor(p), torch.tensor(r)
-        mask[i, P - len(p):P + len(r)] = 1
+        ids[i, P - len(p) : P], ids[i, P : P + len(r)] = torch.tensor(p), torch.tensor(r)
+        mask[i, P - len(p) : P + len(r)] = 1
     resp_mask = mask[:, P:].clone()
     advantages = torch.linspace(-1.0, 1.0, len(prompts) * R).view(len(prompts), R) * resp_mask
     return DataProto.from_dict(
-        {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-         "responses": ids[:, P:].clone(), "response_mask": resp_mask, "prompts": ids[:, :P].clone(),
-         "advantages": advantages, "old_log_probs": torch.zeros(len(prompts), R)},
-        meta_info={"temperature": 1.0})
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": ids[:, P:].clone(),
+            "response_mask": resp_mask,
+            "prompts": ids[:, :P].clone(),
+            "advantages": advantages,
+            "old_log_probs": torch.zeros(len(prompts), R),
+        },
+        meta_info={"temperature": 1.0},
+    )
 
 
 def load_reference_model(model_dir: str):
@@ -183,8 +191,10 @@ def _check_engine(engine, work, rank, batch, reference, results, figures) -> Non
         figures["grad_norm"], figures["ref_grad_norm"] = metrics["grad_norm"], reference["grad_norm"]
         assert metrics["lr"] == LR and metrics["step_skipped"] == 0.0, metrics
         assert abs(loss - reference["loss"]) <= TOL, (loss, reference["loss"])
-        assert abs(metrics["grad_norm"] - reference["grad_norm"]) <= TOL * reference["grad_norm"], \
-            (metrics["grad_norm"], reference["grad_norm"])
+        assert abs(metrics["grad_norm"] - reference["grad_norm"]) <= TOL * reference["grad_norm"], (
+            metrics["grad_norm"],
+            reference["grad_norm"],
+        )
 
     @rank_check(results, "export_reload")
     def _():
@@ -234,8 +244,17 @@ def smollm2_shaped_llama(**overrides):
     and a vocabulary (100) that TP=3 must pad."""
     from transformers import LlamaConfig
 
-    settings = dict(vocab_size=100, hidden_size=72, intermediate_size=96, num_hidden_layers=2, num_attention_heads=9,
-                    num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=256)
+    settings = dict(
+        vocab_size=100,
+        hidden_size=72,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+        max_position_embeddings=256,
+    )
     return LlamaConfig(**{**settings, **overrides})
 
 
@@ -265,14 +284,17 @@ def test_mapping_smollm2_shape(kind, head_dim):
     for t in range(3):  # TP rank t holds query group t: its 3 query heads, then its key head and value head
         rank = hf_to_rank(hf, lo, t, 0)
         qkv = rank["decoder.layers.0.self_attention.linear_qkv.weight"]
-        expected = [hf[p + "q_proj.weight"][q * t:q * (t + 1)], hf[p + "k_proj.weight"][kv * t:kv * (t + 1)],
-                    hf[p + "v_proj.weight"][kv * t:kv * (t + 1)]]
+        expected = [
+            hf[p + "q_proj.weight"][q * t : q * (t + 1)],
+            hf[p + "k_proj.weight"][kv * t : kv * (t + 1)],
+            hf[p + "v_proj.weight"][kv * t : kv * (t + 1)],
+        ]
         assert torch.equal(qkv, torch.cat(expected))
         assert "decoder.layers.0.self_attention.linear_qkv.bias" not in rank
         embed = rank["embedding.word_embeddings.weight"]
         assert embed.shape == (34, 72)
-        real = hf["model.embed_tokens.weight"][34 * t:34 * t + 34]
-        assert torch.equal(embed[:len(real)], real) and not embed[len(real):].any()  # zero padding rows
+        real = hf["model.embed_tokens.weight"][34 * t : 34 * t + 34]
+        assert torch.equal(embed[: len(real)], real) and not embed[len(real) :].any()  # zero padding rows
 
 
 def test_smollm2_layout(smollm2_dir):
@@ -284,8 +306,14 @@ def test_smollm2_layout(smollm2_dir):
 
     config = AutoConfig.from_pretrained(smollm2_dir)
     lo = layout_from_hf(config, 3, 2)
-    assert (lo.num_heads, lo.num_kv_heads, lo.head_dim, lo.vocab_size, lo.padded_vocab, lo.tie_embeddings) == \
-        (9, 3, 64, 49152, 49152, True)
+    assert (lo.num_heads, lo.num_kv_heads, lo.head_dim, lo.vocab_size, lo.padded_vocab, lo.tie_embeddings) == (
+        9,
+        3,
+        64,
+        49152,
+        49152,
+        True,
+    )
     assert rope_settings(config) == {"rotary_base": 100000.0}
     MegatronParallelConfig(tensor_model_parallel_size=3).validate(3, config)
     MegatronParallelConfig(pipeline_model_parallel_size=2).validate(2, config)
@@ -293,9 +321,20 @@ def test_smollm2_layout(smollm2_dir):
         MegatronParallelConfig(tensor_model_parallel_size=2).validate(2, config)
 
 
-@pytest.mark.parametrize("rope", [None, {"rope_type": "linear", "factor": 4.0},
-                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ],
+)
 def test_rope_settings_match_hf(rope):
     """Megatron's rotary angles from ``rope_settings`` equal HF's (theta 1e5, no / linear / llama3 scaling)."""
     pytest.importorskip("megatron.core")
@@ -316,14 +355,28 @@ def test_rope_settings_match_hf(rope):
     assert_close(angles.sin(), sin[0], "sin", tol=1e-6)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(attention_bias=True), "attention_bias=True"),
-    (dict(mlp_bias=True), "mlp_bias=True"),
-    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "rope_type 'dynamic'"),
-    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 4096, "rope_theta": 1e4}), "llama3 rope scaling"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(attention_bias=True), "attention_bias=True"),
+        (dict(mlp_bias=True), "mlp_bias=True"),
+        (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+        (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "rope_type 'dynamic'"),
+        (
+            dict(
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 4096,
+                    "rope_theta": 1e4,
+                }
+            ),
+            "llama3 rope scaling",
+        ),
+    ],
+)
 def test_unmappable_llama_raises(overrides, message):
     from backends.megatron.hf_mapping import layout_from_hf
 

@@ -9,8 +9,18 @@ import itertools
 import pytest
 import torch
 
-from backends.resharding import (fuse_gate_up, fuse_qkv, iter_resharded_buckets, merge_shards, rank_shard, reshard,
-                                 shard_spec, split_qkv, split_tensor, vocab_rows)
+from backends.resharding import (
+    fuse_gate_up,
+    fuse_qkv,
+    iter_resharded_buckets,
+    merge_shards,
+    rank_shard,
+    reshard,
+    shard_spec,
+    split_qkv,
+    split_tensor,
+    vocab_rows,
+)
 
 HIDDEN, HEADS, HEAD_DIM, INTER, VOCAB, LAYERS = 64, 8, 8, 96, 128, 2
 TPS = (1, 2, 4)
@@ -23,20 +33,29 @@ def make_config(nkv):
 def make_state(nkv, seed=0):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    sd = {"model.embed_tokens.weight": r(VOCAB, HIDDEN), "model.norm.weight": r(HIDDEN),
-          "lm_head.weight": r(VOCAB, HIDDEN)}
+    sd = {
+        "model.embed_tokens.weight": r(VOCAB, HIDDEN),
+        "model.norm.weight": r(HIDDEN),
+        "lm_head.weight": r(VOCAB, HIDDEN),
+    }
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        sd.update({
-            p + "self_attn.q_proj.weight": r(HEADS * HEAD_DIM, HIDDEN),
-            p + "self_attn.q_proj.bias": r(HEADS * HEAD_DIM),
-            p + "self_attn.k_proj.weight": r(nkv * HEAD_DIM, HIDDEN), p + "self_attn.k_proj.bias": r(nkv * HEAD_DIM),
-            p + "self_attn.v_proj.weight": r(nkv * HEAD_DIM, HIDDEN), p + "self_attn.v_proj.bias": r(nkv * HEAD_DIM),
-            p + "self_attn.o_proj.weight": r(HIDDEN, HEADS * HEAD_DIM),
-            p + "mlp.gate_proj.weight": r(INTER, HIDDEN), p + "mlp.up_proj.weight": r(INTER, HIDDEN),
-            p + "mlp.down_proj.weight": r(HIDDEN, INTER),
-            p + "input_layernorm.weight": r(HIDDEN), p + "post_attention_layernorm.weight": r(HIDDEN),
-        })
+        sd.update(
+            {
+                p + "self_attn.q_proj.weight": r(HEADS * HEAD_DIM, HIDDEN),
+                p + "self_attn.q_proj.bias": r(HEADS * HEAD_DIM),
+                p + "self_attn.k_proj.weight": r(nkv * HEAD_DIM, HIDDEN),
+                p + "self_attn.k_proj.bias": r(nkv * HEAD_DIM),
+                p + "self_attn.v_proj.weight": r(nkv * HEAD_DIM, HIDDEN),
+                p + "self_attn.v_proj.bias": r(nkv * HEAD_DIM),
+                p + "self_attn.o_proj.weight": r(HIDDEN, HEADS * HEAD_DIM),
+                p + "mlp.gate_proj.weight": r(INTER, HIDDEN),
+                p + "mlp.up_proj.weight": r(INTER, HIDDEN),
+                p + "mlp.down_proj.weight": r(HIDDEN, INTER),
+                p + "input_layernorm.weight": r(HIDDEN),
+                p + "post_attention_layernorm.weight": r(HIDDEN),
+            }
+        )
     return sd
 
 
@@ -47,7 +66,7 @@ def ref_split(name, full, tp, nkv):
     if "o_proj" in name or "down_proj" in name:
         return list(torch.chunk(full, tp, dim=1))
     if ("k_proj" in name or "v_proj" in name) and tp > nkv:
-        heads = [full[h * HEAD_DIM:(h + 1) * HEAD_DIM] for h in range(nkv)]
+        heads = [full[h * HEAD_DIM : (h + 1) * HEAD_DIM] for h in range(nkv)]
         per = tp // nkv  # ranks sharing one kv head
         return [heads[rank // per] for rank in range(tp)]
     return list(torch.chunk(full, tp, dim=0))
@@ -108,7 +127,7 @@ def test_gqa_replication_explicit():
     ranks = split_qkv(q, kk, v, HEADS, nkv, HEAD_DIM, tp)
     assert len(ranks) == tp
     for r, (qr, kr, vr) in enumerate(ranks):
-        assert torch.equal(qr, q[r * 16:(r + 1) * 16])  # 2 q heads of 8 rows each
+        assert torch.equal(qr, q[r * 16 : (r + 1) * 16])  # 2 q heads of 8 rows each
         assert torch.equal(kr, kh[expected_kv_head[r]]) and torch.equal(vr, vh[expected_kv_head[r]])
         # every q head on this rank uses the kv head this rank holds
         for j in range(r * 2, r * 2 + 2):
@@ -123,8 +142,8 @@ def test_split_qkv_contiguous_when_tp_le_kv():
     sd = make_state(4)
     q, kk, v = (sd[f"model.layers.0.self_attn.{p}_proj.bias"] for p in "qkv")
     for r, (qr, kr, vr) in enumerate(split_qkv(q, kk, v, HEADS, 4, HEAD_DIM, 2)):
-        assert torch.equal(qr, q[r * 32:(r + 1) * 32])
-        assert torch.equal(kr, kk[r * 16:(r + 1) * 16]) and torch.equal(vr, v[r * 16:(r + 1) * 16])
+        assert torch.equal(qr, q[r * 32 : (r + 1) * 32])
+        assert torch.equal(kr, kk[r * 16 : (r + 1) * 16]) and torch.equal(vr, v[r * 16 : (r + 1) * 16])
 
 
 @pytest.mark.parametrize("nkv,tp", [(2, 1), (2, 2), (2, 4), (4, 4)])
@@ -166,7 +185,7 @@ def test_divisibility_errors_name_tensor():
         reshard({"lm_head.weight": [torch.zeros(3, 4)]}, 1, 2)
 
 
-@pytest.mark.parametrize("bucket_bytes", [1, 4096, 20000, 10 ** 9])
+@pytest.mark.parametrize("bucket_bytes", [1, 4096, 20000, 10**9])
 def test_buckets_bounded_and_complete(bucket_bytes):
     nkv, k, m = 2, 2, 4
     sd, cfg = make_state(nkv), make_config(nkv)
@@ -180,7 +199,7 @@ def test_buckets_bounded_and_complete(bucket_bytes):
         seen.extend(b)
     assert [n for n, _ in seen] == list(src)
     assert_same(dict(seen), ref_shards(sd, m, nkv))
-    if bucket_bytes == 10 ** 9:
+    if bucket_bytes == 10**9:
         assert len(buckets) == 1
     with pytest.raises(ValueError):
         next(iter_resharded_buckets(src, k, m, cfg, 0))

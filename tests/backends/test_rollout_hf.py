@@ -17,9 +17,11 @@ def test_registry_and_lazy_imports():
 
     assert get_rollout("hf").__name__ == "HFRolloutEngine"
     assert get_rollout("vllm").__name__ == "VLLMRolloutEngine"
-    code = ("import sys; from backends.rollout import get_rollout; get_rollout('vllm'); get_rollout('hf'); "
-            "bad = [m for m in ('vllm', 'ray', 'transformers', 'scaletrain.controller', 'scaletrain.trainer', "
-            "'scaletrain.workers') if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys; from backends.rollout import get_rollout; get_rollout('vllm'); get_rollout('hf'); "
+        "bad = [m for m in ('vllm', 'ray', 'transformers', 'scaletrain.controller', 'scaletrain.trainer', "
+        "'scaletrain.workers') if m in sys.modules]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -71,12 +71,15 @@ def test_legal_cycle_and_history():
     assert log == ["engine.sleep", "engine.wake:weights", "engine.wake:kv_cache"]
 
 
-@pytest.mark.parametrize("moves, bad, message", [
-    ([], "wake_weights", "cannot wake_weights while serving; legal now: sleep"),
-    (["sleep"], "wake_kv_cache", "cannot wake_kv_cache while sleeping; legal now: wake_weights"),
-    (["sleep"], "sleep", "cannot sleep while sleeping"),
-    (["sleep", "wake_weights"], "wake_weights", "cannot wake_weights while weights"),
-])
+@pytest.mark.parametrize(
+    "moves, bad, message",
+    [
+        ([], "wake_weights", "cannot wake_weights while serving; legal now: sleep"),
+        (["sleep"], "wake_kv_cache", "cannot wake_kv_cache while sleeping; legal now: wake_weights"),
+        (["sleep"], "sleep", "cannot sleep while sleeping"),
+        (["sleep", "wake_weights"], "wake_weights", "cannot wake_weights while weights"),
+    ],
+)
 def test_illegal_moves_are_refused_and_change_nothing(moves, bad, message):
     log = []
     lc = EngineLifecycle(RecordingEngine(log))
@@ -102,21 +105,32 @@ def test_calls_need_their_states():
 
 # ------------------------------------------------------------------------------------------- the worker's modes
 def colocated(log, free_cache_engine=True, offload_trainer=True):
-    return ColocatedRollout(RecordingEngine(log), RecordingTrainer(log), free_cache_engine=free_cache_engine,
-                            offload_trainer=offload_trainer, bucket_bytes=1 << 20)
+    return ColocatedRollout(
+        RecordingEngine(log),
+        RecordingTrainer(log),
+        free_cache_engine=free_cache_engine,
+        offload_trainer=offload_trainer,
+        bucket_bytes=1 << 20,
+    )
 
 
 def test_sync_wakes_weights_updates_then_offloads_and_wakes_kv_cache():
     log = []
     c = colocated(log)
-    c.release()                                   # after init: training mode
-    c.push_weights()                              # after an update
-    assert log == ["engine.sleep", "engine.wake:weights", "trainer.export", "engine.update:1",
-                   "trainer.offload", "engine.wake:kv_cache"]
+    c.release()  # after init: training mode
+    c.push_weights()  # after an update
+    assert log == [
+        "engine.sleep",
+        "engine.wake:weights",
+        "trainer.export",
+        "engine.update:1",
+        "trainer.offload",
+        "engine.wake:kv_cache",
+    ]
     log.clear()
-    c.generate(None, SamplingConfig())            # already serving: nothing to wake
-    c.generate(None, SamplingConfig())            # a second flush keeps it awake
-    c.release()                                   # training needs the memory
+    c.generate(None, SamplingConfig())  # already serving: nothing to wake
+    c.generate(None, SamplingConfig())  # a second flush keeps it awake
+    c.release()  # training needs the memory
     assert log == ["engine.generate", "engine.generate", "engine.sleep", "trainer.onload"]
 
 
@@ -128,7 +142,7 @@ def test_generate_from_training_mode_and_push_from_rollout_mode():
     c.generate(None, SamplingConfig())
     assert log == ["engine.wake:weights", "trainer.offload", "engine.wake:kv_cache", "engine.generate"]
     log.clear()
-    c.push_weights()                              # the trainer comes back to export; the engine stays awake
+    c.push_weights()  # the trainer comes back to export; the engine stays awake
     assert log == ["trainer.onload", "trainer.export", "engine.update:1", "trainer.offload"]
     assert c.lifecycle.state is EngineState.SERVING
 
@@ -183,14 +197,14 @@ def test_vllm_engine_uses_sleep_mode_where_supported():
     pytest.importorskip("vllm")
     from backends.rollout.vllm_engine import VLLMRolloutEngine
 
-    engine = object.__new__(VLLMRolloutEngine)   # vLLM's sleep mode exists on CUDA only: record the calls
+    engine = object.__new__(VLLMRolloutEngine)  # vLLM's sleep mode exists on CUDA only: record the calls
     engine.llm, engine.sleep_supported = RecordingLLM(), True
     lc = EngineLifecycle(engine)
     lc.sleep()
     lc.wake_weights()
     lc.wake_kv_cache()
     assert engine.llm.calls == [("sleep", 1), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"])]
-    engine.llm, engine.sleep_supported = RecordingLLM(), False   # CPU, or enable_sleep_mode=false
+    engine.llm, engine.sleep_supported = RecordingLLM(), False  # CPU, or enable_sleep_mode=false
     engine.sleep()
     engine.wake_up()
     assert engine.llm.calls == []
@@ -200,18 +214,26 @@ def test_vllm_engine_uses_sleep_mode_where_supported():
 def test_llm_arguments_by_device():
     from backends.rollout.vllm_engine import llm_arguments
 
-    config = RolloutConfig(model_path="m", max_model_len=300, max_num_batched_tokens=256,
-                           engine_kwargs={"vllm": {"swap_space": 2}})
+    config = RolloutConfig(
+        model_path="m", max_model_len=300, max_num_batched_tokens=256, engine_kwargs={"vllm": {"swap_space": 2}}
+    )
     cpu, cuda = llm_arguments(config, "cpu", False), llm_arguments(config, "cuda", True)
     assert (cpu["dtype"], cpu["enforce_eager"], cpu["enable_chunked_prefill"]) == ("float32", True, False)
     assert cpu["kv_cache_memory_bytes"] == 64 << 20
     assert (cuda["dtype"], cuda["enforce_eager"], cuda["enable_chunked_prefill"]) == ("bfloat16", False, True)
     assert "kv_cache_memory_bytes" not in cuda and cuda["gpu_memory_utilization"] == 0.5
     assert cuda["enable_sleep_mode"] and not cpu["enable_sleep_mode"]
-    assert cpu["max_num_batched_tokens"] == 300          # at least one whole sequence without chunked prefill
+    assert cpu["max_num_batched_tokens"] == 300  # at least one whole sequence without chunked prefill
     assert cpu["swap_space"] == cuda["swap_space"] == 2
-    explicit = RolloutConfig(model_path="m", dtype="float16", kv_cache_bytes=1 << 30, enforce_eager=True,
-                             load_format="dummy", max_num_seqs=7, enable_prefix_caching=False)
+    explicit = RolloutConfig(
+        model_path="m",
+        dtype="float16",
+        kv_cache_bytes=1 << 30,
+        enforce_eager=True,
+        load_format="dummy",
+        max_num_seqs=7,
+        enable_prefix_caching=False,
+    )
     args = llm_arguments(explicit, "cuda", True)
     assert (args["dtype"], args["kv_cache_memory_bytes"], args["enforce_eager"]) == ("float16", 1 << 30, True)
     assert (args["load_format"], args["max_num_seqs"], args["enable_prefix_caching"]) == ("dummy", 7, False)
@@ -219,18 +241,22 @@ def test_llm_arguments_by_device():
         llm_arguments(RolloutConfig(model_path="m", enable_chunked_prefill=True), "cpu", False)
 
 
-@pytest.mark.parametrize("device, trainable, dtype, mixed", [
-    ("cuda", True, "float32", "bfloat16"),      # fp32 master weights, bf16 compute
-    ("cuda", False, "bfloat16", None),          # frozen reference / reward model: bf16 weights
-    ("cpu", True, "float32", None),
-    ("cpu", False, "float32", None),
-])
+@pytest.mark.parametrize(
+    "device, trainable, dtype, mixed",
+    [
+        ("cuda", True, "float32", "bfloat16"),  # fp32 master weights, bf16 compute
+        ("cuda", False, "bfloat16", None),  # frozen reference / reward model: bf16 weights
+        ("cpu", True, "float32", None),
+        ("cpu", False, "float32", None),
+    ],
+)
 def test_auto_precision(device, trainable, dtype, mixed):
     model, engine = resolve_precision(ModelConfig(path="m"), EngineConfig(), device, trainable)
     assert (model.dtype, engine.mixed_precision) == (dtype, mixed)
-    model, engine = resolve_precision(ModelConfig(path="m", dtype="bfloat16"), EngineConfig(mixed_precision=None),
-                                      device, trainable)
-    assert (model.dtype, engine.mixed_precision) == ("bfloat16", None)   # explicit values are kept
+    model, engine = resolve_precision(
+        ModelConfig(path="m", dtype="bfloat16"), EngineConfig(mixed_precision=None), device, trainable
+    )
+    assert (model.dtype, engine.mixed_precision) == ("bfloat16", None)  # explicit values are kept
 
 
 def test_attn_implementation_errors():
@@ -239,7 +265,8 @@ def test_attn_implementation_errors():
     assert attention_kwargs(ModelConfig(path="m")) == {}
     assert attention_kwargs(ModelConfig(path="m", attn_implementation="eager")) == {"attn_implementation": "eager"}
     assert attention_kwargs(ModelConfig(path="m", override_config={"attn_implementation": "sdpa"})) == {
-        "attn_implementation": "sdpa"}
+        "attn_implementation": "sdpa"
+    }
     with pytest.raises(ValueError, match="unknown 'flash'"):
         attention_kwargs(ModelConfig(path="m", attn_implementation="flash"))
     try:

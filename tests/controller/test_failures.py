@@ -24,7 +24,7 @@ def test_remote_exception_names_role_rank_method_and_traceback(group):
         group.fail_on(1)
     msg = str(info.value)
     assert "worker 'actor' rank 1 failed in fail_on()" in msg
-    assert "KeyError: 'boom on rank 1'" in msg and "workers.py\", line" in msg and "\x1b[" not in msg
+    assert "KeyError: 'boom on rank 1'" in msg and 'workers.py", line' in msg and "\x1b[" not in msg
     assert (info.value.role, info.value.rank, info.value.method) == ("actor", 1, "fail_on")
     assert group.fail_on(5) == [0, 1]  # the group still works afterwards
 

@@ -31,8 +31,12 @@ def test_single_node_cluster_and_single_group_are_left_to_ray(cluster):
 
 
 def test_nodes_without_room_or_dead_are_skipped(cluster):
-    cluster["nodes"] = [_node("head", "10.0.0.1", 8), _node("dead", "10.0.0.2", 8, gpus=4, alive=False),
-                        _node("g1", "10.0.0.3", 8, gpus=4), _node("g2", "10.0.0.4", 8, gpus=4)]
+    cluster["nodes"] = [
+        _node("head", "10.0.0.1", 8),
+        _node("dead", "10.0.0.2", 8, gpus=4, alive=False),
+        _node("g1", "10.0.0.3", 8, gpus=4),
+        _node("g2", "10.0.0.4", 8, gpus=4),
+    ]
     assert rp._distinct_nodes([4, 4], {"CPU": 1.0, "GPU": 1.0}) == ["g1", "g2"]
     # a node with the room free right now comes before one that is full
     cluster["available"] = {"g1": {"CPU": 8.0, "GPU": 0.0}, "g2": {"CPU": 8.0, "GPU": 4.0}}

@@ -178,8 +178,9 @@ def started_group(ray, workers: int, cls, *args, use_gpu=True, **group_kwargs):
     pool = RayResourcePool([workers], use_gpu=use_gpu)
     group = None
     try:
-        group = RayWorkerGroup(pool, cls if isinstance(cls, RayClassWithInitArgs) else RayClassWithInitArgs(cls, *args),
-                               **group_kwargs)
+        group = RayWorkerGroup(
+            pool, cls if isinstance(cls, RayClassWithInitArgs) else RayClassWithInitArgs(cls, *args), **group_kwargs
+        )
         yield group
     finally:
         for actor in group.workers if group is not None else []:

@@ -1,4 +1,5 @@
 """Helpers for the data tests: parquet writing and a printable-character tokenizer with a configurable template."""
+
 from __future__ import annotations
 
 import string
@@ -31,8 +32,9 @@ def char_tokenizer(template: str = PLAIN_TEMPLATE, add_bos: bool = False):
     core.decoder = decoders.Fuse()
     if add_bos:
         core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                  unk_token="<unk>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
     tok.chat_template = template
     return tok
 

@@ -1,5 +1,6 @@
 """The embedded default: tokenizer round trip, cached build (idempotent, rebuilt when half-built), task files, and
 the tiny Qwen2 checkpoint loading and running in transformers."""
+
 import json
 import os
 from pathlib import Path
@@ -137,6 +138,11 @@ def test_arithmetic_preprocess_script(tmp_path, capsys):
 
     paths = arithmetic.main(["--output_dir", str(tmp_path), "--n_train", "40", "--n_val", "5", "--n_test", "6"])
     assert "40/5/6" in capsys.readouterr().out
-    assert sorted(os.listdir(tmp_path)) == ["sft_train.parquet", "sft_val.parquet", "test.parquet", "train.parquet",
-                                           "val.parquet"]
+    assert sorted(os.listdir(tmp_path)) == [
+        "sft_train.parquet",
+        "sft_val.parquet",
+        "test.parquet",
+        "train.parquet",
+        "val.parquet",
+    ]
     assert len(pq.read_table(paths["test"])) == 6

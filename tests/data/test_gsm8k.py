@@ -1,4 +1,5 @@
 """GSM8K converter: local jsonl/parquet -> verl's RL rows, split handling, and bad rows named by file and line."""
+
 import json
 import subprocess
 import sys
@@ -43,8 +44,12 @@ def test_convert_jsonl_to_rl_rows(tmp_path):
     assert r["reward_model"] == {"style": "rule", "ground_truth": "1500"}
     assert r["prompt"] == [{"role": "user", "content": RECORDS[1]["question"] + " " + gsm8k.INSTRUCTION}]
     assert "####" in gsm8k.INSTRUCTION
-    assert r["extra_info"] == {"split": "train", "index": 1, "question": RECORDS[1]["question"],
-                               "answer": RECORDS[1]["answer"]}
+    assert r["extra_info"] == {
+        "split": "train",
+        "index": 1,
+        "question": RECORDS[1]["question"],
+        "answer": RECORDS[1]["answer"],
+    }
     ds = RLDataset(paths["train"], char_tokenizer(), max_prompt_length=200)  # the output is a valid RL dataset
     assert ds[0]["reward_model"]["ground_truth"] == "7"
 
@@ -78,7 +83,11 @@ def test_module_entry_point(tmp_path):
     data = write_jsonl(tmp_path / "test.jsonl", RECORDS)
     out = subprocess.run(
         [sys.executable, "-m", "scaletrain.data.preprocess.gsm8k", "--input", data, "--output_dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     assert out.stdout.strip() == f"gsm8k: test -> {tmp_path / 'test.parquet'}"
     assert len(pq.read_table(tmp_path / "test.parquet")) == 2

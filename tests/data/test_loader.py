@@ -1,4 +1,5 @@
 """StatefulDataLoader: batch counts, per-epoch shuffling, and exact resume from state_dict across epochs."""
+
 import pytest
 import torch
 

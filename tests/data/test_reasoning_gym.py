@@ -1,5 +1,6 @@
 """reasoning-gym converter: CLI -> parquet in verl's row format that RLDataset loads, determinism by seed,
 disjoint de-duplicated splits, task kwargs, and usage errors (exit code 2 listing the known tasks)."""
+
 import json
 import subprocess
 import sys
@@ -22,8 +23,22 @@ def questions(rows):
 
 def test_cli_writes_rows_that_rl_dataset_loads(tmp_path):
     kwargs = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
-    paths = rg.main(["--task", "chain_sum", "--output_dir", str(tmp_path), "--train_size", "12", "--test_size", "5",
-                     "--seed", "3", "--task_kwargs", json.dumps(kwargs)])
+    paths = rg.main(
+        [
+            "--task",
+            "chain_sum",
+            "--output_dir",
+            str(tmp_path),
+            "--train_size",
+            "12",
+            "--test_size",
+            "5",
+            "--seed",
+            "3",
+            "--task_kwargs",
+            json.dumps(kwargs),
+        ]
+    )
     assert paths == {"train": str(tmp_path / "train.parquet"), "test": str(tmp_path / "test.parquet")}
     train, test = (pq.read_table(paths[s]).to_pylist() for s in ("train", "test"))
     assert len(train) == 12 and len(test) == 5
@@ -93,11 +108,14 @@ def test_library_errors_name_the_problem():
         rg.build_splits("chain_sum", rg.TRAIN_SEED_OFFSET, 1)
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--task_kwargs", "{bad"], "not valid JSON"),
-    (["--task_kwargs", "[1]"], "must be a JSON object"),
-    (["--task_kwargs", '{"size": 3}'], "may not set"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--task_kwargs", "{bad"], "not valid JSON"),
+        (["--task_kwargs", "[1]"], "must be a JSON object"),
+        (["--task_kwargs", '{"size": 3}'], "may not set"),
+    ],
+)
 def test_cli_usage_errors_exit_2(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as exc:
         rg.main(["--task", "chain_sum", "--output_dir", str(tmp_path), "--train_size", "1", "--test_size", "1"] + extra)
@@ -108,9 +126,23 @@ def test_cli_usage_errors_exit_2(tmp_path, capsys, extra, message):
 
 def test_module_entry_point_unknown_task_lists_known_names(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "scaletrain.data.preprocess.reasoning_gym", "--task", "chain_sm", "--output_dir",
-         str(tmp_path), "--train_size", "2", "--test_size", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "scaletrain.data.preprocess.reasoning_gym",
+            "--task",
+            "chain_sm",
+            "--output_dir",
+            str(tmp_path),
+            "--train_size",
+            "2",
+            "--test_size",
+            "2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 2, out.stderr
     assert "unknown reasoning-gym task 'chain_sm'" in out.stderr
@@ -136,8 +168,13 @@ def test_fewshot_turns_precede_every_question_and_stay_out_of_the_splits():
         dataset = reasoning_gym.create_dataset("chain_sum", seed=3 + rg.FEWSHOT_SEED_OFFSET, size=50, **SMALL_CHAIN)
         entry = next(dataset[i] for i in range(50) if dataset[i]["question"].strip() == question)
         tagged = assistant["content"].split("<answer>")[1].split("</answer>")[0]
-        assert assistant["content"].startswith(entry["metadata"]["expression"]) and dataset.score_answer(tagged, entry) == 1.0
-    assert examples and rg.build_splits("chain_sum", 20, 10, seed=3, task_kwargs=SMALL_CHAIN)["train"][0]["prompt"] \
-        == first[-1:]
+        assert (
+            assistant["content"].startswith(entry["metadata"]["expression"])
+            and dataset.score_answer(tagged, entry) == 1.0
+        )
+    assert (
+        examples
+        and rg.build_splits("chain_sum", 20, 10, seed=3, task_kwargs=SMALL_CHAIN)["train"][0]["prompt"] == first[-1:]
+    )
     with pytest.raises(ValueError, match="fewshot must be >= 0"):
         rg.build_splits("chain_sum", 1, 1, fewshot=-1)

@@ -1,4 +1,5 @@
 """RLDataset: chat-template tokenization, left padding, overlong filtering / truncation, row errors, collation."""
+
 import logging
 
 import numpy as np
@@ -123,8 +124,9 @@ def test_missing_file_and_template(tmp_path, tok):
 
 
 def test_collate_to_dataproto_over_files(tmp_path, tok):
-    a = write_parquet([row("1+1=", agent_name="tool_agent"), row("22+2=", agent_name="single_turn")],
-                      tmp_path / "a.parquet")
+    a = write_parquet(
+        [row("1+1=", agent_name="tool_agent"), row("22+2=", agent_name="single_turn")], tmp_path / "a.parquet"
+    )
     b = write_parquet([row("3+3=", ground_truth="6", agent_name="tool_agent")], tmp_path / "b.parquet")
     ds = RLDataset([a, b], tok, max_prompt_length=8)
     assert len(ds) == 3 and [ds[i]["row_id"] for i in range(3)] == [0, 1, 2]
@@ -133,8 +135,17 @@ def test_collate_to_dataproto_over_files(tmp_path, tok):
     assert set(batch.batch.keys()) == {"input_ids", "attention_mask", "position_ids"}
     assert batch.batch["input_ids"].shape == (3, 8)
     non = batch.non_tensor_batch
-    for key in ("data_source", "reward_model", "extra_info", "ability", "raw_prompt", "raw_prompt_ids", "index",
-                "row_id", "agent_name"):
+    for key in (
+        "data_source",
+        "reward_model",
+        "extra_info",
+        "ability",
+        "raw_prompt",
+        "raw_prompt_ids",
+        "index",
+        "row_id",
+        "agent_name",
+    ):
         assert isinstance(non[key], np.ndarray) and non[key].dtype == object and non[key].shape == (3,), key
     assert list(non["agent_name"]) == ["tool_agent", "single_turn", "tool_agent"]
     assert non["reward_model"][2]["ground_truth"] == "6"

@@ -35,8 +35,9 @@ def record(name: str, value: float) -> None:
     FIGURES[name] = value
     print(f"[gpu figure] {name} = {value:.4g}")
     path = Path(os.environ.get("SCALETRAIN_GPU_REPORT", "gpu_report.json"))
-    path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-                                **FIGURES}, indent=1))
+    path.write_text(
+        json.dumps({"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), **FIGURES}, indent=1)
+    )
 
 
 # -------------------------------------------------------------------------------------- backend vs reference
@@ -73,8 +74,11 @@ def _update_checks(work: str, rank: int, results: dict) -> None:
     ref_sd = {k: v.detach().float().cpu() for k, v in ref.state_dict().items()}
 
     def step(dtype: str, mixed: str | None):
-        engine = backend(ModelConfig(path=model_dir, dtype=dtype), optim,
-                         EngineConfig(micro_batch_size_per_gpu=4, mixed_precision=mixed))
+        engine = backend(
+            ModelConfig(path=model_dir, dtype=dtype),
+            optim,
+            EngineConfig(micro_batch_size_per_gpu=4, mixed_precision=mixed),
+        )
         metrics = engine.train_step(batch, reference.actor_loss, ("log_probs", "entropy"))
         weights = {k: v.float().cpu() for bucket in engine.export_weights(1 << 30) for k, v in bucket}
         return metrics, weights
@@ -89,7 +93,7 @@ def _update_checks(work: str, rank: int, results: dict) -> None:
 
     @rank_check(results, "update_bf16")
     def _():
-        metrics, _ = step("auto", "auto")          # the CUDA default: fp32 master weights, bf16 compute
+        metrics, _ = step("auto", "auto")  # the CUDA default: fp32 master weights, bf16 compute
         assert abs(metrics["loss"] - ref_loss) <= 5e-2 * abs(ref_loss), (metrics["loss"], ref_loss)
         assert abs(metrics["grad_norm"] - ref_norm) <= 5e-2 * ref_norm, (metrics["grad_norm"], ref_norm)
 
@@ -98,10 +102,22 @@ def _update_checks(work: str, rank: int, results: dict) -> None:
 def test_vllm_log_probs_match_trainer_after_sync(smollm2_dir, tmp_path):
     pytest.importorskip("vllm")
     (tmp_path / "model").symlink_to(smollm2_dir)
-    out = subprocess.run([sys.executable, "-c", f"from tests.gpu.test_gpu_path import vllm_rank; "
-                          f"vllm_rank({str(tmp_path)!r})"], cwd=ROOT, capture_output=True, text=True, timeout=400,
-                         env={**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(
+        [sys.executable, "-c", f"from tests.gpu.test_gpu_path import vllm_rank; vllm_rank({str(tmp_path)!r})"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={
+            **os.environ,
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29533",
+            "PYTHONPATH": str(ROOT),
+        },
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     figures = json.loads((tmp_path / "vllm_figures.json").read_text())
     for name, value in figures.items():
@@ -118,23 +134,26 @@ def vllm_rank(work: str) -> None:
     from tests.backends.tiny import make_batch
 
     model = os.path.join(work, "model")
-    actor = get_backend("fsdp")(ModelConfig(path=model), OptimConfig(lr=1e-5), EngineConfig(micro_batch_size_per_gpu=16))
+    actor = get_backend("fsdp")(
+        ModelConfig(path=model), OptimConfig(lr=1e-5), EngineConfig(micro_batch_size_per_gpu=16)
+    )
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    engine = get_rollout("vllm")(RolloutConfig(model_path=model, max_model_len=512, gpu_memory_utilization=0.4,
-                                               max_num_seqs=64), tokenizer)
+    engine = get_rollout("vllm")(
+        RolloutConfig(model_path=model, max_model_len=512, gpu_memory_utilization=0.4, max_num_seqs=64), tokenizer
+    )
     rollout = ColocatedRollout(engine, actor, free_cache_engine=True, offload_trainer=True, bucket_bytes=256 << 20)
     rollout.release()
     batch = make_batch(8, 16, 16, seed=0, vocab_size=tokenizer.vocab_size)
-    for _ in range(2):                         # an update moves the weights away from the checkpoint's
+    for _ in range(2):  # an update moves the weights away from the checkpoint's
         actor.train_step(batch, _nll, ("log_probs",))
     rollout.release()
     start = time.perf_counter()
     rollout.push_weights()
     torch.cuda.synchronize()
     sync_s = time.perf_counter() - start
-    nbytes = sum(p.numel() * 2 for p in actor.model.parameters())   # bf16 on the wire
+    nbytes = sum(p.numel() * 2 for p in actor.model.parameters())  # bf16 on the wire
     prompts = _prompts(tokenizer)
     start = time.perf_counter()
     out = rollout.generate(prompts, SamplingConfig(n=8, temperature=1.0, max_new_tokens=128, seed=1))
@@ -143,9 +162,13 @@ def vllm_rank(work: str) -> None:
     trainer = actor.forward(out, ("log_probs",)).batch["log_probs"]
     mask = out.batch["response_mask"].bool()
     diff = (trainer - out.batch["rollout_log_probs"]).abs()[mask]
-    figures = {"vllm_vs_trainer_abs_diff_mean": float(diff.mean()), "vllm_vs_trainer_abs_diff_max": float(diff.max()),
-               "weight_sync_gib_per_s": nbytes / sync_s / 2**30, "rollout_tokens_per_s": float(mask.sum()) / gen_s,
-               "lifecycle_moves": float(len(rollout.lifecycle.history))}
+    figures = {
+        "vllm_vs_trainer_abs_diff_mean": float(diff.mean()),
+        "vllm_vs_trainer_abs_diff_max": float(diff.max()),
+        "weight_sync_gib_per_s": nbytes / sync_s / 2**30,
+        "rollout_tokens_per_s": float(mask.sum()) / gen_s,
+        "lifecycle_moves": float(len(rollout.lifecycle.history)),
+    }
     Path(work, "vllm_figures.json").write_text(json.dumps(figures))
 
 
@@ -158,33 +181,59 @@ def _prompts(tokenizer):
     from scaletrain.protocol import DataProto
 
     texts = [f"What is {a} + {b}? Answer with the number." for a, b in [(12, 7), (30, 45), (8, 9), (123, 77)]]
-    rows = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                          tokenize=True) for t in texts]
+    rows = [
+        tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
+        for t in texts
+    ]
     rows = [r["input_ids"] if isinstance(r, dict) else r for r in rows]
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id)
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
-        ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
-    return DataProto.from_dict({"input_ids": ids, "attention_mask": mask,
-                                "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)})
+        ids[i, width - len(r) :], mask[i, width - len(r) :] = torch.tensor(r), 1
+    return DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+    )
 
 
 # ---------------------------------------------------------------------------------------- GRPO on SmolLM2
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grpo_five_steps_smollm2(backend, smollm2_dir, tmp_path):
     pytest.importorskip("vllm")
-    env = dict(os.environ, PYTHON=sys.executable, BACKEND=backend, STEPS="5", TEST_FREQ="-1", TRAIN_SIZE="64",
-               TEST_SIZE="16", OUT=str(tmp_path))
-    overrides = ["trainer.n_gpus_per_node=1", "trainer.device=cuda", "trainer.plot_at_end=false",
-                 "trainer.save_hf_at_end=false", "actor_rollout_ref.rollout.kv_cache_bytes=null",
-                 "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "data.max_response_length=128"]
-    out = subprocess.run([str(ROOT / "launch/recipes/smollm2_reasoning_gym.sh"), *overrides], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=420)
+    env = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        BACKEND=backend,
+        STEPS="5",
+        TEST_FREQ="-1",
+        TRAIN_SIZE="64",
+        TEST_SIZE="16",
+        OUT=str(tmp_path),
+    )
+    overrides = [
+        "trainer.n_gpus_per_node=1",
+        "trainer.device=cuda",
+        "trainer.plot_at_end=false",
+        "trainer.save_hf_at_end=false",
+        "actor_rollout_ref.rollout.kv_cache_bytes=null",
+        "data.train_batch_size=16",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
+        "data.max_response_length=128",
+    ]
+    out = subprocess.run(
+        [str(ROOT / "launch/recipes/smollm2_reasoning_gym.sh"), *overrides],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    rows = [json.loads(line) for line in
-            (tmp_path / "runs" / f"chain_sum_{backend}" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "runs" / f"chain_sum_{backend}" / "metrics.jsonl").read_text().splitlines()
+    ]
     steps = [row for row in rows if row["step"] > 0]
     assert [row["step"] for row in steps] == [1, 2, 3, 4, 5]
     last = steps[-1]
@@ -203,11 +252,30 @@ def test_rollout_tp2_on_two_gpus(smollm2_dir, tmp_path):
     # SmolLM2 has 9 attention heads, which 2 ranks cannot split: the tiny Qwen2 of the CPU test, trained 2 steps
     from tests.backends.tiny import save_tiny_qwen2
 
-    model = save_tiny_qwen2(str(tmp_path / "model"), seed=5, hidden_size=128, num_attention_heads=4,
-                            num_key_value_heads=2, initializer_range=0.1)
-    out = subprocess.run([sys.executable, "-m", "scaletrain.trainer.main_ppo", f"actor_rollout_ref.model.path={model}",
-                          "trainer.n_gpus_per_node=2", "trainer.device=cuda", "trainer.total_training_steps=2",
-                          "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.plot_at_end=false",
-                          f"trainer.default_local_dir={tmp_path / 'run'}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=400)
+    model = save_tiny_qwen2(
+        str(tmp_path / "model"),
+        seed=5,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.1,
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scaletrain.trainer.main_ppo",
+            f"actor_rollout_ref.model.path={model}",
+            "trainer.n_gpus_per_node=2",
+            "trainer.device=cuda",
+            "trainer.total_training_steps=2",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "trainer.plot_at_end=false",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]

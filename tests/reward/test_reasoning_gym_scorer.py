@@ -1,5 +1,6 @@
 """The reasoning-gym scorer: last ``<answer>`` tag, the task's own scorer on the stored entry (partial credit
 included), the ground-truth fallback, default dispatch, and the naive manager on a batch of such rows."""
+
 import json
 
 import pytest
@@ -91,8 +92,15 @@ def test_the_last_tag_counts(task, task_rows):
 def test_extraction_matches_reasoning_gym():
     from reasoning_gym.utils import extract_answer as rg_extract
 
-    texts = ["<answer>1</answer>", "a <answer> 2 </answer> b <answer>\n  3 \n</answer>", "<answer></answer>",
-             "<answer>x<answer>y</answer>", "none", "<answer>multi\nline</answer>", "<answer>4"]
+    texts = [
+        "<answer>1</answer>",
+        "a <answer> 2 </answer> b <answer>\n  3 \n</answer>",
+        "<answer></answer>",
+        "<answer>x<answer>y</answer>",
+        "none",
+        "<answer>multi\nline</answer>",
+        "<answer>4",
+    ]
     for text in texts:
         assert extract_answer(text) == rg_extract(text), text
 
@@ -128,8 +136,10 @@ def test_naive_manager_scores_a_batch(make_batch, last_token_index, task_rows, t
         (f"<answer>{truth}</answer>", None, 1.0, truth),  # no entry: ground-truth comparison
         (f"<answer>{truth}</answer>", broken, 0.0, None),  # the task's scorer raises: an error, counted
     ]
-    rows = [{"prompt": "q", "response": response, "ground_truth": truth, "extra_info": info}
-            for response, info, _, _ in cases]
+    rows = [
+        {"prompt": "q", "response": response, "ground_truth": truth, "extra_info": info}
+        for response, info, _, _ in cases
+    ]
     batch = make_batch(rows, data_source=row["data_source"])
     with NaiveRewardManager(tokenizer) as manager:
         out = manager(batch, return_dict=True)

@@ -1,4 +1,5 @@
 """Loading a user's reward function from a file: errors name the path/name; pickling reloads by path."""
+
 import pickle
 
 import pytest
@@ -13,8 +14,11 @@ def _write(path, body):
 
 
 def test_load_and_call(tmp_path):
-    f = _write(tmp_path / "my_reward.py", "def compute_score(ds, s, gt, extra_info=None):\n    return 0.25\n"
-               "def other(ds, s, gt, extra_info=None):\n    return 0.75\n")
+    f = _write(
+        tmp_path / "my_reward.py",
+        "def compute_score(ds, s, gt, extra_info=None):\n    return 0.25\n"
+        "def other(ds, s, gt, extra_info=None):\n    return 0.75\n",
+    )
     assert load_custom_reward_fn(f)("d", "s", "g") == 0.25
     fn = load_custom_reward_fn(str(f), "other")
     assert isinstance(fn, CustomRewardFn) and fn.name == "other" and fn("d", "s", "g") == 0.75

@@ -1,5 +1,6 @@
 """Reward managers on batches built with a real (character-level) tokenizer: score placement, EOS handling,
 extra info, failure counting, DAPO penalties, multi weights, schema errors."""
+
 import logging
 import time
 
@@ -84,7 +85,10 @@ def test_failures_are_counted_and_logged_not_raised(tokenizer, make_batch, last_
 
 def test_batch_manager(tokenizer, make_batch, last_token_index, test_scorers_path):
     fn = load_custom_reward_fn(test_scorers_path, "batch_exact")
-    rows = [{"prompt": "a", "response": "12", "ground_truth": "12"}, {"prompt": "b", "response": "1", "ground_truth": "2"}]
+    rows = [
+        {"prompt": "a", "response": "12", "ground_truth": "12"},
+        {"prompt": "b", "response": "1", "ground_truth": "2"},
+    ]
     with BatchRewardManager(tokenizer, compute_score=fn, timeout_s=1.0) as manager:
         batch = make_batch(rows)
         out = manager(batch, return_dict=True)
@@ -142,9 +146,16 @@ def test_multi_weights(tokenizer, make_batch, last_token_index, test_scorers_pat
     want = [0.2 + 0.7 + 0.05, 0.2 + 0.1, 0.1]
     assert torch.allclose(out["reward_tensor"], expected_tensor(batch, want, last_token_index))
     info = out["reward_extra_info"]
-    assert info["format"] == [1.0, 1.0, 0.0] and info["correctness"] == [1.0, 0.0, 0.0] and info["length"] == [0.5, 1.0, 1.0]
+    assert (
+        info["format"] == [1.0, 1.0, 0.0]
+        and info["correctness"] == [1.0, 0.0, 0.0]
+        and info["length"] == [0.5, 1.0, 1.0]
+    )
     # correctness swaps in a configured compute_score; components may also come from files
-    custom = [{"name": "correctness", "weight": 2.0}, {"path": str(test_scorers_path), "name": "always_one", "weight": 0.5}]
+    custom = [
+        {"name": "correctness", "weight": 2.0},
+        {"path": str(test_scorers_path), "name": "always_one", "weight": 0.5},
+    ]
     fn = load_custom_reward_fn(test_scorers_path)  # {"score": exact match}
     with MultiRewardManager(tokenizer, compute_score=fn, scorers=custom) as manager:
         out = manager(batch, return_dict=True)
@@ -156,7 +167,10 @@ def test_multi_weights(tokenizer, make_batch, last_token_index, test_scorers_pat
 
 
 def test_schema_errors(tokenizer, make_batch):
-    rows = [{"prompt": "1+1=", "response": "2", "ground_truth": "2"}, {"prompt": "1+1=", "response": "2", "reward_model": {"style": "rule"}}]
+    rows = [
+        {"prompt": "1+1=", "response": "2", "ground_truth": "2"},
+        {"prompt": "1+1=", "response": "2", "reward_model": {"style": "rule"}},
+    ]
     with NaiveRewardManager(tokenizer) as manager:
         with pytest.raises(ValueError, match=r"row 1: reward_model has no 'ground_truth'"):
             manager(make_batch(rows))

@@ -1,5 +1,6 @@
 """The timed worker pool: errors and timeouts per call, hung workers killed (with their children) and
 replaced, results in order, the pool reusable afterwards."""
+
 import os
 import time
 

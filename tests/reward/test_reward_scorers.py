@@ -1,4 +1,5 @@
 """Rule scorers on examples: GSM8K, MATH (math-verify), the arithmetic task, default dispatch, components."""
+
 import pytest
 
 from scaletrain.reward.scorers import arithmetic, gsm8k

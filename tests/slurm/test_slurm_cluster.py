@@ -41,8 +41,9 @@ def test_run_sh_trains_grpo_on_two_slurm_nodes():
         pytest.skip(reason)
     env = {**os.environ, "PYTHON": sys.executable}
     # not subprocess.run: on Ctrl-C it would SIGKILL the script before its trap tears the cluster down
-    proc = subprocess.Popen([str(TESTING / "slurm_grpo_check.sh")], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [str(TESTING / "slurm_grpo_check.sh")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         out, _ = proc.communicate(timeout=600)
     except BaseException as exc:  # timeout or Ctrl-C: let the script's trap tear the cluster down first

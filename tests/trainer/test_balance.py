@@ -21,13 +21,13 @@ def test_parts_have_equal_rows_and_cover_every_row():
 
 
 def test_balance_reorders_rows_and_reports_both_imbalances():
-    lengths = [30, 28, 25, 20, 2, 2, 1, 1]          # the long rows all land on rank 0 unbalanced
+    lengths = [30, 28, 25, 20, 2, 2, 1, 1]  # the long rows all land on rank 0 unbalanced
     batch = batch_of(lengths)
     metrics = balance_batch(batch, 2)
     assert metrics["training/seq_balance/imbalance_before"] > 1.8
     assert metrics["training/seq_balance/imbalance_after"] < 1.05
     rows = batch.batch["row"].tolist()
-    assert sorted(rows) == list(range(8))            # a permutation: nothing lost, nothing repeated
+    assert sorted(rows) == list(range(8))  # a permutation: nothing lost, nothing repeated
     first, second = sum(lengths[r] for r in rows[:4]), sum(lengths[r] for r in rows[4:])
     assert abs(first - second) <= 2
     assert torch.equal(batch.batch["attention_mask"].sum(-1), torch.tensor([lengths[r] for r in rows]))

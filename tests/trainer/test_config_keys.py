@@ -49,7 +49,7 @@ def composed(config_name):
 def test_yaml_lists_every_key(config_name, cls):
     tree, missing = composed(config_name), []
     defaults = cls()
-    for key, _, f in leaf_fields(cls):
+    for key, _, _field in leaf_fields(cls):
         node, value = tree, defaults
         for part in key.split("."):
             value = getattr(value, part)
@@ -68,8 +68,12 @@ def attribute_loads() -> set[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
                 names.add(node.attr)
-            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in NAMED_GETTERS \
-                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) in NAMED_GETTERS
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+            ):
                 names.add(node.args[1].value)
     return names
 
@@ -77,6 +81,9 @@ def attribute_loads() -> set[str]:
 @pytest.mark.parametrize("cls", [PPOConfig, SFTConfig])
 def test_every_field_is_read(cls):
     loads = attribute_loads()
-    unread = [key for key, owning, f in leaf_fields(cls)
-              if f.name not in loads and owner(owning, f.name) not in GENERIC_CONSUMERS]
+    unread = [
+        key
+        for key, owning, f in leaf_fields(cls)
+        if f.name not in loads and owner(owning, f.name) not in GENERIC_CONSUMERS
+    ]
     assert not unread, f"config fields no code reads: {unread}"

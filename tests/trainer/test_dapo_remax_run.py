@@ -15,22 +15,32 @@ from tests.trainer.test_ppo_resume import metrics, run_overridden, task  # noqa:
 
 pytestmark = pytest.mark.slow
 
-REWARD = '''
+REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     h = sum(map(ord, solution_str))
     return {"score": h % 97 / 97, "acc": bool(h % 2)}
-'''
-QUIET = ["trainer.val_before_train=false", "data.val_files=null", "trainer.save_freq=-1", "trainer.plot_at_end=false",
-         "trainer.save_hf_at_end=false"]
+"""
+QUIET = [
+    "trainer.val_before_train=false",
+    "data.val_files=null",
+    "trainer.save_freq=-1",
+    "trainer.plot_at_end=false",
+    "trainer.save_hf_at_end=false",
+]
 ROWS = 8  # 4 prompts x 2 samples
 
 
 def test_remax_dynamic_sampling_and_overlong_filtering(task, tmp_path):  # noqa: F811
     reward, run_dir = tmp_path / "reward.py", tmp_path / "run"
     reward.write_text(REWARD)
-    overrides = [*QUIET, f"custom_reward_function.path={reward}", "algorithm.adv_estimator=remax",
-                 "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=12",
-                 "algorithm.filter_overlong_responses=true"]
+    overrides = [
+        *QUIET,
+        f"custom_reward_function.path={reward}",
+        "algorithm.adv_estimator=remax",
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.max_num_gen_batches=12",
+        "algorithm.filter_overlong_responses=true",
+    ]
     run_overridden(task, run_dir, 3, overrides)
     steps = metrics(run_dir)
     assert sorted(steps) == [1, 2, 3]

@@ -22,10 +22,14 @@ def scored_batch(prompts: list[int], gen_index: int, acc_of) -> Scored:
     acc = [float(acc_of(p, s)) for p in prompts for s in range(N)]
     scores = torch.zeros(len(uids), 3)
     scores[:, -1] = torch.tensor(acc)
-    batch = DataProto.from_dict({"token_level_scores": scores, "prompt_id": torch.tensor(np.repeat(prompts, N))},
-                                {"uid": uids})
-    reward = {"reward_tensor": scores.clone(), "reward_extra_info": {"acc": acc, "pred": [str(a) for a in acc]},
-              "metrics": {}}
+    batch = DataProto.from_dict(
+        {"token_level_scores": scores, "prompt_id": torch.tensor(np.repeat(prompts, N))}, {"uid": uids}
+    )
+    reward = {
+        "reward_tensor": scores.clone(),
+        "reward_extra_info": {"acc": acc, "pred": [str(a) for a in acc]},
+        "metrics": {},
+    }
     return Scored(batch, reward, {"reward/score_mean": float(np.mean(acc))})
 
 
@@ -43,14 +47,20 @@ class Prompts:
 
 
 def loader(size=40, batch=4):
-    return StatefulDataLoader(Prompts(size), batch, shuffle=True, seed=3,
-                              collate_fn=lambda rows: DataProto.from_dict(non_tensors={"pid": list(rows)}))
+    return StatefulDataLoader(
+        Prompts(size),
+        batch,
+        shuffle=True,
+        seed=3,
+        collate_fn=lambda rows: DataProto.from_dict(non_tensors={"pid": list(rows)}),
+    )
 
 
 def rollout_for(acc_of, calls):
     def rollout(prompts: DataProto, gen_index: int) -> Scored:
         calls.append(list(prompts.non_tensor_batch["pid"]))
         return scored_batch(list(prompts.non_tensor_batch["pid"]), gen_index, acc_of)
+
     return rollout
 
 
@@ -78,8 +88,13 @@ def test_collect_groups_refills_from_the_loader_and_trims_to_the_batch_size():
     # odd prompt ids have one right and one wrong sample (kept), even ones agree (dropped): ~half kept per batch
     data, calls = loader(), []
     first = next(iter(data))
-    scored, metrics = collect_groups(first, rollout_for(lambda p, s: p % 2 and s == 0, calls),
-                                     lambda: next(iter(data)), FilterGroupsConfig(enable=True), train_batch_size=4)
+    scored, metrics = collect_groups(
+        first,
+        rollout_for(lambda p, s: p % 2 and s == 0, calls),
+        lambda: next(iter(data)),
+        FilterGroupsConfig(enable=True),
+        train_batch_size=4,
+    )
     pids = [p for batch in calls for p in batch]
     odd = [p for p in pids if p % 2]
     assert len(calls) == metrics["train/num_gen_batches"] > 1
@@ -100,8 +115,13 @@ def test_collect_groups_crosses_epochs_and_ends_the_outer_epoch_loop():
     # 2 batches per epoch and only prompt 0's group varies: the second kept group needs epoch 1's copy of prompt 0
     data, calls = loader(size=8, batch=4), []
     outer = iter(data)  # fit()'s epoch loop
-    scored, metrics = collect_groups(next(outer), rollout_for(lambda p, s: p == 0 and s == 0, calls),
-                                     lambda: next(iter(data)), FilterGroupsConfig(enable=True), train_batch_size=2)
+    scored, metrics = collect_groups(
+        next(outer),
+        rollout_for(lambda p, s: p == 0 and s == 0, calls),
+        lambda: next(iter(data)),
+        FilterGroupsConfig(enable=True),
+        train_batch_size=2,
+    )
     assert scored.batch.batch["prompt_id"].tolist() == [0, 0, 0, 0]
     assert len(set(scored.batch.non_tensor_batch["uid"])) == 2  # one group from each epoch
     state = data.state_dict()
@@ -112,23 +132,34 @@ def test_collect_groups_crosses_epochs_and_ends_the_outer_epoch_loop():
 def test_collect_groups_fails_after_max_num_gen_batches():
     data, calls = loader(), []
     config = FilterGroupsConfig(enable=True, metric="acc", max_num_gen_batches=3)
-    with pytest.raises(RuntimeError, match=r"3 generation batches \(algorithm.filter_groups.max_num_gen_batches=3\) "
-                                           r"kept only 0 of data.train_batch_size=4"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"3 generation batches \(algorithm.filter_groups.max_num_gen_batches=3\) "
+        r"kept only 0 of data.train_batch_size=4",
+    ):
         collect_groups(next(iter(data)), rollout_for(lambda p, s: 1, calls), lambda: next(iter(data)), config, 4)
     assert len(calls) == 3
 
 
 def test_collect_groups_averages_metrics_and_stops_at_once_when_the_first_batch_suffices():
     data, calls = loader(), []
-    scored, metrics = collect_groups(next(iter(data)), rollout_for(lambda p, s: s, calls), lambda: next(iter(data)),
-                                     FilterGroupsConfig(enable=True, metric="seq_reward"), 4)
+    scored, metrics = collect_groups(
+        next(iter(data)),
+        rollout_for(lambda p, s: s, calls),
+        lambda: next(iter(data)),
+        FilterGroupsConfig(enable=True, metric="seq_reward"),
+        4,
+    )
     assert metrics == {"train/num_gen_batches": 1.0, "train/kept_group_ratio": 1.0}
     assert scored.metrics == {"reward/score_mean": 0.5} and len(calls) == 1
 
 
 def test_filter_defaults_match_verl_and_validate():
-    cfg = validate(load_ppo_config(composed("algorithm.filter_groups.enable=true",
-                                            "algorithm.filter_groups.max_num_gen_batches=-1")))
+    cfg = validate(
+        load_ppo_config(
+            composed("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=-1")
+        )
+    )
     assert cfg.algorithm.filter_groups.metric == "acc" and not cfg.algorithm.filter_overlong_responses
     assert FilterGroupsConfig() == FilterGroupsConfig(enable=False, metric="acc", max_num_gen_batches=0)
 

@@ -23,9 +23,20 @@ def test_embedded_default_learns(tmp_path):
     # (this one or another) builds the model and the SFT warm-up, as `make run` does
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     out = subprocess.run(
-        [sys.executable, "-m", "scaletrain.trainer.main_ppo", f"trainer.total_training_steps={STEPS}",
-         f"trainer.default_local_dir={run_dir}", "trainer.test_freq=-1", "trainer.save_freq=-1"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "scaletrain.trainer.main_ppo",
+            f"trainer.total_training_steps={STEPS}",
+            f"trainer.default_local_dir={run_dir}",
+            "trainer.test_freq=-1",
+            "trainer.save_freq=-1",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -33,9 +44,9 @@ def test_embedded_default_learns(tmp_path):
     assert sorted(by_step) == list(range(STEPS + 1))
     score = [by_step[s]["critic/score/mean"] for s in range(1, STEPS + 1)]
     first, last = np.mean(score[:30]), np.mean(score[-30:])
-    assert last > first + 0.02, (first, last)          # measured: ~0.08 -> ~0.12 over 150 steps
+    assert last > first + 0.02, (first, last)  # measured: ~0.08 -> ~0.12 over 150 steps
     acc_key = "val/scaletrain/arithmetic/acc"
-    assert by_step[0][acc_key] > 0.1                    # the SFT warm-up worked
+    assert by_step[0][acc_key] > 0.1  # the SFT warm-up worked
     assert by_step[STEPS][acc_key] >= by_step[0][acc_key] - 0.02
     # the run's outputs: an HF export that transformers and vLLM load, and curves
     from transformers import AutoModelForCausalLM
@@ -54,8 +65,9 @@ def test_embedded_default_learns(tmp_path):
         "out = engine.generate(p, SamplingConfig(temperature=0.0, max_new_tokens=5)); "
         "print('VLLM_OK', tuple(out.batch['responses'].shape))"
     )
-    loaded = subprocess.run([sys.executable, "-c", load_in_vllm], env=env, cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
+    loaded = subprocess.run(
+        [sys.executable, "-c", load_in_vllm], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert "VLLM_OK (1, 5)" in loaded.stdout, loaded.stderr[-3000:]
     assert (run_dir / "plots" / "reward.png").stat().st_size > 5000
     assert "points)" in out.stdout  # the summary table

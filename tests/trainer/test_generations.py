@@ -25,13 +25,17 @@ def scored_batch(tokenizer, prompts, responses, extra):
     plen, rlen = max(map(len, p_ids)), max(map(len, r_ids))
     prompt = torch.tensor([[pad] * (plen - len(x)) + x for x in p_ids])
     response = torch.tensor([x + [pad] * (rlen - len(x)) for x in r_ids])
-    mask = torch.tensor([[0] * (plen - len(p)) + [1] * (len(p) + len(r)) + [0] * (rlen - len(r))
-                         for p, r in zip(p_ids, r_ids)])
+    mask = torch.tensor(
+        [[0] * (plen - len(p)) + [1] * (len(p) + len(r)) + [0] * (rlen - len(r)) for p, r in zip(p_ids, r_ids)]
+    )
     batch = DataProto.from_dict(
         tensors={"prompts": prompt, "responses": response, "attention_mask": mask},
-        non_tensors={"data_source": np.array(["arith"] * len(prompts), dtype=object),
-                     "uid": np.array([f"u{p}" for p in prompts], dtype=object),
-                     "reward_model": np.array([{"ground_truth": str(eval(p[:-1]))} for p in prompts], dtype=object)})
+        non_tensors={
+            "data_source": np.array(["arith"] * len(prompts), dtype=object),
+            "uid": np.array([f"u{p}" for p in prompts], dtype=object),
+            "reward_model": np.array([{"ground_truth": str(eval(p[:-1]))} for p in prompts], dtype=object),
+        },
+    )
     scores = torch.zeros(len(prompts), rlen)
     right = [r.replace("<eos>", "") == str(eval(p[:-1])) for p, r in zip(prompts, responses)]
     scores[:, 0] = torch.tensor(right, dtype=torch.float32)
@@ -48,8 +52,16 @@ def test_samples_gather_batches_and_fill_missing_extra_keys(tokenizer):
     assert samples.extra == {"pred": ["3", "31", None], "score": [9, 9, None], "acc": [None, None, True]}
     assert samples.columns()["reward"] == [1.0, 0.0, 1.0]
     records = samples.records(step=7)
-    assert records[1] == {"input": "10+20=", "output": "31", "gts": "30", "score": 0.0, "step": 7,
-                          "data_source": "arith", "pred": "31", "acc": None}  # padding and <eos> not decoded
+    assert records[1] == {
+        "input": "10+20=",
+        "output": "31",
+        "gts": "30",
+        "score": 0.0,
+        "step": 7,
+        "data_source": "arith",
+        "pred": "31",
+        "acc": None,
+    }  # padding and <eos> not decoded
     assert records[0]["input"] == "1+2=" and records[0]["output"] == "3"
     undecoded = ScoredSamples()
     undecoded.add(b1, r1)
@@ -60,8 +72,9 @@ def test_samples_gather_batches_and_fill_missing_extra_keys(tokenizer):
 
 
 def test_dump_one_line_per_sample(tokenizer, tmp_path):
-    batch, reward = scored_batch(tokenizer, ["1+2=", "5+5="], ["3<eos>", "9<eos>"],
-                                 {"pred": ["3", "9"], "len": [np.int64(1), np.int64(1)]})
+    batch, reward = scored_batch(
+        tokenizer, ["1+2=", "5+5="], ["3<eos>", "9<eos>"], {"pred": ["3", "9"], "len": [np.int64(1), np.int64(1)]}
+    )
     path = dump_batch(str(tmp_path / "rollouts"), 3, batch, reward, tokenizer)
     assert path == str(tmp_path / "rollouts" / "3.jsonl")
     rows = [json.loads(line) for line in open(path)]

@@ -26,15 +26,28 @@ def test_gae_on_megatron_pp2_with_vllm(tmp_path):
     task = build_embedded_default(cache_dir=str(tmp_path / "cache"), n_train=400, n_val=16, n_test=16)
     run = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "scaletrain.trainer.main_ppo", "backend=megatron", "rollout=vllm",
-        "algorithm.adv_estimator=gae", f"actor_rollout_ref.model.path={task['model']}",
-        f"data.train_files={task['train']}", f"data.val_files={task['test']}", "data.train_batch_size=4",
-        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.optim.lr=1e-3",
+        sys.executable,
+        "-m",
+        "scaletrain.trainer.main_ppo",
+        "backend=megatron",
+        "rollout=vllm",
+        "algorithm.adv_estimator=gae",
+        f"actor_rollout_ref.model.path={task['model']}",
+        f"data.train_files={task['train']}",
+        f"data.val_files={task['test']}",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",  # the critic follows the actor's layout
         "data.max_response_length=4",
-        "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=2",
-        f"trainer.default_local_dir={run}", "trainer.logger=[console,jsonl]", "ray_init.num_cpus=4",
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=2",
+        "trainer.test_freq=2",
+        f"trainer.default_local_dir={run}",
+        "trainer.logger=[console,jsonl]",
+        "ray_init.num_cpus=4",
     ]
     proc = subprocess.run(cmd, env=env(), timeout=400, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]

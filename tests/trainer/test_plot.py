@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from scaletrain.plot import val_keys, main, plot_run, read_metrics  # noqa: E402
+from scaletrain.plot import main, plot_run, read_metrics, val_keys  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -21,8 +21,15 @@ def write_run(run_dir, records):
 def full_records(n=12):
     records = [{"step": 0, "val/gsm8k/acc": 0.1, "val/math/reward/mean": 0.2, "val/gsm8k/acc@4": 0.3}]
     for step in range(1, n + 1):
-        records.append({"step": step, "critic/score/mean": step / n, "response_length/mean": 100 + 3 * step,
-                        "timing_s/step": 2.0 + 0.1 * step, "actor/pg_loss": 0.01})
+        records.append(
+            {
+                "step": step,
+                "critic/score/mean": step / n,
+                "response_length/mean": 100 + 3 * step,
+                "timing_s/step": 2.0 + 0.1 * step,
+                "actor/pg_loss": 0.01,
+            }
+        )
         if step % 4 == 0:
             records.append({"step": step, "val/gsm8k/acc": step / n, "val/math/reward/mean": step / (2 * n)})
     return records

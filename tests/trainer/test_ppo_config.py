@@ -25,57 +25,91 @@ def test_yaml_defaults_build_and_validate():
     assert load_ppo_config(composed("actor_rollout_ref.actor.optim.lr=3e-5")).actor_rollout_ref.actor.optim.lr == 3e-5
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["data.train_batch_size=12"], "ppo_mini_batch_size (32) must divide data.train_batch_size (12)"),
-    (["algorithm.adv_estimator=nope"], "algorithm.adv_estimator: unknown advantage estimator 'nope'"),
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=nope"], "policy_loss.loss_mode: unknown policy loss 'nope'"),
-    (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name: unknown rollout engine 'sglang'"),
-    (["reward_model.reward_manager=nope"], "reward_model.reward_manager: unknown reward manager 'nope'"),
-    (["trainer.logger=[console,nope]"], "trainer.logger: unknown logger 'nope'"),
-    (["backend.name=nope"], "backend.name: unknown backend 'nope'"),
-    (["actor_rollout_ref.rollout.n=1"], "set actor_rollout_ref.rollout.n >= 2"),
-    (["data.train_files=/no/such.parquet"], "data.train_files: file not found: /no/such.parquet"),
-    (["actor_rollout_ref.model.path=/no/model"], "actor_rollout_ref.model.path: not found: /no/model"),
-    (["trainer.resume_mode=resume_path"], "trainer.resume_mode=resume_path needs trainer.resume_from_path"),
-    (["actor_rollout_ref.actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true"], "enable one"),
-    (["actor_rollout_ref.actor.ppo_epochs=two"], "actor_rollout_ref.actor.ppo_epochs: expected int, got str"),
-    (["+data.nope=1"], "unknown config key 'data.nope'"),
-    (["trainer.critic_warmup=2"], "trainer.critic_warmup=2 warms up a critic, but this run has none"),
-    (["trainer.critic_warmup=-1", "algorithm.adv_estimator=gae"], "trainer.critic_warmup must be >= 0"),
-    (["actor_rollout_ref.rollout.tensor_model_parallel_size=3"],
-     "actor_rollout_ref.rollout.tensor_model_parallel_size (3) must divide the 2 ranks"),
-    (["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "rollout=hf"],
-     "only the vllm rollout engine shards over ranks (rollout.name=hf)"),
-    (["actor_rollout_ref.actor.strategy=megatron"],
-     "actor_rollout_ref.actor.strategy=megatron selects backend megatron, but backend.name is fsdp"),
-    (["actor_rollout_ref.actor.megatron.param_offload=true"],
-     "actor_rollout_ref.actor.megatron.param_offload=true: offloading is not implemented for the megatron backend"),
-    (["backend=megatron", "actor_rollout_ref.actor.fsdp_config.param_offload=true"],
-     "actor_rollout_ref.actor.fsdp_config.param_offload=true: the megatron backend does not offload"),
-    (["backend=megatron", "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"],
-     "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2 differs from the actor's (1)"),
-    (["data.return_raw_chat=false", "actor_rollout_ref.rollout.mode=async"], "data.return_raw_chat=false"),
-    (["critic.optim.lr_scheduler=linear"], "critic.optim.lr_scheduler: unknown 'linear'"),
-    (["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=2"], "lr_warmup_steps_ratio must be in [0, 1]"),
-    (["+reward_model.reward_kwargs.overlong_buffer=4"],
-     "reward_model.reward_kwargs: ['overlong_buffer'] are not arguments of reward manager 'naive'"),
-    (["actor_rollout_ref.rollout.gpu_memory_utilization=1.5"], "rollout.gpu_memory_utilization must be in (0, 1]"),
-    (["actor_rollout_ref.rollout.enable_sleep_mode=false"],
-     "rollout.free_cache_engine=true releases memory through sleep mode"),
-    (["actor_rollout_ref.rollout.load_format=gguf"], "rollout.load_format must be one of auto, safetensors, pt"),
-    (["actor_rollout_ref.rollout.enable_chunked_prefill=true", "trainer.device=cpu"],
-     "rollout.enable_chunked_prefill=true is not supported on CPU"),
-    (["+actor_rollout_ref.rollout.engine_kwargs.sglang={}"], "rollout.engine_kwargs: unknown engine(s) ['sglang']"),
-    (["algorithm.filter_groups.enable=true", "actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=remax"],
-     "algorithm.filter_groups.enable drops groups whose samples all agree: set actor_rollout_ref.rollout.n >= 2"),
-    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward",
-      "algorithm.use_kl_in_reward=true"], "algorithm.filter_groups.metric=seq_final_reward: groups are filtered"),
-    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=''"],
-     "algorithm.filter_groups.metric must name a per-sample value"),
-    (["algorithm.filter_groups.max_num_gen_batches=two"],
-     "algorithm.filter_groups.max_num_gen_batches: expected int, got str"),
-    (["algorithm.filter_overlong_responses=maybe"], "algorithm.filter_overlong_responses: expected bool"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["data.train_batch_size=12"], "ppo_mini_batch_size (32) must divide data.train_batch_size (12)"),
+        (["algorithm.adv_estimator=nope"], "algorithm.adv_estimator: unknown advantage estimator 'nope'"),
+        (["actor_rollout_ref.actor.policy_loss.loss_mode=nope"], "policy_loss.loss_mode: unknown policy loss 'nope'"),
+        (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name: unknown rollout engine 'sglang'"),
+        (["reward_model.reward_manager=nope"], "reward_model.reward_manager: unknown reward manager 'nope'"),
+        (["trainer.logger=[console,nope]"], "trainer.logger: unknown logger 'nope'"),
+        (["backend.name=nope"], "backend.name: unknown backend 'nope'"),
+        (["actor_rollout_ref.rollout.n=1"], "set actor_rollout_ref.rollout.n >= 2"),
+        (["data.train_files=/no/such.parquet"], "data.train_files: file not found: /no/such.parquet"),
+        (["actor_rollout_ref.model.path=/no/model"], "actor_rollout_ref.model.path: not found: /no/model"),
+        (["trainer.resume_mode=resume_path"], "trainer.resume_mode=resume_path needs trainer.resume_from_path"),
+        (["actor_rollout_ref.actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true"], "enable one"),
+        (["actor_rollout_ref.actor.ppo_epochs=two"], "actor_rollout_ref.actor.ppo_epochs: expected int, got str"),
+        (["+data.nope=1"], "unknown config key 'data.nope'"),
+        (["trainer.critic_warmup=2"], "trainer.critic_warmup=2 warms up a critic, but this run has none"),
+        (["trainer.critic_warmup=-1", "algorithm.adv_estimator=gae"], "trainer.critic_warmup must be >= 0"),
+        (
+            ["actor_rollout_ref.rollout.tensor_model_parallel_size=3"],
+            "actor_rollout_ref.rollout.tensor_model_parallel_size (3) must divide the 2 ranks",
+        ),
+        (
+            ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "rollout=hf"],
+            "only the vllm rollout engine shards over ranks (rollout.name=hf)",
+        ),
+        (
+            ["actor_rollout_ref.actor.strategy=megatron"],
+            "actor_rollout_ref.actor.strategy=megatron selects backend megatron, but backend.name is fsdp",
+        ),
+        (
+            ["actor_rollout_ref.actor.megatron.param_offload=true"],
+            "actor_rollout_ref.actor.megatron.param_offload=true: offloading is not implemented "
+            "for the megatron backend",
+        ),
+        (
+            ["backend=megatron", "actor_rollout_ref.actor.fsdp_config.param_offload=true"],
+            "actor_rollout_ref.actor.fsdp_config.param_offload=true: the megatron backend does not offload",
+        ),
+        (
+            ["backend=megatron", "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"],
+            "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2 differs from the actor's (1)",
+        ),
+        (["data.return_raw_chat=false", "actor_rollout_ref.rollout.mode=async"], "data.return_raw_chat=false"),
+        (["critic.optim.lr_scheduler=linear"], "critic.optim.lr_scheduler: unknown 'linear'"),
+        (["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=2"], "lr_warmup_steps_ratio must be in [0, 1]"),
+        (
+            ["+reward_model.reward_kwargs.overlong_buffer=4"],
+            "reward_model.reward_kwargs: ['overlong_buffer'] are not arguments of reward manager 'naive'",
+        ),
+        (["actor_rollout_ref.rollout.gpu_memory_utilization=1.5"], "rollout.gpu_memory_utilization must be in (0, 1]"),
+        (
+            ["actor_rollout_ref.rollout.enable_sleep_mode=false"],
+            "rollout.free_cache_engine=true releases memory through sleep mode",
+        ),
+        (["actor_rollout_ref.rollout.load_format=gguf"], "rollout.load_format must be one of auto, safetensors, pt"),
+        (
+            ["actor_rollout_ref.rollout.enable_chunked_prefill=true", "trainer.device=cpu"],
+            "rollout.enable_chunked_prefill=true is not supported on CPU",
+        ),
+        (["+actor_rollout_ref.rollout.engine_kwargs.sglang={}"], "rollout.engine_kwargs: unknown engine(s) ['sglang']"),
+        (
+            ["algorithm.filter_groups.enable=true", "actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=remax"],
+            "algorithm.filter_groups.enable drops groups whose samples all agree: set actor_rollout_ref.rollout.n >= 2",
+        ),
+        (
+            [
+                "algorithm.filter_groups.enable=true",
+                "algorithm.filter_groups.metric=seq_final_reward",
+                "algorithm.use_kl_in_reward=true",
+            ],
+            "algorithm.filter_groups.metric=seq_final_reward: groups are filtered",
+        ),
+        (
+            ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=''"],
+            "algorithm.filter_groups.metric must name a per-sample value",
+        ),
+        (
+            ["algorithm.filter_groups.max_num_gen_batches=two"],
+            "algorithm.filter_groups.max_num_gen_batches: expected int, got str",
+        ),
+        (["algorithm.filter_overlong_responses=maybe"], "algorithm.filter_overlong_responses: expected bool"),
+    ],
+)
 def test_bad_configs_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as info:
         validate(load_ppo_config(composed(*overrides)))
@@ -88,14 +122,26 @@ def test_megatron_layout_keys_reach_the_engine_config():
     from backends.config import EngineConfig, ModelConfig
     from scaletrain.workers.config import ActorRolloutRefConfig, CriticConfig
 
-    cfg = validate(load_ppo_config(composed(
-        "backend=megatron", "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", "critic.megatron.sequence_parallel=true",
-        "critic.megatron.tensor_model_parallel_size=2")))
+    cfg = validate(
+        load_ppo_config(
+            composed(
+                "backend=megatron",
+                "trainer.n_gpus_per_node=4",
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                "critic.megatron.sequence_parallel=true",
+                "critic.megatron.tensor_model_parallel_size=2",
+            )
+        )
+    )
     arr, base = cfg.actor_rollout_ref, EngineConfig(extra=cfg.backend.extra)
     actor = ActorRolloutRefConfig(model=ModelConfig(path="m"), backend="megatron", actor=arr.actor, engine=base)
-    assert actor.engine.extra["megatron"] == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
-                                              "sequence_parallel": False, "use_distributed_optimizer": False}
+    assert actor.engine.extra["megatron"] == {
+        "tensor_model_parallel_size": 2,
+        "pipeline_model_parallel_size": 2,
+        "sequence_parallel": False,
+        "use_distributed_optimizer": False,
+    }
     critic = CriticConfig(model=ModelConfig(path="m"), backend="megatron", megatron=cfg.critic.megatron, engine=base)
     assert critic.engine.extra["megatron"]["sequence_parallel"] is True
     assert critic.engine.extra["megatron"]["pipeline_model_parallel_size"] == 2  # resolved from the actor's
@@ -103,18 +149,40 @@ def test_megatron_layout_keys_reach_the_engine_config():
     fsdp = ActorRolloutRefConfig(model=ModelConfig(path="m"), backend="fsdp", actor=arr.actor, engine=replace(base))
     assert fsdp.engine.extra == base.extra
     with pytest.raises(ConfigError, match="actor_rollout_ref.actor.megatron: world size 2 is not divisible"):
-        validate(load_ppo_config(composed("backend=megatron",
-                                          "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4")))
+        validate(
+            load_ppo_config(
+                composed("backend=megatron", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4")
+            )
+        )
     with pytest.raises(ConfigError, match="critic.megatron"):
-        validate(load_ppo_config(composed("backend=megatron", "algorithm.adv_estimator=gae",
-                                          "critic.megatron.pipeline_model_parallel_size=3")))
+        validate(
+            load_ppo_config(
+                composed(
+                    "backend=megatron", "algorithm.adv_estimator=gae", "critic.megatron.pipeline_model_parallel_size=3"
+                )
+            )
+        )
     # colocated roles share megatron's per-process parallel state: one layout, resolved into backend.extra
     with pytest.raises(ConfigError, match="need the same layout"):
-        validate(load_ppo_config(composed("backend=megatron", "algorithm.adv_estimator=gae",
-                                          "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-                                          "critic.megatron.tensor_model_parallel_size=1")))
-    gae = validate(load_ppo_config(composed(  # the critic's unset keys follow the actor's layout
-        "backend=megatron", "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")))
+        validate(
+            load_ppo_config(
+                composed(
+                    "backend=megatron",
+                    "algorithm.adv_estimator=gae",
+                    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                    "critic.megatron.tensor_model_parallel_size=1",
+                )
+            )
+        )
+    gae = validate(
+        load_ppo_config(
+            composed(  # the critic's unset keys follow the actor's layout
+                "backend=megatron",
+                "algorithm.adv_estimator=gae",
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            )
+        )
+    )
     assert gae.backend.extra["megatron"]["tensor_model_parallel_size"] == 2
 
 
@@ -130,8 +198,11 @@ def test_megatron_refuses_a_model_it_cannot_map_before_ray(tmp_path):
     from tests.backends.tiny import save_tiny_qwen2
 
     path = save_tiny_qwen2(str(tmp_path / "model"), with_tokenizer=False, hidden_act="gelu")
-    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.megatron: .*cannot map this qwen2 model: "
-                                          r"hidden_act 'gelu'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"actor_rollout_ref.actor.megatron: .*cannot map this qwen2 model: "
+        r"hidden_act 'gelu'",
+    ):
         validate(load_ppo_config(composed("backend=megatron", f"actor_rollout_ref.model.path={path}")))
 
 
@@ -143,7 +214,14 @@ def test_rollout_checks_against_the_model_before_ray(tmp_path):
     with pytest.raises(ConfigError, match=r"prompt_length \+ response_length = 1536 .* max_position_embeddings \(64\)"):
         validate(load_ppo_config(composed(*base, "data.max_prompt_length=512", "data.max_response_length=1024")))
     with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 does not split the model's 3 attention heads"):
-        save_tiny_qwen2(str(tmp_path / "odd"), with_tokenizer=False, num_attention_heads=3, num_key_value_heads=1,
-                        hidden_size=96)
-        validate(load_ppo_config(composed(f"actor_rollout_ref.model.path={tmp_path / 'odd'}",
-                                          "actor_rollout_ref.rollout.tensor_model_parallel_size=2")))
+        save_tiny_qwen2(
+            str(tmp_path / "odd"), with_tokenizer=False, num_attention_heads=3, num_key_value_heads=1, hidden_size=96
+        )
+        validate(
+            load_ppo_config(
+                composed(
+                    f"actor_rollout_ref.model.path={tmp_path / 'odd'}",
+                    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                )
+            )
+        )

@@ -25,14 +25,27 @@ def task(tmp_path_factory):
 
 def command(task, run_dir, steps, extra=()):
     return [
-        sys.executable, "-m", "scaletrain.trainer.main_ppo", "rollout=hf",
-        f"actor_rollout_ref.model.path={task['model']}", f"data.train_files={task['train']}",
-        f"data.val_files={task['test']}", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.actor.optim.lr=1e-3", "data.max_response_length=4",
-        f"trainer.total_training_steps={steps}", "trainer.save_freq=1", "trainer.test_freq=2",
-        f"trainer.default_local_dir={run_dir}", "trainer.logger=[console,jsonl]", "trainer.max_ckpt_to_keep=3",
-        "ray_init.num_cpus=4", *extra,
+        sys.executable,
+        "-m",
+        "scaletrain.trainer.main_ppo",
+        "rollout=hf",
+        f"actor_rollout_ref.model.path={task['model']}",
+        f"data.train_files={task['train']}",
+        f"data.val_files={task['test']}",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "data.max_response_length=4",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=1",
+        "trainer.test_freq=2",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.logger=[console,jsonl]",
+        "trainer.max_ckpt_to_keep=3",
+        "ray_init.num_cpus=4",
+        *extra,
     ]
 
 
@@ -67,8 +80,14 @@ def test_uninterrupted_vs_killed_and_resumed(task, tmp_path):
 
     # same run, killed with SIGKILL once step 2's checkpoint is complete, then resumed
     part = tmp_path / "part"
-    proc = subprocess.Popen(command(task, part, 4), env=env(), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        command(task, part, 4),
+        env=env(),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     try:
         while not (part / "global_step_2" / "trainer_state.json").exists():
@@ -78,8 +97,7 @@ def test_uninterrupted_vs_killed_and_resumed(task, tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started
         proc.wait()
-    resumed = subprocess.run(command(task, part, 4), env=env(), timeout=400, cwd=ROOT, capture_output=True,
-                             text=True)
+    resumed = subprocess.run(command(task, part, 4), env=env(), timeout=400, cwd=ROOT, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
     after = metrics(part)
@@ -90,13 +108,25 @@ def test_uninterrupted_vs_killed_and_resumed(task, tmp_path):
 
 
 def test_bad_config_fails_before_ray_naming_the_key(task, tmp_path):
-    out = subprocess.run(command(task, tmp_path / "bad", 1, ["actor_rollout_ref.actor.ppo_mini_batch_size=3"]),
-                         env=env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        command(task, tmp_path / "bad", 1, ["actor_rollout_ref.actor.ppo_mini_batch_size=3"]),
+        env=env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0
     assert "actor_rollout_ref.actor.ppo_mini_batch_size (3) must divide data.train_batch_size (4)" in out.stderr
     assert "Started a local Ray instance" not in out.stderr + out.stdout
-    typo = subprocess.run(command(task, tmp_path / "bad", 1, ["+trainer.totl_steps=3"]), env=env(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    typo = subprocess.run(
+        command(task, tmp_path / "bad", 1, ["+trainer.totl_steps=3"]),
+        env=env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert typo.returncode != 0 and "unknown config key 'trainer.totl_steps'" in typo.stderr
 
 
@@ -104,15 +134,23 @@ def test_dead_rank_fails_the_step_naming_it_and_checkpoint_stays_loadable(task, 
     import psutil
 
     run = tmp_path / "dies"
-    proc = subprocess.Popen(command(task, run, 50), env=env(), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command(task, run, 50),
+        env=env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while not (run / "global_step_2" / "trainer_state.json").exists():
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "WorkerDict" in " ".join(p.cmdline())]
+        workers = [
+            p for p in psutil.Process(proc.pid).children(recursive=True) if "WorkerDict" in " ".join(p.cmdline())
+        ]
         assert len(workers) == 2, [p.cmdline() for p in workers]
         victim = workers[1]
         victim.kill()
@@ -125,8 +163,9 @@ def test_dead_rank_fails_the_step_naming_it_and_checkpoint_stays_loadable(task, 
     assert "WorkerDiedError" in output and "rank" in output and f"pid {victim.pid}" in output
     # the last complete checkpoint loads: a resumed run continues from it and finishes
     last = int((run / "latest_checkpointed_iteration.txt").read_text())
-    resumed = subprocess.run(command(task, run, last + 1), env=env(), timeout=400, cwd=ROOT, capture_output=True,
-                             text=True)
+    resumed = subprocess.run(
+        command(task, run, last + 1), env=env(), timeout=400, cwd=ROOT, capture_output=True, text=True
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {last}" in resumed.stdout + resumed.stderr
     assert sorted(metrics(run))[-1] == last + 1
@@ -135,16 +174,37 @@ def test_dead_rank_fails_the_step_naming_it_and_checkpoint_stays_loadable(task, 
 def test_gae_path_with_critic_and_kl_in_reward(task, tmp_path):
     run = tmp_path / "gae"
     out = subprocess.run(
-        command(task, run, 2, ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1",
-                               "algorithm.use_kl_in_reward=true", "trainer.val_before_train=false",
-                               "trainer.critic_warmup=1"]),
-        env=env(), timeout=400, cwd=ROOT, capture_output=True, text=True,
+        command(
+            task,
+            run,
+            2,
+            [
+                "algorithm.adv_estimator=gae",
+                "actor_rollout_ref.rollout.n=1",
+                "algorithm.use_kl_in_reward=true",
+                "trainer.val_before_train=false",
+                "trainer.critic_warmup=1",
+            ],
+        ),
+        env=env(),
+        timeout=400,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = metrics(run)
     assert sorted(rows) == [1, 2]
-    for key in ("critic/vf_loss", "critic/values/mean", "actor/reward_kl_penalty", "actor/pg_loss",
-                "timing_s/values", "timing_s/ref", "timing_s/update_critic", "perf/mfu/actor"):
+    for key in (
+        "critic/vf_loss",
+        "critic/values/mean",
+        "actor/reward_kl_penalty",
+        "actor/pg_loss",
+        "timing_s/values",
+        "timing_s/ref",
+        "timing_s/update_critic",
+        "perf/mfu/actor",
+    ):
         assert key in rows[2], key
     assert (run / "global_step_2" / "critic").is_dir()
     # trainer.critic_warmup=1: step 1 trained only the critic (no actor update, no weight sync)

@@ -47,16 +47,24 @@ def test_rm_keys_are_checked_before_ray(tmp_path):
     on = ["reward_model.enable=true"]
     ok = validate(load_ppo_config(composed(*on, f"reward_model.model.path={same_rm}")))
     assert ok.reward_model.model.input_tokenizer is None and ok.reward_model.micro_batch_size_per_gpu == 8
-    validate(load_ppo_config(composed(*on, f"reward_model.model.path={char_rm}",
-                                      f"reward_model.model.input_tokenizer={policy}")))
+    validate(
+        load_ppo_config(
+            composed(*on, f"reward_model.model.path={char_rm}", f"reward_model.model.input_tokenizer={policy}")
+        )
+    )
     bad = {
         "reward_model.enable needs reward_model.model.path": [],
         "the reward model's tokenizer differs from the policy's (16 vs 99 tokens)": [
-            f"reward_model.model.path={char_rm}"],
+            f"reward_model.model.path={char_rm}"
+        ],
         "reward_model.model.input_tokenizer: must be the policy's tokenizer": [
-            f"reward_model.model.path={same_rm}", f"reward_model.model.input_tokenizer={char_rm}"],
+            f"reward_model.model.path={same_rm}",
+            f"reward_model.model.input_tokenizer={char_rm}",
+        ],
         "reward_model.micro_batch_size_per_gpu must be positive": [
-            f"reward_model.model.path={same_rm}", "reward_model.micro_batch_size_per_gpu=0"],
+            f"reward_model.model.path={same_rm}",
+            "reward_model.micro_batch_size_per_gpu=0",
+        ],
         "reward_model.model.path: not found: /no/rm": ["reward_model.model.path=/no/rm"],
     }
     for message, overrides in bad.items():
@@ -76,9 +84,17 @@ def test_a_causal_lm_is_refused_as_reward_model(tmp_path):
 def test_megatron_checks_the_rm_against_the_shared_layout(tmp_path):
     rm = save_embedded_vocab_rm(tmp_path / "rm")  # 4 heads, 2 KV heads: TP=4 cannot split the KV heads
     with pytest.raises(ConfigError, match="reward_model.model.path: .*shares the actor's layout"):
-        validate(load_ppo_config(composed("backend=megatron", "trainer.n_gpus_per_node=4", "reward_model.enable=true",
-                                          f"reward_model.model.path={rm}",
-                                          "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4")))
+        validate(
+            load_ppo_config(
+                composed(
+                    "backend=megatron",
+                    "trainer.n_gpus_per_node=4",
+                    "reward_model.enable=true",
+                    f"reward_model.model.path={rm}",
+                    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
+                )
+            )
+        )
 
 
 def test_rm_score_replaces_or_adds_to_the_rule_reward():
@@ -86,8 +102,11 @@ def test_rm_score_replaces_or_adds_to_the_rule_reward():
     alone = combine_rewards(rm, None)
     assert torch.equal(alone["reward_tensor"], rm) and alone["reward_extra_info"]["rm_score"] == [0.5, -1.5]
     assert alone["metrics"]["reward_model/score/mean"] == pytest.approx(-0.5)
-    rule = {"reward_tensor": torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]),
-            "reward_extra_info": {"score": [1.0, 0.0]}, "metrics": {"reward/score_mean": 0.5}}
+    rule = {
+        "reward_tensor": torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]),
+        "reward_extra_info": {"score": [1.0, 0.0]},
+        "metrics": {"reward/score_mean": 0.5},
+    }
     both = combine_rewards(rm, rule)
     assert torch.equal(both["reward_tensor"], torch.tensor([[0.0, 1.5, 0.0], [0.0, 0.0, -1.5]]))
     assert both["reward_extra_info"] == {"score": [1.0, 0.0], "rm_score": [0.5, -1.5]}
@@ -107,21 +126,22 @@ def test_retokenized_inputs_render_the_rm_chat_template():
     mask = torch.zeros((2, P + R), dtype=torch.long)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         ids = policy(p, add_special_tokens=False)["input_ids"]
-        prompt_ids[i, P - len(ids):] = torch.tensor(ids)
-        response_ids[i, :len(r)] = torch.tensor(r)
-        mask[i, P - len(ids):P + len(r)] = 1
+        prompt_ids[i, P - len(ids) :] = torch.tensor(ids)
+        response_ids[i, : len(r)] = torch.tensor(r)
+        mask[i, P - len(ids) : P + len(r)] = 1
     raw = np.empty(len(prompts), dtype=object)  # one list of chat messages per row
     for i, p in enumerate(prompts):
         raw[i] = [{"role": "user", "content": p}]
-    data = DataProto.from_dict({"prompts": prompt_ids, "responses": response_ids, "attention_mask": mask},
-                               {"raw_prompt": raw})
+    data = DataProto.from_dict(
+        {"prompts": prompt_ids, "responses": response_ids, "attention_mask": mask}, {"raw_prompt": raw}
+    )
     inputs, truncated = retokenized_inputs(data, policy, rm, max_length=None)
     expected = ["<user>12+34=<assistant>46", "<user>7+8=<assistant>15"]
     am = inputs.batch["attention_mask"]
     for i, text in enumerate(expected):
         assert rm.decode(inputs.batch["input_ids"][i][am[i].bool()]) == text
-        assert am[i].sum().item() == len(text) and am[i][:len(text)].all()  # right-padded
-        assert inputs.batch["position_ids"][i][:len(text)].tolist() == list(range(len(text)))
+        assert am[i].sum().item() == len(text) and am[i][: len(text)].all()  # right-padded
+        assert inputs.batch["position_ids"][i][: len(text)].tolist() == list(range(len(text)))
     assert truncated == 0
     cut, truncated = retokenized_inputs(data, policy, rm, max_length=10)
     assert truncated == 2 and rm.decode(cut.batch["input_ids"][0]) == "assistant>46"[-10:]

@@ -18,10 +18,10 @@ from tests.trainer.test_rm_reward import save_char_rm
 pytestmark = pytest.mark.slow
 
 RULE = 0.5
-REWARD_FILE = f'''
+REWARD_FILE = f"""
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return {RULE}
-'''
+"""
 
 
 def test_reward_model_scores_reach_the_reward(task, tmp_path):  # noqa: F811
@@ -33,11 +33,19 @@ def test_reward_model_scores_reach_the_reward(task, tmp_path):  # noqa: F811
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(REWARD_FILE)
     run_dir, dumps = tmp_path / "run", tmp_path / "rollouts"
-    overrides = ["trainer.val_before_train=false", "data.val_files=null", "trainer.save_freq=-1",
-                 "trainer.plot_at_end=false", "trainer.save_hf_at_end=false", f"trainer.rollout_data_dir={dumps}",
-                 f"custom_reward_function.path={reward_file}", "reward_model.enable=true",
-                 f"reward_model.model.path={rm_path}", f"reward_model.model.input_tokenizer={task['tokenizer']}",
-                 "reward_model.micro_batch_size_per_gpu=3"]
+    overrides = [
+        "trainer.val_before_train=false",
+        "data.val_files=null",
+        "trainer.save_freq=-1",
+        "trainer.plot_at_end=false",
+        "trainer.save_hf_at_end=false",
+        f"trainer.rollout_data_dir={dumps}",
+        f"custom_reward_function.path={reward_file}",
+        "reward_model.enable=true",
+        f"reward_model.model.path={rm_path}",
+        f"reward_model.model.input_tokenizer={task['tokenizer']}",
+        "reward_model.micro_batch_size_per_gpu=3",
+    ]
     run_overridden(task, run_dir, 2, overrides)
 
     logged = metrics(run_dir)
@@ -48,12 +56,13 @@ def test_reward_model_scores_reach_the_reward(task, tmp_path):  # noqa: F811
         with torch.no_grad():
             for row in rows:
                 text = f"<user>{row['input']}<assistant>{row['output']}"  # tiny.py's chat template, by hand
-                ids = [chars[c] for c in text]                               # one token per character
+                ids = [chars[c] for c in text]  # one token per character
                 expected = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
                 assert row["rm_score"] == pytest.approx(expected, abs=1e-4), row
                 assert row["score"] == pytest.approx(expected + RULE, abs=1e-5)  # rule + RM, exactly
         rm_scores = [row["rm_score"] for row in rows]
         assert logged[step]["reward_model/score/mean"] == pytest.approx(sum(rm_scores) / len(rows), abs=1e-6)
-        assert logged[step]["critic/score/mean"] == pytest.approx(logged[step]["reward_model/score/mean"] + RULE,
-                                                                  abs=1e-6)
+        assert logged[step]["critic/score/mean"] == pytest.approx(
+            logged[step]["reward_model/score/mean"] + RULE, abs=1e-6
+        )
     assert len({round(s, 6) for s in rm_scores}) > 1  # the RM tells responses apart

@@ -33,11 +33,18 @@ def test_identical_log_probs_give_unit_weights_and_zero_mismatch():
         batch = make_batch(torch.zeros_like(DELTA))
         cfg = RolloutCorrectionConfig(rollout_is=level, rollout_rs="token_k1", rollout_rs_threshold="0.999_1.001")
         m = apply_rollout_correction(batch, cfg)
-        assert torch.equal(batch.batch["rollout_is_weights"], MASK.float())   # exactly 1 on tokens, 0 on padding
-        assert torch.equal(batch.batch["response_mask"], MASK)                 # nothing rejected
-        for key in ("kl_k1", "kl_k3", "log_prob_abs_diff_mean", "log_prob_abs_diff_max",
-                    "log_prob_abs_diff_above_threshold_frac", "is_truncated_frac", "rs_masked_frac",
-                    "rs_seq_masked_frac"):
+        assert torch.equal(batch.batch["rollout_is_weights"], MASK.float())  # exactly 1 on tokens, 0 on padding
+        assert torch.equal(batch.batch["response_mask"], MASK)  # nothing rejected
+        for key in (
+            "kl_k1",
+            "kl_k3",
+            "log_prob_abs_diff_mean",
+            "log_prob_abs_diff_max",
+            "log_prob_abs_diff_above_threshold_frac",
+            "is_truncated_frac",
+            "rs_masked_frac",
+            "rs_seq_masked_frac",
+        ):
             assert m[f"rollout_corr/{key}"] == 0.0, key
         assert m["rollout_corr/is_ratio_mean"] == 1.0 and m["rollout_corr/ppl_ratio"] == pytest.approx(1.0)
 
@@ -69,12 +76,14 @@ def test_truncated_is_weights_token_and_sequence():
     seq = [math.exp(0.15), 1.5, math.exp(-0.22)]  # row 1: exp(0.5) truncated
     for b in range(3):
         for t in range(4):
-            assert batch.batch["rollout_is_weights"][b, t].item() == pytest.approx(seq[b] if MASK[b, t] else 0.0,
-                                                                                    rel=1e-5)
+            assert batch.batch["rollout_is_weights"][b, t].item() == pytest.approx(
+                seq[b] if MASK[b, t] else 0.0, rel=1e-5
+            )
 
     batch = make_batch()
-    m = apply_rollout_correction(batch, RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.5,
-                                                                rollout_is_batch_normalize=True))
+    m = apply_rollout_correction(
+        batch, RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.5, rollout_is_batch_normalize=True)
+    )
     factor = expected.sum().item() / 9
     assert m["rollout_corr/is_batch_norm_factor"] == pytest.approx(factor, rel=1e-5)
     torch.testing.assert_close(batch.batch["rollout_is_weights"], expected / factor)
@@ -102,21 +111,26 @@ def checked(*settings, extra=()):
     return validate(load_ppo_config(composed(*[f"{KEY}.{s}" for s in settings], *extra)))
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["rollout_is=geometric"], f"{KEY}.rollout_is: unsupported 'geometric'; supported: null, token, sequence"),
-    (["rollout_rs=seq_mean_k1", "rollout_rs_threshold=2.0"],
-     f"{KEY}.rollout_rs: unsupported 'seq_mean_k1'; supported: null, token_k1, seq_sum_k1"),
-    (["rollout_rs=token_k1"], f"{KEY}.rollout_rs=token_k1 needs {KEY}.rollout_rs_threshold"),
-    (["rollout_rs=token_k1", "rollout_rs_threshold=1.5_2.0"], f"{KEY}.rollout_rs_threshold: need 0 < lower <= 1"),
-    (["rollout_rs=token_k1", "rollout_rs_threshold=0.5"], f"{KEY}.rollout_rs_threshold: need 0 < lower <= 1"),
-    (["rollout_rs=token_k1", "rollout_rs_threshold=wide"], f"{KEY}.rollout_rs_threshold: expected \"lower_upper\""),
-    (["rollout_rs_threshold=2.0"], f"{KEY}.rollout_rs_threshold is set but {KEY}.rollout_rs is null"),
-    (["rollout_is=token", "rollout_is_threshold=0.5"], f"{KEY}.rollout_is_threshold must be >= 1"),
-    (["rollout_is_batch_normalize=true"], f"{KEY}.rollout_is_batch_normalize needs {KEY}.rollout_is"),
-    (["bypass_mode=true"], f"{KEY}.bypass_mode: unsupported true; supported: false"),
-    (["loss_type=reinforce"], f"{KEY}.loss_type: unsupported 'reinforce'; supported: ppo_clip"),
-    (["mismatch_log_prob_threshold=0"], f"{KEY}.mismatch_log_prob_threshold must be positive"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["rollout_is=geometric"], f"{KEY}.rollout_is: unsupported 'geometric'; supported: null, token, sequence"),
+        (
+            ["rollout_rs=seq_mean_k1", "rollout_rs_threshold=2.0"],
+            f"{KEY}.rollout_rs: unsupported 'seq_mean_k1'; supported: null, token_k1, seq_sum_k1",
+        ),
+        (["rollout_rs=token_k1"], f"{KEY}.rollout_rs=token_k1 needs {KEY}.rollout_rs_threshold"),
+        (["rollout_rs=token_k1", "rollout_rs_threshold=1.5_2.0"], f"{KEY}.rollout_rs_threshold: need 0 < lower <= 1"),
+        (["rollout_rs=token_k1", "rollout_rs_threshold=0.5"], f"{KEY}.rollout_rs_threshold: need 0 < lower <= 1"),
+        (["rollout_rs=token_k1", "rollout_rs_threshold=wide"], f'{KEY}.rollout_rs_threshold: expected "lower_upper"'),
+        (["rollout_rs_threshold=2.0"], f"{KEY}.rollout_rs_threshold is set but {KEY}.rollout_rs is null"),
+        (["rollout_is=token", "rollout_is_threshold=0.5"], f"{KEY}.rollout_is_threshold must be >= 1"),
+        (["rollout_is_batch_normalize=true"], f"{KEY}.rollout_is_batch_normalize needs {KEY}.rollout_is"),
+        (["bypass_mode=true"], f"{KEY}.bypass_mode: unsupported true; supported: false"),
+        (["loss_type=reinforce"], f"{KEY}.loss_type: unsupported 'reinforce'; supported: ppo_clip"),
+        (["mismatch_log_prob_threshold=0"], f"{KEY}.mismatch_log_prob_threshold must be positive"),
+    ],
+)
 def test_bad_keys_are_named(overrides, message):
     with pytest.raises(ConfigError) as info:
         checked(*overrides)
@@ -143,8 +157,10 @@ def test_a_loss_that_ignores_or_refuses_the_weights_fails_validation(monkeypatch
     def refuses(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config):
         return (-advantages * log_prob * response_mask).mean(), {}
 
-    for name, fn, message in (("ignores_w", ignores, "ignores rollout_is_weights"),
-                              ("refuses_w", refuses, "takes no rollout_is_weights")):
+    for name, fn, message in (
+        ("ignores_w", ignores, "ignores rollout_is_weights"),
+        ("refuses_w", refuses, "takes no rollout_is_weights"),
+    ):
         monkeypatch.setitem(POLICY_LOSSES._entries, name, fn)
         loss_mode = f"actor_rollout_ref.actor.policy_loss.loss_mode={name}"
         with pytest.raises(ConfigError, match=message):

@@ -14,13 +14,13 @@ from tests.trainer.test_ppo_resume import ROOT, command, env, metrics, task  # n
 
 pytestmark = pytest.mark.slow
 
-REWARD_FILE = '''
+REWARD_FILE = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return sum(map(ord, solution_str)) % 97 / 97
-'''
+"""
 
 
-def run(task, run_dir, overrides):
+def run(task, run_dir, overrides):  # noqa: F811  (a helper taking the fixture's value)
     keys = {o.split("=")[0] for o in overrides}
     base = [arg for arg in command(task, run_dir, 1) if arg.split("=")[0] not in keys]  # the resume test's run
     out = subprocess.run(base + overrides, env=env(), timeout=400, cwd=ROOT, capture_output=True, text=True)
@@ -31,14 +31,25 @@ def run(task, run_dir, overrides):
 def test_rollout_correction_metrics_and_weights_in_a_run(task, tmp_path):  # noqa: F811
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(REWARD_FILE)
-    common = ["actor_rollout_ref.rollout.top_k=3", "trainer.val_before_train=false", "data.val_files=null",
-              "trainer.save_freq=-1", "trainer.plot_at_end=false", "trainer.save_hf_at_end=false",
-              f"custom_reward_function.path={reward_file}"]
+    common = [
+        "actor_rollout_ref.rollout.top_k=3",
+        "trainer.val_before_train=false",
+        "data.val_files=null",
+        "trainer.save_freq=-1",
+        "trainer.plot_at_end=false",
+        "trainer.save_hf_at_end=false",
+        f"custom_reward_function.path={reward_file}",
+    ]
     plain = run(task, tmp_path / "plain", common)
     tis = run(task, tmp_path / "tis", [*common, "algorithm.rollout_correction.rollout_is=token"])
     # the mismatch is measured whether or not it is corrected, and both runs saw the same rollout
-    for key in ("kl_k1", "kl_k3", "log_prob_abs_diff_mean", "log_prob_abs_diff_max",
-                "log_prob_abs_diff_above_threshold_frac"):
+    for key in (
+        "kl_k1",
+        "kl_k3",
+        "log_prob_abs_diff_mean",
+        "log_prob_abs_diff_max",
+        "log_prob_abs_diff_above_threshold_frac",
+    ):
         assert plain[f"rollout_corr/{key}"] == pytest.approx(tis[f"rollout_corr/{key}"], rel=1e-6), key
     assert plain["critic/score/mean"] == tis["critic/score/mean"] and plain["critic/advantages/max"] > 0
     assert plain["rollout_corr/kl_k1"] > 0 and plain["rollout_corr/log_prob_abs_diff_above_threshold_frac"] > 0

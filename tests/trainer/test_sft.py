@@ -20,13 +20,24 @@ def embedded(tmp_path_factory):
 
 def sft_config(paths, out_dir, **trainer):
     return {
-        "data": {"train_files": paths["sft_train"], "val_files": paths["sft_val"], "val_prompts_file": paths["val"],
-                 "train_batch_size": 64, "micro_batch_size_per_gpu": 32, "max_prompt_length": 8,
-                 "max_response_length": 5},
+        "data": {
+            "train_files": paths["sft_train"],
+            "val_files": paths["sft_val"],
+            "val_prompts_file": paths["val"],
+            "train_batch_size": 64,
+            "micro_batch_size_per_gpu": 32,
+            "max_prompt_length": 8,
+            "max_response_length": 5,
+        },
         "model": {"path": paths["model"]},
         "optim": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.0},
-        "trainer": {"n_gpus_per_node": 2, "default_local_dir": str(out_dir), "logger": ["jsonl"],
-                    "test_freq": 10, **trainer},
+        "trainer": {
+            "n_gpus_per_node": 2,
+            "default_local_dir": str(out_dir),
+            "logger": ["jsonl"],
+            "test_freq": 10,
+            **trainer,
+        },
     }
 
 
@@ -40,11 +51,11 @@ def test_batch_layout_verl_style(embedded):
     batch = ds.get_batch([0, 1]).batch
     assert batch["input_ids"].shape == (2, 16) and batch["responses"].shape == (2, 6)
     mask, resp_mask = batch["attention_mask"], batch["response_mask"]
-    assert mask[:, :2].sum() == 0 and mask[:, 2:10].all()            # 8-token prompts, left-padded
+    assert mask[:, :2].sum() == 0 and mask[:, 2:10].all()  # 8-token prompts, left-padded
     assert torch.equal(mask[:, 10:], resp_mask)
     for row in range(2):
         n = int(resp_mask[row].sum())
-        assert resp_mask[row, :n].all() and not resp_mask[row, n:].any()   # right-padded
+        assert resp_mask[row, :n].all() and not resp_mask[row, n:].any()  # right-padded
         assert batch["responses"][row, n - 1] == tok.eos_token_id
         text = tok.decode(batch["input_ids"][row][mask[row].bool()])
         a, b = text.split("=")[0].split("+")
@@ -72,17 +83,22 @@ def test_yaml_defaults_equal_dataclass_defaults():
     assert (cfg.data.train_batch_size, cfg.optim.lr, cfg.optim.warmup_steps) == (128, 1e-3, 100)
     assert (cfg.trainer.test_freq, cfg.trainer.stop_at_val_acc, cfg.world_size) == (25, 0.15, 2)
     default = SFTConfig()
-    default = replace(default, trainer=replace(default.trainer, experiment_name="warmup",
-                                               default_local_dir=cfg.trainer.default_local_dir))
+    default = replace(
+        default,
+        trainer=replace(default.trainer, experiment_name="warmup", default_local_dir=cfg.trainer.default_local_dir),
+    )
     assert cfg == default
 
 
-@pytest.mark.parametrize("override, key", [
-    ({"data": {"train_batch_size": 63}}, "data.train_batch_size"),
-    ({"data": {"train_batch_sizee": 64}}, "data.train_batch_sizee"),
-    ({"trainer": {"stop_at_val_acc": 1.5}}, "trainer.stop_at_val_acc"),
-    ({"data": {"response_key": "answer"}}, "data.response_key"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ({"data": {"train_batch_size": 63}}, "data.train_batch_size"),
+        ({"data": {"train_batch_sizee": 64}}, "data.train_batch_sizee"),
+        ({"trainer": {"stop_at_val_acc": 1.5}}, "trainer.stop_at_val_acc"),
+        ({"data": {"response_key": "answer"}}, "data.response_key"),
+    ],
+)
 def test_config_error_names_key_before_ray(embedded, tmp_path, monkeypatch, override, key):
     import ray
 
@@ -135,9 +151,14 @@ def test_sft_worker_checkpoint_roundtrip_and_greedy_sync(ray_cluster, embedded, 
     data = SFTDataset(embedded["sft_train"], tok, max_prompt_length=8, max_response_length=5)
     prompts = RLDataset(embedded["val"], tok, 8, max_samples=8)
     prompts = prompts.get_batch(range(len(prompts))).select(
-        batch_keys=["input_ids", "attention_mask", "position_ids"], non_tensor_batch_keys=[])
-    config = SFTWorkerConfig(model=ModelConfig(path=embedded["model"]), optim=OptimConfig(lr=1e-2),
-                             max_prompt_length=8, max_response_length=5)
+        batch_keys=["input_ids", "attention_mask", "position_ids"], non_tensor_batch_keys=[]
+    )
+    config = SFTWorkerConfig(
+        model=ModelConfig(path=embedded["model"]),
+        optim=OptimConfig(lr=1e-2),
+        max_prompt_length=8,
+        max_response_length=5,
+    )
     with started_group(ray_cluster, 2, SFTWorker, config, use_gpu=False, name_prefix="sft_ckpt") as wg:
         wg.init_model()
         batch = data.get_batch(range(16))

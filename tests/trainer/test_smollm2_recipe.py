@@ -14,21 +14,43 @@ from tests.trainer.test_ppo_resume import ROOT, env
 pytestmark = pytest.mark.slow
 
 SOURCE = "reasoning_gym/chain_sum"
-SHORT = ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-         "data.max_response_length=8", "trainer.plot_at_end=false"]
+SHORT = [
+    "data.train_batch_size=2",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "data.max_response_length=8",
+    "trainer.plot_at_end=false",
+]
 
 
-@pytest.mark.parametrize("backend,layout", [
-    ("fsdp", []),
-    ("deepspeed", []),
-    # SmolLM2 has 9 attention heads (3 KV heads): a tensor-parallel size must divide them, so PP=2 here
-    ("megatron", ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"]),
-])
+@pytest.mark.parametrize(
+    "backend,layout",
+    [
+        ("fsdp", []),
+        ("deepspeed", []),
+        # SmolLM2 has 9 attention heads (3 KV heads): a tensor-parallel size must divide them, so PP=2 here
+        ("megatron", ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"]),
+    ],
+)
 def test_recipe_two_steps(backend, layout, smollm2_dir, tmp_path):
-    run_env = dict(env(), PYTHON=sys.executable, BACKEND=backend, STEPS="2", TEST_FREQ="-1", TRAIN_SIZE="12",
-                   TEST_SIZE="4", OUT=str(tmp_path))
-    out = subprocess.run([str(ROOT / "launch/recipes/smollm2_reasoning_gym.sh"), *SHORT, *layout], env=run_env,
-                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    run_env = dict(
+        env(),
+        PYTHON=sys.executable,
+        BACKEND=backend,
+        STEPS="2",
+        TEST_FREQ="-1",
+        TRAIN_SIZE="12",
+        TEST_SIZE="4",
+        OUT=str(tmp_path),
+    )
+    out = subprocess.run(
+        [str(ROOT / "launch/recipes/smollm2_reasoning_gym.sh"), *SHORT, *layout],
+        env=run_env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     run_dir = tmp_path / "runs" / f"chain_sum_{backend}"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -7,8 +7,14 @@ import numpy as np
 import pytest
 
 from scaletrain.trainer import val_metrics
-from scaletrain.trainer.val_metrics import (bootstrap_indices, majority_values, prompt_metrics, subset_sizes,
-                                            validation_metrics, vote_codes)
+from scaletrain.trainer.val_metrics import (
+    bootstrap_indices,
+    majority_values,
+    prompt_metrics,
+    subset_sizes,
+    validation_metrics,
+    vote_codes,
+)
 
 
 def majority_reference(values, votes):
@@ -43,7 +49,7 @@ def test_subset_sizes_are_powers_of_two_below_n_then_n():
 def test_majority_matches_first_appearance_rule_on_random_votes():
     rng = np.random.default_rng(0)
     for k in (1, 2, 3, 4, 5, 7):
-        votes = rng.integers(0, 3, size=(500, k))          # few answers: many ties
+        votes = rng.integers(0, 3, size=(500, k))  # few answers: many ties
         values = rng.random((500, k))
         got = majority_values(values, votes, 3)
         want = [majority_reference(list(v), list(p)) for v, p in zip(values, votes)]
@@ -55,8 +61,10 @@ def test_prompt_metrics_equal_a_loop_over_the_same_draws():
     values = rng.integers(0, 2, size=(6, 5)).astype(float) * rng.random((6, 5))
     votes = rng.integers(0, 3, size=(6, 5))
     got = prompt_metrics(values, votes, n_bootstrap=200, seed=7)
-    assert sorted(got) == sorted(["mean@5", "std@5"] + [f"{m}@{k}/{s}" for m in ("best", "worst", "maj")
-                                                         for k in (2, 4, 5) for s in ("mean", "std")])
+    assert sorted(got) == sorted(
+        ["mean@5", "std@5"]
+        + [f"{m}@{k}/{s}" for m in ("best", "worst", "maj") for k in (2, 4, 5) for s in ("mean", "std")]
+    )
     np.testing.assert_allclose(got["mean@5"], values.mean(1))
     np.testing.assert_allclose(got["std@5"], values.std(1))
     for k in (2, 4, 5):
@@ -75,7 +83,7 @@ def test_prompt_metrics_equal_a_loop_over_the_same_draws():
 @pytest.mark.parametrize("k", [2, 4])
 def test_bootstrap_converges_to_the_exact_enumeration(k):
     values = [1.0, 0.0, 0.0, 0.5]
-    votes = [0, 1, 1, 2]        # answer 1 is the most common but scores 0
+    votes = [0, 1, 1, 2]  # answer 1 is the most common but scores 0
     exact = exact_distribution(values, votes, k)
     n_bootstrap = 40_000
     got = prompt_metrics(np.array([values]), np.array([votes]), n_bootstrap=n_bootstrap, seed=3)
@@ -95,7 +103,7 @@ def test_chunked_draws_equal_unchunked(monkeypatch):
     rng = np.random.default_rng(2)
     values, votes = rng.random((9, 4)), rng.integers(0, 2, size=(9, 4))
     whole = prompt_metrics(values, votes, n_bootstrap=50)
-    monkeypatch.setattr(val_metrics, "_MAX_CHUNK_ELEMENTS", 1)   # one prompt per chunk
+    monkeypatch.setattr(val_metrics, "_MAX_CHUNK_ELEMENTS", 1)  # one prompt per chunk
     chunked = prompt_metrics(values, votes, n_bootstrap=50)
     for name in whole:
         np.testing.assert_allclose(whole[name], chunked[name], rtol=1e-12)  # same draws; summation order aside
@@ -119,17 +127,24 @@ def three_prompts(n=4):
 
 def test_validation_metrics_names_sections_and_prompt_average():
     sources, uids, reward, preds = three_prompts()
-    got = validation_metrics(sources, uids, {"reward": reward.tolist(), "pred": preds, "note": ["s"] * 12},
-                             n_bootstrap=300)
+    got = validation_metrics(
+        sources, uids, {"reward": reward.tolist(), "pred": preds, "note": ["s"] * 12}, n_bootstrap=300
+    )
     core_a = {k for k in got if k.startswith("val-core/a/")}
-    assert core_a == {"val-core/a/reward/mean@4", "val-core/a/reward/best@4/mean", "val-core/a/reward/best@4/std",
-                      "val-core/a/reward/maj@4/mean", "val-core/a/reward/maj@4/std"}
+    assert core_a == {
+        "val-core/a/reward/mean@4",
+        "val-core/a/reward/best@4/mean",
+        "val-core/a/reward/best@4/std",
+        "val-core/a/reward/maj@4/mean",
+        "val-core/a/reward/maj@4/std",
+    }
     for name in ("std@4", "best@2/mean", "worst@2/std", "worst@4/mean", "maj@2/mean"):
         assert f"val-aux/a/reward/{name}" in got
     assert not any("/note/" in k or "/pred/" in k for k in got)  # strings are not variables
     # each figure is the mean over the source's prompts of the per-prompt figure
-    per_prompt = [prompt_metrics(reward[i:i + 4][None], vote_codes(preds[i:i + 4])[None], n_bootstrap=300)
-                  for i in (0, 4)]
+    per_prompt = [
+        prompt_metrics(reward[i : i + 4][None], vote_codes(preds[i : i + 4])[None], n_bootstrap=300) for i in (0, 4)
+    ]
     for name in ("mean@4", "best@2/mean", "worst@4/std", "maj@4/mean"):
         section = "val-core" if name in ("mean@4", "maj@4/mean") else "val-aux"
         want = np.mean([m[name][0] for m in per_prompt])
@@ -155,8 +170,12 @@ def test_reproducible_and_independent_of_prompt_order():
     assert validation_metrics(sources, uids, columns, n_bootstrap=100, seed=1) != first
     # prompts in another order and their samples interleaved (each prompt's own samples keep their order)
     order = [p * 5 + j for j in range(5) for p in (2, 1, 0)]
-    shuffled = validation_metrics([sources[i] for i in order], [uids[i] for i in order],
-                                  {k: [v[i] for i in order] for k, v in columns.items()}, n_bootstrap=100)
+    shuffled = validation_metrics(
+        [sources[i] for i in order],
+        [uids[i] for i in order],
+        {k: [v[i] for i in order] for k, v in columns.items()},
+        n_bootstrap=100,
+    )
     assert shuffled.keys() == first.keys()
     for key, value in first.items():
         assert shuffled[key] == pytest.approx(value, abs=1e-12), key
@@ -167,5 +186,6 @@ def test_prompts_with_different_sample_counts_are_averaged_per_metric():
     got = validation_metrics(["s"] * 6, uids, {"reward": [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]}, n_bootstrap=50)
     assert got["val-core/s/reward/mean@4"] == pytest.approx(0.25)
     assert got["val-aux/s/reward/mean@2"] == pytest.approx(1.0)
-    assert got["val-aux/s/reward/best@2/mean"] == pytest.approx((1.0 + np.mean(
-        [max(a, b) for a, b in np.array([1.0, 0.0, 0.0, 0.0])[bootstrap_indices(4, 2, 50)]])) / 2)
+    assert got["val-aux/s/reward/best@2/mean"] == pytest.approx(
+        (1.0 + np.mean([max(a, b) for a, b in np.array([1.0, 0.0, 0.0, 0.0])[bootstrap_indices(4, 2, 50)]])) / 2
+    )

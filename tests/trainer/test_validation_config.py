@@ -10,25 +10,38 @@ from tests.trainer.test_ppo_config import composed
 def test_defaults_are_off_and_val_kwargs_greedy():
     cfg = validate(load_ppo_config(composed()))
     assert (cfg.trainer.rollout_data_dir, cfg.trainer.validation_data_dir, cfg.trainer.log_val_generations) == (
-        None, None, 0)
+        None,
+        None,
+        0,
+    )
     assert cfg.actor_rollout_ref.rollout.val_sampling() == {"temperature": 0.0, "n": 1}
 
 
 def test_val_kwargs_sampling_and_do_sample():
-    rollout = load_ppo_config(composed("actor_rollout_ref.rollout.val_kwargs.n=4",
-                                       "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
-                                       "+actor_rollout_ref.rollout.val_kwargs.top_p=0.9")).actor_rollout_ref.rollout
+    rollout = load_ppo_config(
+        composed(
+            "actor_rollout_ref.rollout.val_kwargs.n=4",
+            "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+            "+actor_rollout_ref.rollout.val_kwargs.top_p=0.9",
+        )
+    ).actor_rollout_ref.rollout
     assert rollout.val_sampling() == {"temperature": 1.0, "n": 4, "top_p": 0.9}
     rollout.val_kwargs["do_sample"] = False  # verl's switch: greedy whatever the temperature
     assert rollout.val_sampling() == {"temperature": 0.0, "n": 4, "top_p": 0.9}
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["trainer.log_val_generations=-1"], "trainer.log_val_generations must be >= 0, got -1"),
-    (["+actor_rollout_ref.rollout.val_kwargs.best_of=2"], "val_kwargs: unknown key(s) best_of; known: n, temperature"),
-    (["actor_rollout_ref.rollout.val_kwargs.n=0"], "actor_rollout_ref.rollout.val_kwargs.n must be a positive int"),
-    (["+actor_rollout_ref.rollout.val_kwargs.do_sample=maybe"], "val_kwargs.do_sample must be true or false"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["trainer.log_val_generations=-1"], "trainer.log_val_generations must be >= 0, got -1"),
+        (
+            ["+actor_rollout_ref.rollout.val_kwargs.best_of=2"],
+            "val_kwargs: unknown key(s) best_of; known: n, temperature",
+        ),
+        (["actor_rollout_ref.rollout.val_kwargs.n=0"], "actor_rollout_ref.rollout.val_kwargs.n must be a positive int"),
+        (["+actor_rollout_ref.rollout.val_kwargs.do_sample=maybe"], "val_kwargs.do_sample must be true or false"),
+    ],
+)
 def test_bad_keys_are_named(overrides, message):
     with pytest.raises(ConfigError) as info:
         validate(load_ppo_config(composed(*overrides)))

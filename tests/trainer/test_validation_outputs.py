@@ -17,11 +17,11 @@ SOURCE = "scaletrain/arithmetic"
 
 # The untrained tiny model almost never answers right, so the run scores a format reward that varies between
 # samples (does the answer start with a digit?) and votes on that first character.
-REWARD_FILE = '''
+REWARD_FILE = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     pred = solution_str.strip()[:1]
     return {"score": float(pred.isdigit()), "pred": pred}
-'''
+"""
 
 
 def read_jsonl(path):
@@ -33,17 +33,30 @@ def run_trainer(task, tmp_path):  # noqa: F811
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(REWARD_FILE)
     overrides = [
-        f"actor_rollout_ref.rollout.val_kwargs.n={VAL_N}", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
-        f"data.val_max_samples={VAL_PROMPTS}", f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
-        f"trainer.validation_data_dir={tmp_path / 'val'}", "trainer.log_val_generations=2",
-        "trainer.logger=[console,jsonl,tensorboard,wandb]", "trainer.test_freq=-1", "trainer.save_freq=-1",
-        "trainer.save_hf_at_end=false", "trainer.plot_at_end=false", f"custom_reward_function.path={reward_file}",
+        f"actor_rollout_ref.rollout.val_kwargs.n={VAL_N}",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+        f"data.val_max_samples={VAL_PROMPTS}",
+        f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
+        f"trainer.validation_data_dir={tmp_path / 'val'}",
+        "trainer.log_val_generations=2",
+        "trainer.logger=[console,jsonl,tensorboard,wandb]",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.save_hf_at_end=false",
+        "trainer.plot_at_end=false",
+        f"custom_reward_function.path={reward_file}",
     ]
     keys = {o.split("=")[0] for o in overrides}
     base = [arg for arg in command(task, tmp_path / "run", 2) if arg.split("=")[0] not in keys]
     home = str(tmp_path / "wandb-home")
-    run_env = dict(env(), WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONFIG_DIR=home, WANDB_CACHE_DIR=home,
-                   WANDB_DATA_DIR=home)
+    run_env = dict(
+        env(),
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        WANDB_CONFIG_DIR=home,
+        WANDB_CACHE_DIR=home,
+        WANDB_DATA_DIR=home,
+    )
     out = subprocess.run(base + overrides, env=run_env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     return out.stdout
@@ -58,8 +71,11 @@ def check_validation(row, dumped):
         assert f"{aux}/{name}" in row, name
     assert row[f"{core}/mean@4"] == pytest.approx(row[f"val/{SOURCE}/acc"])
     assert row[f"{aux}/worst@4/mean"] < row[f"{core}/mean@4"] < row[f"{core}/best@4/mean"]
-    recomputed = validation_metrics([r["data_source"] for r in dumped], [r["input"] for r in dumped],
-                                    {"reward": [r["score"] for r in dumped], "pred": [r["pred"] for r in dumped]})
+    recomputed = validation_metrics(
+        [r["data_source"] for r in dumped],
+        [r["input"] for r in dumped],
+        {"reward": [r["score"] for r in dumped], "pred": [r["pred"] for r in dumped]},
+    )
     assert recomputed == pytest.approx({k: v for k, v in row.items() if f"{SOURCE}/reward/" in k}, abs=1e-9)
 
 

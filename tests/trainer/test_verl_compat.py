@@ -33,40 +33,72 @@ trainer.nnodes=1 trainer.save_freq=20 trainer.test_freq=5 trainer.total_epochs=1
 """.split()
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["actor_rollout_ref.actor.strategy=megatron", "x.y=1"],
-     ["backend=megatron", "actor_rollout_ref.actor.strategy=megatron", "x.y=1"]),
-    (["actor_rollout_ref.actor.strategy=fsdp2", "critic.strategy=fsdp", "backend=fsdp"],
-     ["actor_rollout_ref.actor.strategy=fsdp2", "critic.strategy=fsdp", "backend=fsdp"]),
-    (["+trainer.balance_batch=true", "+actor_rollout_ref.rollout.val_kwargs.do_sample=false", "+new.key=1"],
-     ["trainer.balance_batch=true", "+actor_rollout_ref.rollout.val_kwargs.do_sample=false", "+new.key=1"]),
-    (["actor_rollout_ref.actor.optim.lr_warmup_steps=-1", "+critic.optim.lr_warmup_steps=5",
-      "actor_rollout_ref.actor.grad_clip=0.5"],
-     ["actor_rollout_ref.actor.optim.warmup_steps=0", "critic.optim.warmup_steps=5",
-      "actor_rollout_ref.actor.optim.grad_clip=0.5"]),
-    (["trainer.use_legacy_worker_impl=auto", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1",
-      "actor_rollout_ref.model.use_fused_kernels=False"], []),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (
+            ["actor_rollout_ref.actor.strategy=megatron", "x.y=1"],
+            ["backend=megatron", "actor_rollout_ref.actor.strategy=megatron", "x.y=1"],
+        ),
+        (
+            ["actor_rollout_ref.actor.strategy=fsdp2", "critic.strategy=fsdp", "backend=fsdp"],
+            ["actor_rollout_ref.actor.strategy=fsdp2", "critic.strategy=fsdp", "backend=fsdp"],
+        ),
+        (
+            ["+trainer.balance_batch=true", "+actor_rollout_ref.rollout.val_kwargs.do_sample=false", "+new.key=1"],
+            ["trainer.balance_batch=true", "+actor_rollout_ref.rollout.val_kwargs.do_sample=false", "+new.key=1"],
+        ),
+        (
+            [
+                "actor_rollout_ref.actor.optim.lr_warmup_steps=-1",
+                "+critic.optim.lr_warmup_steps=5",
+                "actor_rollout_ref.actor.grad_clip=0.5",
+            ],
+            [
+                "actor_rollout_ref.actor.optim.warmup_steps=0",
+                "critic.optim.warmup_steps=5",
+                "actor_rollout_ref.actor.optim.grad_clip=0.5",
+            ],
+        ),
+        (
+            [
+                "trainer.use_legacy_worker_impl=auto",
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1",
+                "actor_rollout_ref.model.use_fused_kernels=False",
+            ],
+            [],
+        ),
+    ],
+)
 def test_translation(argv, expected):
     assert verl_overrides(argv) == expected
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["actor_rollout_ref.actor.strategy=megatron", "backend=fsdp"], "backend=fsdp conflicts with"),
-    (["actor_rollout_ref.actor.strategy=megatron", "critic.strategy=fsdp"], "select different backends"),
-    (["actor_rollout_ref.actor.strategy=jax"], "unknown strategy 'jax'"),
-    (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "use backend=megatron with"),
-    (["algorithm.pf_ppo.weight_pow=2.0"], "policy-filtration PPO is not implemented"),
-    (["reward_model.rollout.name=vllm"], "generative reward models"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["actor_rollout_ref.actor.strategy=megatron", "backend=fsdp"], "backend=fsdp conflicts with"),
+        (["actor_rollout_ref.actor.strategy=megatron", "critic.strategy=fsdp"], "select different backends"),
+        (["actor_rollout_ref.actor.strategy=jax"], "unknown strategy 'jax'"),
+        (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "use backend=megatron with"),
+        (["algorithm.pf_ppo.weight_pow=2.0"], "policy-filtration PPO is not implemented"),
+        (["reward_model.rollout.name=vllm"], "generative reward models"),
+    ],
+)
 def test_unsupported_and_conflicting_keys_are_named(argv, message):
     with pytest.raises(ConfigError, match=message):
         verl_overrides(argv)
 
 
 def test_cli_refuses_before_starting():
-    out = subprocess.run([sys.executable, "-m", "scaletrain.trainer.main_ppo", "algorithm.use_pf_ppo=True"],
-                         env=env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "scaletrain.trainer.main_ppo", "algorithm.use_pf_ppo=True"],
+        env=env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "algorithm.use_pf_ppo=True: not supported" in out.stderr, out.stderr[-2000:]
 
 
@@ -74,14 +106,26 @@ def test_cli_refuses_before_starting():
 def test_verl_grpo_example_runs_one_step(tmp_path):
     """The example's keys as they are, then the sizes a 2-core machine and the embedded model (64 positions) can
     run (later overrides win)."""
-    scale = ["trainer.n_gpus_per_node=2", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-             "data.max_prompt_length=8", "data.max_response_length=5",
-             "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.plot_at_end=false",
-             "trainer.balance_batch=True",  # verl's seq-balance examples add this
-             'trainer.logger=["console","wandb","jsonl"]']  # jsonl too, to read the step's metrics here
-    out = subprocess.run([sys.executable, "-m", "scaletrain.trainer.main_ppo", *VERL_GRPO_EXAMPLE, *scale],
-                         env={**env(), "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=600)
+    scale = [
+        "trainer.n_gpus_per_node=2",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "data.max_prompt_length=8",
+        "data.max_response_length=5",
+        "trainer.total_training_steps=1",
+        "trainer.val_before_train=false",
+        "trainer.plot_at_end=false",
+        "trainer.balance_batch=True",  # verl's seq-balance examples add this
+        'trainer.logger=["console","wandb","jsonl"]',
+    ]  # jsonl too, to read the step's metrics here
+    out = subprocess.run(
+        [sys.executable, "-m", "scaletrain.trainer.main_ppo", *VERL_GRPO_EXAMPLE, *scale],
+        env={**env(), "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     run_dir = Path(tmp_path, "checkpoints", "verl_grpo_example_gsm8k", "qwen3_8b_function_rm")  # verl's layout
     assert list(run_dir.glob("wandb/offline-run-*")), "the example's wandb logger ran (offline)"

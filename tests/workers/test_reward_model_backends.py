@@ -16,9 +16,12 @@ pytestmark = pytest.mark.slow
 def test_reward_model_on_megatron_tp2_equals_transformers(ray_cluster, tmp_path):
     path = save_tiny_reward_model(str(tmp_path / "rm"))
     batch = make_batch(batch_size=6, prompt_len=8, response_len=6, seed=11)
-    config = RewardModelConfig(model=ModelConfig(path=path, kind="reward"), backend="megatron",
-                               micro_batch_size_per_gpu=2,  # 3 micro-batches: the rows' order must be kept
-                               engine=EngineConfig(extra={"megatron": {"tensor_model_parallel_size": 2}}))
+    config = RewardModelConfig(
+        model=ModelConfig(path=path, kind="reward"),
+        backend="megatron",
+        micro_batch_size_per_gpu=2,  # 3 micro-batches: the rows' order must be kept
+        engine=EngineConfig(extra={"megatron": {"tensor_model_parallel_size": 2}}),
+    )
     with started_group(ray_cluster, 2, RewardModelWorker, config, use_gpu=False, name_prefix="rm_megatron") as wg:
         wg.init_model()
         scores = wg.compute_rm_score(batch).batch["rm_scores"]
@@ -26,5 +29,5 @@ def test_reward_model_on_megatron_tp2_equals_transformers(ray_cluster, tmp_path)
     last = batch.batch["response_mask"].sum(-1) - 1
     got = [scores[i, last[i]].item() for i in range(len(batch))]
     assert got == pytest.approx(expected.tolist(), abs=1e-4)
-    assert (scores != 0).sum().item() == len(batch)   # one score per row, at its last response token only
-    assert expected.max() - expected.min() > 0.1      # the rows' scores differ: the pooling position matters
+    assert (scores != 0).sum().item() == len(batch)  # one score per row, at its last response token only
+    assert expected.max() - expected.min() > 0.1  # the rows' scores differ: the pooling position matters

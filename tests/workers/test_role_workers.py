@@ -39,8 +39,8 @@ def prompt_batch() -> DataProto:
     input_ids = torch.full((len(ids), PLEN), tok.pad_token_id)
     mask = torch.zeros_like(input_ids)
     for i, row in enumerate(ids):
-        input_ids[i, PLEN - len(row):] = torch.tensor(row)
-        mask[i, PLEN - len(row):] = 1
+        input_ids[i, PLEN - len(row) :] = torch.tensor(row)
+        mask[i, PLEN - len(row) :] = 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     uids = np.array([f"p{i}" for i in range(len(ids))], dtype=object)
     return DataProto.from_dict({"input_ids": input_ids, "attention_mask": mask, "position_ids": pos}, {"uid": uids})
@@ -48,17 +48,21 @@ def prompt_batch() -> DataProto:
 
 def response_log_probs(model, batch: DataProto) -> torch.Tensor:
     resp = batch.batch["responses"]
-    logits = model(input_ids=batch.batch["input_ids"], attention_mask=batch.batch["attention_mask"],
-                   position_ids=batch.batch["position_ids"]).logits
-    logits = logits[:, -resp.shape[1] - 1:-1].float()
+    logits = model(
+        input_ids=batch.batch["input_ids"],
+        attention_mask=batch.batch["attention_mask"],
+        position_ids=batch.batch["position_ids"],
+    ).logits
+    logits = logits[:, -resp.shape[1] - 1 : -1].float()
     return torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
 
 
 def reference_step(model, batch, loss_fn, outputs_fn, optim: OptimConfig):
     """One optimizer step on the whole batch in one process, with its metrics and ``loss``: what 2 FSDP ranks with
     any micro-batch split must take (the loss is the whole mini-batch's loss_agg_mode aggregate)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
-                            weight_decay=optim.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+    )
     loss, metrics = loss_fn(outputs_fn(model, batch), batch)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
@@ -81,15 +85,29 @@ def test_actor_rollout_ref_ppo_update_matches_reference(ray_cluster, tmp_path, r
     config = ActorRolloutRefConfig(
         model=ModelConfig(path=path),
         backend="fsdp",
-        actor=ActorConfig(ppo_mini_batch_size=len(PROMPTS), ppo_micro_batch_size_per_gpu=2, optim=optim,
-                          entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1),
+        actor=ActorConfig(
+            ppo_mini_batch_size=len(PROMPTS),
+            ppo_micro_batch_size_per_gpu=2,
+            optim=optim,
+            entropy_coeff=0.01,
+            use_kl_loss=True,
+            kl_loss_coef=0.1,
+        ),
         # the engine starts from random weights (load_format=dummy): the actor's are pushed before any generation
-        rollout=RolloutWorkerConfig(name=rollout_name, n=N, response_length=RESP, prompt_length=PLEN,
-                                    load_format="dummy"),
+        rollout=RolloutWorkerConfig(
+            name=rollout_name, n=N, response_length=RESP, prompt_length=PLEN, load_format="dummy"
+        ),
         engine=EngineConfig(),
     )
-    with started_group(ray_cluster, 2, ActorRolloutRefWorker, config, "actor_rollout_ref", use_gpu=False,
-                       name_prefix="actor_rollout_ref") as wg:
+    with started_group(
+        ray_cluster,
+        2,
+        ActorRolloutRefWorker,
+        config,
+        "actor_rollout_ref",
+        use_gpu=False,
+        name_prefix="actor_rollout_ref",
+    ) as wg:
         wg.init_model()
         prompts = prompt_batch()
         prompts.meta_info["seed"] = 7
@@ -119,10 +137,18 @@ def test_actor_rollout_ref_ppo_update_matches_reference(ray_cluster, tmp_path, r
 
         def outputs(m, mb):
             lps = response_log_probs(m, mb)
-            logits = m(input_ids=mb.batch["input_ids"], attention_mask=mb.batch["attention_mask"],
-                       position_ids=mb.batch["position_ids"]).logits[:, -RESP - 1:-1].float()
+            logits = (
+                m(
+                    input_ids=mb.batch["input_ids"],
+                    attention_mask=mb.batch["attention_mask"],
+                    position_ids=mb.batch["position_ids"],
+                )
+                .logits[:, -RESP - 1 : -1]
+                .float()
+            )
             ent = torch.logsumexp(logits, -1) - (F.softmax(logits, -1) * logits).sum(-1)
             return {"log_probs": lps, "entropy": ent}
+
         expected = reference_step(model, batch, actor_loss_fn(config.actor), outputs, optim)
         expected["actor/loss"] = expected.pop("loss")
         for key in ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac"):
@@ -158,8 +184,14 @@ def test_critic_update_matches_reference(ray_cluster, tmp_path):
     value_model.save_pretrained(path)
     make_tokenizer().save_pretrained(path)
     optim = OptimConfig(lr=1e-2, grad_clip=1.0, eps=1e-3)
-    config = CriticConfig(model=ModelConfig(path=path, kind="value"), ppo_mini_batch_size=4,
-                          ppo_micro_batch_size_per_gpu=2, rollout_n=2, cliprange_value=0.2, optim=optim)
+    config = CriticConfig(
+        model=ModelConfig(path=path, kind="value"),
+        ppo_mini_batch_size=4,
+        ppo_micro_batch_size_per_gpu=2,
+        rollout_n=2,
+        cliprange_value=0.2,
+        optim=optim,
+    )
     batch = make_batch(batch_size=8, prompt_len=PLEN, response_len=RESP, seed=5)
     with started_group(ray_cluster, 2, CriticWorker, config, use_gpu=False, name_prefix="critic") as wg:
         wg.init_model()
@@ -167,9 +199,12 @@ def test_critic_update_matches_reference(ray_cluster, tmp_path):
         model = AutoModelForTokenClassification.from_pretrained(path)
 
         def outputs(m, mb):
-            logits = m(input_ids=mb.batch["input_ids"], attention_mask=mb.batch["attention_mask"],
-                       position_ids=mb.batch["position_ids"]).logits
-            return {"values": logits[:, -RESP - 1:-1, 0].float()}
+            logits = m(
+                input_ids=mb.batch["input_ids"],
+                attention_mask=mb.batch["attention_mask"],
+                position_ids=mb.batch["position_ids"],
+            ).logits
+            return {"values": logits[:, -RESP - 1 : -1, 0].float()}
 
         with torch.no_grad():
             expected_values = outputs(model, batch)["values"]

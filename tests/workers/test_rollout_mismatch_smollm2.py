@@ -33,19 +33,23 @@ CORRECTION = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.
 
 def chat_prompts(tokenizer) -> DataProto:
     """The questions in SmolLM2's chat template, left-padded, with positions and one uid per prompt."""
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-             for q in QUESTIONS]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in QUESTIONS
+    ]
     rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     width = max(len(r) for r in rows)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     input_ids = torch.full((len(rows), width), pad)
     mask = torch.zeros_like(input_ids)
     for i, row in enumerate(rows):
-        input_ids[i, width - len(row):] = torch.tensor(row)
-        mask[i, width - len(row):] = 1
+        input_ids[i, width - len(row) :] = torch.tensor(row)
+        mask[i, width - len(row) :] = 1
     uids = np.array([f"q{i}" for i in range(len(rows))], dtype=object)
-    return DataProto.from_dict({"input_ids": input_ids, "attention_mask": mask,
-                                "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, {"uid": uids})
+    return DataProto.from_dict(
+        {"input_ids": input_ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
+        {"uid": uids},
+    )
 
 
 def rollout_and_log_probs(wg, prompts: DataProto, seed: int) -> DataProto:
@@ -73,15 +77,21 @@ def test_vllm_fsdp_mismatch_is_small_after_update_and_sync(ray_cluster, smollm2_
 
     prompts = chat_prompts(AutoTokenizer.from_pretrained(smollm2_dir))
     config = ActorRolloutRefConfig(
-        model=ModelConfig(path=smollm2_dir), backend="fsdp",
-        actor=ActorConfig(ppo_mini_batch_size=len(QUESTIONS), ppo_micro_batch_size_per_gpu=len(QUESTIONS) * N,
-                          optim=OptimConfig(lr=2e-5, grad_clip=1.0)),
-        rollout=RolloutWorkerConfig(name="vllm", n=N, response_length=RESP,
-                                    prompt_length=prompts.batch["input_ids"].shape[1]),
+        model=ModelConfig(path=smollm2_dir),
+        backend="fsdp",
+        actor=ActorConfig(
+            ppo_mini_batch_size=len(QUESTIONS),
+            ppo_micro_batch_size_per_gpu=len(QUESTIONS) * N,
+            optim=OptimConfig(lr=2e-5, grad_clip=1.0),
+        ),
+        rollout=RolloutWorkerConfig(
+            name="vllm", n=N, response_length=RESP, prompt_length=prompts.batch["input_ids"].shape[1]
+        ),
         engine=EngineConfig(),
     )
-    with started_group(ray_cluster, 1, ActorRolloutRefWorker, config, "actor_rollout", use_gpu=False,
-                       name_prefix="smollm2_mismatch") as wg:
+    with started_group(
+        ray_cluster, 1, ActorRolloutRefWorker, config, "actor_rollout", use_gpu=False, name_prefix="smollm2_mismatch"
+    ) as wg:
         wg.init_model()
         batch = rollout_and_log_probs(wg, prompts, seed=1)
         before = apply_rollout_correction(batch, CORRECTION)

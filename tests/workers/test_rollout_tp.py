@@ -41,24 +41,50 @@ def expected_shard_bytes(weights: dict[str, torch.Tensor], rank: int) -> int:
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_rollout_tp2_through_the_worker(ray_cluster, tmp_path, backend):
-    path = save_tiny_qwen2(str(tmp_path / "model"), seed=5, hidden_size=128, num_attention_heads=4,
-                           num_key_value_heads=2, initializer_range=0.1)
-    actor = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4, optim=OptimConfig(lr=5e-3),
-                        megatron=MegatronConfig(tensor_model_parallel_size=2 if backend == "megatron" else None))
-    config = ActorRolloutRefConfig(
-        model=ModelConfig(path=path), backend=backend, actor=actor, engine=EngineConfig(),
-        rollout=RolloutWorkerConfig(name="vllm", n=N, response_length=RESP, prompt_length=PLEN,
-                                    tensor_model_parallel_size=TP, load_format="dummy"),
+    path = save_tiny_qwen2(
+        str(tmp_path / "model"),
+        seed=5,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.1,
     )
-    with started_group(ray_cluster, 2, ActorRolloutRefWorker, config, "actor_rollout", use_gpu=False,
-                       name_prefix=f"rollout_tp_{backend}") as wg:
+    actor = ActorConfig(
+        ppo_mini_batch_size=4,
+        ppo_micro_batch_size_per_gpu=4,
+        optim=OptimConfig(lr=5e-3),
+        megatron=MegatronConfig(tensor_model_parallel_size=2 if backend == "megatron" else None),
+    )
+    config = ActorRolloutRefConfig(
+        model=ModelConfig(path=path),
+        backend=backend,
+        actor=actor,
+        engine=EngineConfig(),
+        rollout=RolloutWorkerConfig(
+            name="vllm",
+            n=N,
+            response_length=RESP,
+            prompt_length=PLEN,
+            tensor_model_parallel_size=TP,
+            load_format="dummy",
+        ),
+    )
+    with started_group(
+        ray_cluster,
+        2,
+        ActorRolloutRefWorker,
+        config,
+        "actor_rollout",
+        use_gpu=False,
+        name_prefix=f"rollout_tp_{backend}",
+    ) as wg:
         wg.init_model()
         prompts = prompt_batch()
         prompts.meta_info["seed"] = 3
-        out = wg.generate_sequences(prompts)      # one engine, so one copy of each sample comes back
+        out = wg.generate_sequences(prompts)  # one engine, so one copy of each sample comes back
         assert len(out) == len(prompts) * N
         mask = out.batch["response_mask"].float()
-        lp = wg.compute_log_prob(out)             # dummy weights were replaced by the actor's, shard by shard
+        lp = wg.compute_log_prob(out)  # dummy weights were replaced by the actor's, shard by shard
         assert torch.allclose(lp.batch["old_log_probs"] * mask, out.batch["rollout_log_probs"] * mask, atol=2e-4)
 
         scores = torch.zeros_like(mask)
@@ -71,7 +97,7 @@ def test_rollout_tp2_through_the_worker(ray_cluster, tmp_path, backend):
 
         prompts.meta_info.update(seed=4, temperature=0.0)
         greedy = wg.generate_sequences(prompts)
-        greedy.meta_info["temperature"] = 1.0     # greedy log-probs are of the raw logits
+        greedy.meta_info["temperature"] = 1.0  # greedy log-probs are of the raw logits
         greedy_lp = wg.compute_log_prob(greedy).batch["old_log_probs"]
         status = wg.rollout_status()
 

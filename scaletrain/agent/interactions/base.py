@@ -38,8 +38,9 @@ class BaseInteraction:
         self._instances[instance_id] = dict(kwargs)
         return instance_id
 
-    async def generate_response(self, instance_id: str, messages: list[dict], **kwargs: Any
-                                ) -> tuple[bool, str, float, dict[str, Any]]:
+    async def generate_response(
+        self, instance_id: str, messages: list[dict], **kwargs: Any
+    ) -> tuple[bool, str, float, dict[str, Any]]:
         raise NotImplementedError
 
     async def calculate_score(self, instance_id: str, **kwargs: Any) -> float:

@@ -27,11 +27,14 @@ from scaletrain.utils.registry import Registry
 
 logger = logging.getLogger(__name__)
 
-TOOLS = Registry("tool", lazy={
-    "calculator": "scaletrain.agent.tools.calculator",
-    "code_runner": "scaletrain.agent.tools.code_runner",
-    "search": "scaletrain.agent.tools.search",
-})
+TOOLS = Registry(
+    "tool",
+    lazy={
+        "calculator": "scaletrain.agent.tools.calculator",
+        "code_runner": "scaletrain.agent.tools.code_runner",
+        "search": "scaletrain.agent.tools.search",
+    },
+)
 
 
 def register_tool(name: str):
@@ -55,8 +58,10 @@ class BaseTool:
         self.tool_schema = dict(tool_schema or self.default_schema)
         try:
             self.name = self.tool_schema["function"]["name"]
-        except (KeyError, TypeError):
-            raise ValueError(f"{type(self).__name__}: tool_schema needs function.name, got {self.tool_schema!r:.200}")
+        except (KeyError, TypeError) as exc:
+            raise ValueError(
+                f"{type(self).__name__}: tool_schema needs function.name, got {self.tool_schema!r:.200}"
+            ) from exc
         self._instances: dict[str, dict[str, Any]] = {}
 
     async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, ToolResponse]:
@@ -64,8 +69,9 @@ class BaseTool:
         self._instances[instance_id] = dict(kwargs)
         return instance_id, ToolResponse()
 
-    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
-                      ) -> tuple[ToolResponse, float, dict[str, Any]]:
+    async def execute(
+        self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
+    ) -> tuple[ToolResponse, float, dict[str, Any]]:
         """(response shown to the model, reward, metrics)."""
         raise NotImplementedError
 

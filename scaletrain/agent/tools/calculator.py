@@ -13,8 +13,15 @@ from typing import Any
 
 from scaletrain.agent.tools.base import BaseTool, ToolResponse, register_tool
 
-OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-       ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPONENT = 100
 MAX_LENGTH = 500
@@ -54,8 +61,11 @@ class CalculatorTool(BaseTool):
         "function": {
             "name": "calculator",
             "description": "Evaluate an arithmetic expression.",
-            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                           "required": ["expression"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
         },
     }
 

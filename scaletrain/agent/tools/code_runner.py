@@ -42,8 +42,9 @@ def _limit(memory_mb: int, cpu_s: int):
     return apply
 
 
-async def run_python(code: str, *, timeout: float = 5.0, memory_mb: int = 512, max_output_chars: int = 2000
-                     ) -> tuple[str, bool]:
+async def run_python(
+    code: str, *, timeout: float = 5.0, memory_mb: int = 512, max_output_chars: int = 2000
+) -> tuple[str, bool]:
     """(output text, ok). ``ok`` is False on timeout, non-zero exit or a failed start."""
     with tempfile.TemporaryDirectory(prefix="scaletrain-code-") as workdir:
         path = os.path.join(workdir, "main.py")
@@ -51,8 +52,13 @@ async def run_python(code: str, *, timeout: float = 5.0, memory_mb: int = 512, m
             f.write(PRELUDE + code)
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", path, cwd=workdir, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                sys.executable,
+                "-I",
+                path,
+                cwd=workdir,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
                 env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
                 preexec_fn=_limit(memory_mb, max(1, int(timeout) + 1)),
             )
@@ -90,7 +96,10 @@ class CodeRunnerTool(BaseTool):
         code = parameters.get("code")
         if not isinstance(code, str):
             return ToolResponse(text="Error: 'code' must be a string"), 0.0, {"error": 1.0}
-        text, ok = await run_python(code, timeout=float(self.config.get("timeout", 5.0)),
-                                    memory_mb=int(self.config.get("memory_mb", 512)),
-                                    max_output_chars=int(self.config.get("max_output_chars", 2000)))
+        text, ok = await run_python(
+            code,
+            timeout=float(self.config.get("timeout", 5.0)),
+            memory_mb=int(self.config.get("memory_mb", 512)),
+            max_output_chars=int(self.config.get("max_output_chars", 2000)),
+        )
         return ToolResponse(text=text), 0.0, ({} if ok else {"error": 1.0})

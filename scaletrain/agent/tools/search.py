@@ -38,8 +38,9 @@ class RateLimiter:
 
 
 def post_json(url: str, payload: dict, timeout: float) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(payload).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=timeout) as reply:
         return json.loads(reply.read().decode())
 
@@ -87,8 +88,9 @@ class SearchTool(BaseTool):
         await self._limiter().acquire()
         loop = asyncio.get_running_loop()
         try:
-            answer = await loop.run_in_executor(self.pool, post_json, self.url,
-                                                {"queries": [query], "topk": self.topk}, self.timeout)
+            answer = await loop.run_in_executor(
+                self.pool, post_json, self.url, {"queries": [query], "topk": self.topk}, self.timeout
+            )
             docs = answer["result"][0]
         except Exception as exc:
             return ToolResponse(text=f"Error: search failed: {type(exc).__name__}: {exc}"), 0.0, {"error": 1.0}

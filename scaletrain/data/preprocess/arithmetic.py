@@ -4,6 +4,7 @@
 Writes ``train/val/test.parquet`` (RL rows) and ``sft_train/sft_val.parquet`` (prompt/response); see
 ``scaletrain.data.embedded`` for the format.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,9 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     parser.add_argument("--n_val", type=int, default=300)
     parser.add_argument("--n_test", type=int, default=500)
     args = parser.parse_args(argv)
-    paths = write_arithmetic_task(args.output_dir, seed=args.seed, n_train=args.n_train, n_val=args.n_val,
-                                  n_test=args.n_test)
+    paths = write_arithmetic_task(
+        args.output_dir, seed=args.seed, n_train=args.n_train, n_val=args.n_val, n_test=args.n_test
+    )
     print(f"arithmetic: {args.n_train}/{args.n_val}/{args.n_test} train/val/test problems -> {args.output_dir}")
     return paths
 

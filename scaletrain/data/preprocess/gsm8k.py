@@ -12,6 +12,7 @@ Output rows: ``data_source="openai/gsm8k"``, ``prompt`` = one user message (the 
 removed), ``extra_info={"split", "index", "question", "answer"}``. A bad row raises ValueError naming the file and
 the line (jsonl, 1-based) or row (parquet, 0-based).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,9 @@ import json
 import logging
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq

@@ -29,6 +29,7 @@ each split and train against test, since different streams can produce the same 
 The scorer (``scaletrain.reward.scorers.reasoning_gym``) imports ``DATA_SOURCE_PREFIX``, ``ENTRY_KEY`` and
 ``TASK_KWARGS_KEY`` from here, so this module imports only the standard library at the top.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -149,8 +150,15 @@ def fewshot_turns(task: str, task_kwargs: dict[str, Any], seed: int, shots: int,
     return turns
 
 
-def problem_row(task: str, entry: dict[str, Any], ability: str, split: str, index: int,
-                kwargs_json: str, fewshot: list[dict] | None = None) -> dict[str, Any]:
+def problem_row(
+    task: str,
+    entry: dict[str, Any],
+    ability: str,
+    split: str,
+    index: int,
+    kwargs_json: str,
+    fewshot: list[dict] | None = None,
+) -> dict[str, Any]:
     """One RL row for one reasoning-gym entry (after the worked-example turns ``fewshot``, if any)."""
     answer = entry.get("answer")
     return {
@@ -158,13 +166,24 @@ def problem_row(task: str, entry: dict[str, Any], ability: str, split: str, inde
         "prompt": [*(fewshot or []), user_turn(entry)],
         "ability": ability,
         "reward_model": {"style": "rule", "ground_truth": "" if answer is None else str(answer)},
-        "extra_info": {"split": split, "index": index, "task": task, TASK_KWARGS_KEY: kwargs_json,
-                       ENTRY_KEY: entry_json(entry)},
+        "extra_info": {
+            "split": split,
+            "index": index,
+            "task": task,
+            TASK_KWARGS_KEY: kwargs_json,
+            ENTRY_KEY: entry_json(entry),
+        },
     }
 
 
-def build_splits(task: str, train_size: int, test_size: int, seed: int = 0,
-                 task_kwargs: dict[str, Any] | None = None, fewshot: int = 0) -> dict[str, list[dict[str, Any]]]:
+def build_splits(
+    task: str,
+    train_size: int,
+    test_size: int,
+    seed: int = 0,
+    task_kwargs: dict[str, Any] | None = None,
+    fewshot: int = 0,
+) -> dict[str, list[dict[str, Any]]]:
     """Rows of the disjoint ``test`` (drawn first) and ``train`` splits, each prompt after ``fewshot`` worked
     examples (chat turns)."""
     task_kwargs = dict(task_kwargs or {})
@@ -179,13 +198,21 @@ def build_splits(task: str, train_size: int, test_size: int, seed: int = 0,
         draws = _DRAW_FACTOR * wanted + _DRAW_SLACK
         dataset = create_task_dataset(task, task_kwargs, seed=split_seed, size=draws)
         entries = draw_entries(dataset, wanted, taken, split)
-        rows[split] = [problem_row(task, e, dataset.category, split, i, kwargs_json, shots)
-                       for i, e in enumerate(entries)]
+        rows[split] = [
+            problem_row(task, e, dataset.category, split, i, kwargs_json, shots) for i, e in enumerate(entries)
+        ]
     return rows
 
 
-def write_task(task: str, output_dir: str, train_size: int, test_size: int, seed: int = 0,
-               task_kwargs: dict[str, Any] | None = None, fewshot: int = 0) -> dict[str, str]:
+def write_task(
+    task: str,
+    output_dir: str,
+    train_size: int,
+    test_size: int,
+    seed: int = 0,
+    task_kwargs: dict[str, Any] | None = None,
+    fewshot: int = 0,
+) -> dict[str, str]:
     """Write ``train.parquet`` and ``test.parquet`` under ``output_dir``; returns split -> path."""
     import pyarrow as pa  # here, not at the top: the scorer imports this module's constants in every reward worker
     import pyarrow.parquet as pq
@@ -219,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     parser.add_argument("--train_size", type=int, required=True)
     parser.add_argument("--test_size", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--task_kwargs", default="{}", help='task config as JSON, e.g. \'{"min_terms": 2}\'')
+    parser.add_argument("--task_kwargs", default="{}", help="task config as JSON, e.g. '{\"min_terms\": 2}'")
     parser.add_argument("--fewshot", type=int, default=0, help="worked examples shown before each question")
     args = parser.parse_args(argv)
     try:  # a bad task, config or size is a usage error: message and exit code 2
@@ -229,8 +256,9 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
         parser.error(str(exc))
     if args.fewshot < 0:
         parser.error(f"--fewshot must be >= 0, got {args.fewshot}")
-    paths = write_task(args.task, args.output_dir, args.train_size, args.test_size, args.seed, task_kwargs,
-                       args.fewshot)
+    paths = write_task(
+        args.task, args.output_dir, args.train_size, args.test_size, args.seed, task_kwargs, args.fewshot
+    )
     print(f"reasoning_gym/{args.task}: {args.train_size}/{args.test_size} train/test problems -> {args.output_dir}")
     return paths
 

@@ -1,4 +1,5 @@
 """Reward managers, one per file, each registered by name; importing this package registers them all."""
+
 from scaletrain.reward.managers.base import (
     REWARD_MANAGERS,
     RewardManager,

@@ -22,15 +22,16 @@ the response decoded with ``skip_special_tokens=True`` and ``extra_info`` is a c
 response token is an EOS id (``eos_token_id`` argument, default the tokenizer's). A response cut off at the
 length limit has False; the arithmetic scorer uses it to give credit only to finished answers.
 """
+
 from __future__ import annotations
 
 import logging
 import math
 import numbers
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -227,7 +228,9 @@ class RewardManager:
             data_sources.append(non_tensor["data_source"][i])
             ground_truths.append(reward_model["ground_truth"])
             extra_infos.append(extra)
-        return Rows(data_sources, ground_truths, extra_infos, prompt_strs, response_strs, response_lengths, ended_with_eos)
+        return Rows(
+            data_sources, ground_truths, extra_infos, prompt_strs, response_strs, response_lengths, ended_with_eos
+        )
 
     def collect(self, rows: Rows, outcomes: list[Outcome]) -> tuple[list[float], dict[str, list], dict[str, int]]:
         """Scores (0 for failed rows), per-row extra info ("score" plus the keys of dict scores; None where a
@@ -252,7 +255,10 @@ class RewardManager:
         if failed:
             logger.warning(
                 "reward: %d of %d samples scored 0 because the scorer failed (%d errors, %d timeouts)",
-                failed, len(outcomes), counts[ERROR], counts[TIMEOUT],
+                failed,
+                len(outcomes),
+                counts[ERROR],
+                counts[TIMEOUT],
             )
         keys = sorted({k for extra in extras for k in extra})
         extra_info: dict[str, list] = {"score": list(scores)}
@@ -267,7 +273,10 @@ class RewardManager:
         self.last_logged_error = error
         logger.warning(
             "reward scorer %s on row %d (data_source=%r, response=%r)%s:\n%s",
-            status, index, rows.data_sources[index], rows.response_strs[index][:200],
+            status,
+            index,
+            rows.data_sources[index],
+            rows.response_strs[index][:200],
             " [further failures are only counted]" if self.failures_logged == LOG_FIRST_N_FAILURES else "",
             error,
         )
@@ -291,5 +300,9 @@ class RewardManager:
             shown[source] = shown.get(source, 0) + 1
             logger.info(
                 "[reward sample] data_source=%s\n[prompt] %s\n[response] %s\n[ground_truth] %s\n[score] %s",
-                source, rows.prompt_strs[i], rows.response_strs[i], rows.ground_truths[i], scores[i],
+                source,
+                rows.prompt_strs[i],
+                rows.response_strs[i],
+                rows.ground_truths[i],
+                scores[i],
             )

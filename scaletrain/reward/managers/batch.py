@@ -4,10 +4,12 @@ process. ``timeout_s`` bounds the whole call: on timeout or error every row scor
 ``reward/timeouts`` is the batch size). A returned list of the wrong length counts as an error for every row;
 a bad element only for its row. Without a compute_score, ``default_compute_score`` is applied row by row.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from scaletrain.reward.managers.base import RewardManager, Rows, register_reward_manager
 from scaletrain.reward.sandbox import ERROR, OK, Outcome
@@ -21,9 +23,7 @@ class RowByRow:
     compute_score: Callable[..., Any]
 
     def __call__(self, data_sources, solution_strs, ground_truths, extra_infos) -> list[Any]:
-        return [
-            self.compute_score(*row) for row in zip(data_sources, solution_strs, ground_truths, extra_infos)
-        ]
+        return [self.compute_score(*row) for row in zip(data_sources, solution_strs, ground_truths, extra_infos)]
 
 
 @register_reward_manager("batch")
@@ -32,7 +32,10 @@ class BatchRewardManager(RewardManager):
         return RowByRow(default_compute_score)
 
     def score_rows(self, rows: Rows) -> list[Outcome]:
-        call = ((list(rows.data_sources), list(rows.response_strs), list(rows.ground_truths), list(rows.extra_infos)), {})
+        call = (
+            (list(rows.data_sources), list(rows.response_strs), list(rows.ground_truths), list(rows.extra_infos)),
+            {},
+        )
         (outcome,) = self.pool.map([call])
         if outcome.status != OK:
             return [outcome] * len(rows)

@@ -6,9 +6,11 @@ tokens, then linearly down to ``-overlong_penalty_factor`` at ``L``. ``overlong_
 The penalty applies whatever the scorer returned (a failed sample gets 0 + penalty). Per-row extra info:
 ``overlong_reward`` (the penalty) and ``overlong`` (whether it was non-zero).
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from scaletrain.reward.managers.base import DEFAULT_TIMEOUT_S, RewardManager, Rows, register_reward_manager
 

@@ -11,12 +11,13 @@ All components of a sample run in one worker call, so ``timeout_s`` bounds their
 raises, the sample scores 0 and counts as one error. reward_extra_info holds each component's raw score
 under its label.
 """
+
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from scaletrain.reward.loader import load_custom_reward_fn
 from scaletrain.reward.managers.base import DEFAULT_TIMEOUT_S, RewardManager, register_reward_manager

@@ -1,5 +1,6 @@
 """``naive``: one scorer call per sample, one sample at a time in a single worker process (each call bounded
 by ``timeout_s``). The reference behaviour; ``prime`` is the same with several workers."""
+
 from __future__ import annotations
 
 from scaletrain.reward.managers.base import RewardManager, register_reward_manager

@@ -1,9 +1,11 @@
 """``prime``: per-sample scoring in ``num_processes`` worker processes at once (default: up to 8, one per CPU),
 for scorers that are slow per sample (symbolic math, running code). Each call keeps its own ``timeout_s``."""
+
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from scaletrain.reward.managers.base import DEFAULT_TIMEOUT_S, RewardManager, register_reward_manager
 

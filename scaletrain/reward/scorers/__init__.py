@@ -4,6 +4,7 @@ gsm8k.py, math.py, arithmetic.py and reasoning_gym.py score one task family each
 ``data_source``;
 components.py holds the small scorers (format, correctness, length) that the ``multi`` manager weights.
 """
+
 from scaletrain.reward.scorers.components import COMPONENT_SCORERS, correctness_score, format_score, length_score
 from scaletrain.reward.scorers.default import SCORERS_BY_DATA_SOURCE, default_compute_score
 

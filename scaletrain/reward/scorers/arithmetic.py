@@ -11,6 +11,7 @@ reward managers check it instead: they pass a copy of the row's ``extra_info`` w
 limit right after the digits earns nothing. Called directly without the flag (e.g. from a user's own
 compute_score that drops extra_info), it trusts the string alone.
 """
+
 from __future__ import annotations
 
 from typing import Any

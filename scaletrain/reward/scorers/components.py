@@ -5,10 +5,12 @@
   custom compute_score when there is one).
 - ``length``: 1.0 up to ``target_chars`` characters, falling linearly to 0.0 at twice that.
 """
+
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from scaletrain.reward.scorers import arithmetic, gsm8k, math, reasoning_gym
 from scaletrain.reward.scorers.default import default_compute_score
@@ -33,9 +35,7 @@ def format_score(data_source: str, solution_str: str, ground_truth: Any, extra_i
     return 1.0 if ok else 0.0
 
 
-def correctness_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
-) -> float:
+def correctness_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
     result = default_compute_score(data_source, solution_str, ground_truth, extra_info)
     return float(result["score"] if isinstance(result, dict) else result)
 

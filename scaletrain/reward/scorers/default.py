@@ -2,9 +2,11 @@
 on ``data_source``: an exact name in ``SCORERS_BY_DATA_SOURCE``, else the first prefix in
 ``SCORERS_BY_PREFIX`` it starts with (``reasoning_gym/<task>``); an unknown source raises NotImplementedError
 naming it."""
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from scaletrain.reward.scorers import arithmetic, gsm8k, math, reasoning_gym
 

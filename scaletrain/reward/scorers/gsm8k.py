@@ -1,4 +1,5 @@
 """GSM8K-style scoring: the answer is the number after the last ``#### `` (strict) or the last number (flexible)."""
+
 from __future__ import annotations
 
 import re

@@ -5,6 +5,7 @@ math-verify guards its own parsing with ``signal.alarm``, which only works in a 
 reward managers call scorers in the main thread of their worker processes, so it is on there. In any other
 thread it is off, and the caller must bound the time itself.
 """
+
 from __future__ import annotations
 
 import re
@@ -24,9 +25,9 @@ def last_boxed(text: str) -> str | None:
         return None
     rest = text[start:]
     head = re.match(r"\\(?:boxed|fbox)", rest).end()
-    if rest[head:head + 1] == " ":  # "\boxed 5": the token up to the next space or "$"
-        return re.split(r"[\s$]", rest[head + 1:], maxsplit=1)[0] or None
-    if rest[head:head + 1] != "{":
+    if rest[head : head + 1] == " ":  # "\boxed 5": the token up to the next space or "$"
+        return re.split(r"[\s$]", rest[head + 1 :], maxsplit=1)[0] or None
+    if rest[head : head + 1] != "{":
         return None
     depth = 0
     for i in range(head, len(rest)):
@@ -35,7 +36,7 @@ def last_boxed(text: str) -> str | None:
         elif rest[i] == "}":
             depth -= 1
             if depth == 0:
-                return rest[head + 1:i]
+                return rest[head + 1 : i]
     return None  # unbalanced: the answer was cut off
 
 

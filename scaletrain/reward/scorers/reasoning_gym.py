@@ -15,6 +15,7 @@ is not caught here: the manager counts the sample in ``reward/errors``.
 reasoning-gym is imported on the first reasoning-gym row only (it takes seconds), and each (task, kwargs) dataset
 is built once per process.
 """
+
 from __future__ import annotations
 
 import functools
@@ -60,6 +61,6 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
     entry_json = extra_info.get(ENTRY_KEY)
     if not entry_json:
         return result(1.0 if _normalise(pred) == _normalise(str(ground_truth)) else 0.0, pred)
-    task = data_source[len(DATA_SOURCE_PREFIX):]
+    task = data_source[len(DATA_SOURCE_PREFIX) :]
     dataset = task_dataset(task, extra_info.get(TASK_KWARGS_KEY) or "{}")
     return result(float(dataset.score_answer(pred, json.loads(entry_json))), pred)
