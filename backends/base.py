@@ -49,10 +49,6 @@ def bucketed(items: Iterable[tuple[str, int, Callable[[], torch.Tensor]]], bucke
 
 
 class TrainEngine(ABC):
-    # how the controller shards batches for this backend: "DP_COMPUTE_PROTO" (fsdp, deepspeed) or
-    # "MEGATRON_COMPUTE_PROTO" (megatron; the worker then declares its mesh place with set_megatron_mesh)
-    dispatch: str = "DP_COMPUTE_PROTO"
-
     @abstractmethod
     def forward(self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",)) -> DataProto:
         """No-grad forward over micro-batches; returns a DataProto with the requested (B, R) outputs."""

@@ -1,19 +1,18 @@
 """torch.distributed helpers every training engine shares (layer 1): device choice, process-group init, cross-rank
 agreement on the micro-batch partition (every rank must run the same number of forwards: FSDP and ZeRO-3 all-gather
-parameters in each, Megatron's pipeline schedule needs equal counts), and the RNG state a checkpoint carries."""
+parameters in each, Megatron's pipeline schedule needs equal counts)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
-import random
-import socket
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
+
+from scaletrain.utils.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +24,6 @@ def local_device() -> torch.device:
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
@@ -109,19 +102,3 @@ def agreed_partition(batch, cfg, device: torch.device, group=None):
         if agreed == target:  # every rank sees the same values, so all leave together
             return parts
         target = agreed
-
-
-def rng_state() -> dict:
-    """This process's RNG states (torch CPU, CUDA, Python, NumPy): a resumed run draws the same random numbers."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

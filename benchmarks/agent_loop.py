@@ -67,6 +67,70 @@ def median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def sync_generate_s(engine, tok, questions: list[str], n: int, reps: int) -> float:
+    """Median seconds of the sync single-turn path: one batched ``engine.generate`` over all prompts."""
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in questions
+    ]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    width = max(map(len, ids))
+    input_ids = torch.tensor([[0] * (width - len(x)) + x for x in ids])
+    prompts = DataProto.from_dict({"input_ids": input_ids, "attention_mask": (input_ids != 0).long()})
+    sampling = SamplingConfig(n=n, temperature=1.0, max_new_tokens=RESPONSE, seed=0)
+    return median_s(lambda: engine.generate(prompts, sampling), reps)
+
+
+def agent_paths_s(manager: AgentLoopManager, questions: list[str], n: int, reps: int) -> tuple[dict, dict]:
+    """Median seconds per path of the agent loop ({single, tool, sequential}) and the tool_agent run's metrics.
+    ``sequential`` times up to 8 one-trajectory calls and scales to the whole batch."""
+    params = {"temperature": 1.0, "seed": 0}
+    trajectories = len(questions) * n
+    single = median_s(lambda: manager.generate_sequences(rows_for(questions, "single_turn_agent"), params, n), reps)
+    tool_rows = rows_for(questions, "tool_agent")
+    last = {}
+
+    def tool_run():
+        last["out"] = manager.generate_sequences(tool_rows, params, n)
+
+    tool = median_s(tool_run, reps)
+    one, calls = rows_for(questions[:1], "tool_agent"), min(8, trajectories)
+    sequential = median_s(lambda: [manager.generate_sequences(one, params, 1) for _ in range(calls)], 1)
+    seconds = {"single": single, "tool": tool, "sequential": sequential / calls * trajectories}
+    return seconds, last["out"].meta_info["metrics"]
+
+
+def report(tps: dict[str, float], metrics: dict, header: str) -> None:
+    """Print the table (trajectories/s per path, ratio to the sync baseline) and emit the results."""
+    print(header)
+    print(
+        f"tool_agent: {metrics['num_turns/mean']:.2f} turns/trajectory, "
+        f"{metrics['agent/tool_calls_per_traj']:.2f} tool calls/trajectory, "
+        f"{metrics['agent/generate_batches']:.0f} engine batches (mean {metrics['agent/mean_batch_size']:.1f})"
+    )
+    print(f"\n{'path':<42}{'traj/s':>10}{'vs sync single-turn':>22}")
+    table = [
+        ("sync single-turn generate (baseline)", tps["sync"]),
+        ("agent single_turn_agent (async path)", tps["single"]),
+        ("agent tool_agent, concurrent (2 turns)", tps["tool"]),
+        ("agent tool_agent, one at a time", tps["sequential"]),
+    ]
+    for name, value in table:
+        print(f"{name:<42}{value:>10.1f}{value / tps['sync']:>21.2f}x")
+    sync = "sync single-turn generate"
+    rows = [
+        ("agent single_turn_agent traj/s", tps["single"], tps["sync"], sync),
+        ("agent tool_agent concurrent traj/s", tps["tool"], tps["sync"], sync),
+        ("agent tool_agent one-at-a-time traj/s", tps["sequential"], tps["tool"], "tool_agent concurrent"),
+    ]
+    emit_results(
+        [
+            {"measure": m, "ours": ours, "baseline": base, "baseline_name": base_name, "unit": "traj/s"}
+            for m, ours, base, base_name in rows
+        ]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="16 prompts x 2 samples, 3 repeats")
@@ -84,18 +148,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     questions = [f"{a}+{b}" for a, b in rng.integers(10, 100, (prompts_n, 2))]
     trajectories = prompts_n * n
-
-    # sync single-turn path: one batched generate
-    texts = [
-        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-        for q in questions
-    ]
-    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    width = max(map(len, ids))
-    input_ids = torch.tensor([[0] * (width - len(x)) + x for x in ids])
-    prompts = DataProto.from_dict({"input_ids": input_ids, "attention_mask": (input_ids != 0).long()})
-    sampling = SamplingConfig(n=n, temperature=1.0, max_new_tokens=RESPONSE, seed=0)
-    sync_s = median_s(lambda: engine.generate(prompts, sampling), reps)
+    sync_s = sync_generate_s(engine, tok, questions, n, reps)
 
     tools = os.path.join(tmp, "tools.yaml")
     Path(tools).write_text("tools:\n  - class_name: calculator\n")
@@ -103,67 +156,13 @@ def main() -> None:
     manager = AgentLoopManager(
         cfg, AsyncServerManager(LocalEngineBackend([engine])), tok, prompt_length=32, response_length=RESPONSE
     )
-    params = {"temperature": 1.0, "seed": 0}
-    single_s = median_s(lambda: manager.generate_sequences(rows_for(questions, "single_turn_agent"), params, n), reps)
-    tool_rows = rows_for(questions, "tool_agent")
-    last = {}
-
-    def tool_run():
-        last["out"] = manager.generate_sequences(tool_rows, params, n)
-
-    tool_s = median_s(tool_run, reps)
-    metrics = last["out"].meta_info["metrics"]
-    one = rows_for(questions[:1], "tool_agent")
-    seq_s = (
-        median_s(lambda: [manager.generate_sequences(one, params, 1) for _ in range(min(8, trajectories))], 1)
-        / min(8, trajectories)
-        * trajectories
-    )
-
-    sync_tps, single_tps, tool_tps, seq_tps = (trajectories / s for s in (sync_s, single_s, tool_s, seq_s))
-    print(
+    seconds, metrics = agent_paths_s(manager, questions, n, reps)
+    tps = {path: trajectories / s for path, s in {"sync": sync_s, **seconds}.items()}
+    header = (
         f"\n{prompts_n} prompts x n={n} = {trajectories} trajectories, {args.engine} engine, tiny tool-calling "
         f"Qwen2, response <= {RESPONSE} tokens, 1 thread; median of {reps}"
     )
-    print(
-        f"tool_agent: {metrics['num_turns/mean']:.2f} turns/trajectory, "
-        f"{metrics['agent/tool_calls_per_traj']:.2f} tool calls/trajectory, "
-        f"{metrics['agent/generate_batches']:.0f} engine batches (mean {metrics['agent/mean_batch_size']:.1f})"
-    )
-    print(f"\n{'path':<42}{'traj/s':>10}{'vs sync single-turn':>22}")
-    table = [
-        ("sync single-turn generate (baseline)", sync_tps),
-        ("agent single_turn_agent (async path)", single_tps),
-        ("agent tool_agent, concurrent (2 turns)", tool_tps),
-        ("agent tool_agent, one at a time", seq_tps),
-    ]
-    for name, value in table:
-        print(f"{name:<42}{value:>10.1f}{value / sync_tps:>21.2f}x")
-    emit_results(
-        [
-            {
-                "measure": "agent single_turn_agent traj/s",
-                "ours": single_tps,
-                "baseline": sync_tps,
-                "baseline_name": "sync single-turn generate",
-                "unit": "traj/s",
-            },
-            {
-                "measure": "agent tool_agent concurrent traj/s",
-                "ours": tool_tps,
-                "baseline": sync_tps,
-                "baseline_name": "sync single-turn generate",
-                "unit": "traj/s",
-            },
-            {
-                "measure": "agent tool_agent one-at-a-time traj/s",
-                "ours": seq_tps,
-                "baseline": tool_tps,
-                "baseline_name": "tool_agent concurrent",
-                "unit": "traj/s",
-            },
-        ]
-    )
+    report(tps, metrics, header)
 
 
 if __name__ == "__main__":

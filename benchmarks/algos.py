@@ -107,24 +107,10 @@ def make_inputs(B, T, group, device, seed=0):
     return to(mask), to(rewards), to(values), to(old), to(new), to(adv), index
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes (128 x 512)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=None)
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    B, T = (128, 512) if args.quick else (1024, 2048)
-    repeats = args.repeats or (5 if args.quick else 3)
-    group = 8
-    mask, rewards, values, old, new, adv, index = make_inputs(B, T, group, device)
-    gamma, lam = 0.99, 0.95
-
-    gae = get_adv_estimator("gae")
-    grpo = get_adv_estimator("grpo")
-    ppo = get_policy_loss("vanilla")
-
-    # same numbers first
+def check_loops_agree(inputs: tuple, gamma: float, lam: float) -> None:
+    """The loop baselines give the vectorised functions' numbers, so the timings compare equivalent code."""
+    mask, rewards, values, old, new, adv, index = inputs
+    gae, grpo, ppo = get_adv_estimator("gae"), get_adv_estimator("grpo"), get_policy_loss("vanilla")
     torch.testing.assert_close(
         gae(rewards, mask, values=values, gamma=gamma, lam=lam)[0],
         gae_loop(rewards, values, mask, gamma, lam)[0],
@@ -137,6 +123,23 @@ def main():
     torch.testing.assert_close(
         ppo(old, new, adv, mask, "token-mean", None)[0], ppo_loss_loop(old, new, adv, mask), atol=1e-5, rtol=1e-4
     )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (128 x 512)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    B, T = (128, 512) if args.quick else (1024, 2048)
+    repeats = args.repeats or (5 if args.quick else 3)
+    group = 8
+    inputs = make_inputs(B, T, group, device)
+    mask, rewards, values, old, new, adv, index = inputs
+    gamma, lam = 0.99, 0.95
+    check_loops_agree(inputs, gamma, lam)
+    gae, grpo, ppo = get_adv_estimator("gae"), get_adv_estimator("grpo"), get_policy_loss("vanilla")
 
     def ppo_fwd_bwd(loop):
         lp = new.clone().requires_grad_(True)

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import torch
 
 from benchmarks.common import median_ms
 from scaletrain.protocol import DataProto
+from scaletrain.utils.net import free_port
 
 logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,19 +159,13 @@ def run_rank(spec_file: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(spec: dict, timeout_s: float = 900.0) -> dict:
     """Run ``spec`` on ``spec["world"]`` gloo ranks (fresh processes); returns rank 0's results."""
     work = Path(tempfile.mkdtemp(prefix="bench_ranks_"))
     spec = {**spec, "out": str(work / "result.json")}
     spec_file = work / "spec.json"
     spec_file.write_text(json.dumps(spec))
-    port, world = _free_port(), spec["world"]
+    port, world = free_port(), spec["world"]
     procs, logs = [], []
     for rank in range(world):
         env = {

@@ -6,7 +6,8 @@ A DataProto holds row-aligned data of one batch:
   - ``meta_info``: a dict of batch-wide values (temperature, metrics, ...), not split with the rows.
 
 Crossing a Ray boundary, tensors travel as numpy buffers (pickle protocol 5 out-of-band) so the object store
-holds them without a pickle copy; the receiver copies them once into fresh, writable tensors.
+holds them without a pickle copy; the receiver copies them once into fresh, writable tensors
+(scaletrain/protocol_transport.py).
 
 ``DataProtoFuture`` wraps Ray object refs of DataProtos for non-blocking worker-group calls; it imports Ray
 lazily, so engines can use this module without Ray.
@@ -22,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDict
+
+from scaletrain.protocol_transport import from_wire, to_wire
 
 # meta_info key set on each dispatched chunk: how many trailing rows of the chunk are padding. The worker-side
 # wrapper pops it and trims the method's output by as many rows (see controller/decorator.py).
@@ -311,36 +314,10 @@ class DataProto:
 
     # ---------------------------------------------------------------------------------------- transport
     def __getstate__(self) -> dict[str, Any]:
-        """Tensors as contiguous numpy arrays: pickle protocol 5 (Ray) ships them out-of-band, without a copy."""
-        tensors, dtypes = {}, {}
-        if self.batch is not None:
-            for key, t in self.batch.items():
-                t = t.detach().to("cpu").contiguous()
-                dtypes[key] = t.dtype
-                if t.dtype == torch.bfloat16:
-                    t = t.view(torch.int16)
-                tensors[key] = t.numpy()
-        size = None if self.batch is None else int(self.batch.batch_size[0])
-        return {
-            "tensors": tensors,
-            "dtypes": dtypes,
-            "size": size,
-            "non": self.non_tensor_batch,
-            "meta": self.meta_info,
-        }
+        return to_wire(self.batch, self.non_tensor_batch, self.meta_info)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        batch = None
-        if state["size"] is not None:
-            tensors = {}
-            for key, arr in state["tensors"].items():
-                # the object store's buffers are read-only and shared between readers: copy once
-                t = torch.from_numpy(np.array(arr, copy=True))
-                if state["dtypes"][key] == torch.bfloat16:
-                    t = t.view(torch.bfloat16)
-                tensors[key] = t
-            batch = TensorDict(tensors, batch_size=[state["size"]])
-        self.batch, self.non_tensor_batch, self.meta_info = batch, state["non"], state["meta"]
+        self.batch, self.non_tensor_batch, self.meta_info = from_wire(state)
 
 
 @dataclass

@@ -2,9 +2,10 @@
 partitioned over the data-parallel ranks (``p.ds_tensor`` holds this rank's slice), trained with torch AdamW as a
 DeepSpeed client optimizer.
 
-Same contract as the FSDP engine (backends/fsdp/engine.py): every public method is collective, micro-batches
-come from backends/batching.py (the ranks agree on one count), each micro-batch's loss is weighted by its share of
-the mini-batch's loss units over all ranks (backends/accumulation.py), and one ``train_step`` is one optimizer step.
+Same contract and the same loop as the FSDP engine (backends/hf_engine.py, shared): every public method is
+collective, micro-batches come from backends/batching.py (the ranks agree on one count), each micro-batch's loss is
+weighted by its share of the mini-batch's loss units over all ranks (backends/accumulation.py), and one
+``train_step`` is one optimizer step. This module supplies DeepSpeed's backward, step, gather and checkpoints.
 
 Gradient accumulation is driven by the engine, not by DeepSpeed's micro-step counter: DeepSpeed runs with
 ``managed_gradient_accumulation: false``, so ``backward`` only accumulates (reduce-scattered, averaged over
@@ -25,7 +26,6 @@ forward-only engine (no optimizer: DeepSpeed cannot checkpoint it) saves each ra
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 import sys
@@ -35,17 +35,12 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from backends.accumulation import Accumulation
-from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, bucketed, register_backend
-from backends.batching import Partition, restore_order
-from backends.config import EngineConfig, ModelConfig, OptimConfig, resolve_precision
-from backends.dist import agreed_partition, free_port, local_device, rng_state, set_rng_state
-from backends.hf_checkpoint import write_hf_checkpoint
-from backends.hf_model import build_model, check_outputs, forward_micro_batch, tied_duplicate_names
+from backends.base import Buckets, bucketed, register_backend
+from backends.config import EngineConfig, ModelConfig, OptimConfig
+from backends.hf_engine import HFTrainEngine
 from backends.optim import build_lr_scheduler, build_optimizer
-from scaletrain.protocol import DataProto
-
-logger = logging.getLogger(__name__)
+from scaletrain.utils.net import free_port
+from scaletrain.utils.seeding import rng_state, set_rng_state
 
 CKPT_TAG = "state"
 
@@ -99,109 +94,46 @@ def deepspeed_config(optim_config: OptimConfig | None, engine_config: EngineConf
 
 
 @register_backend("deepspeed")
-class DeepSpeedEngine(TrainEngine):
-    dispatch = "DP_COMPUTE_PROTO"
-
+class DeepSpeedEngine(HFTrainEngine):
     def __init__(self, model_config: ModelConfig, optim_config: OptimConfig | None, engine_config: EngineConfig):
         """``optim_config=None`` builds a forward-only engine (ZeRO-3 partitioned parameters, no optimizer)."""
         import deepspeed
 
-        self.device = local_device()
-        model_config, engine_config = resolve_precision(
-            model_config, engine_config, self.device.type, trainable=optim_config is not None
-        )
-        self.model_config, self.optim_config, self.engine_config = model_config, optim_config, engine_config
-        init_deepspeed_distributed(self.device, engine_config.collective_timeout_s)
-
-        torch.manual_seed(engine_config.seed)  # same fresh heads (value/reward) on every rank
-        model = build_model(model_config)
-        self.architecture = type(model).__name__
-        self.tied_names = tied_duplicate_names(model)
-        self.hf_config = model.config
-        self.generation_config = getattr(model, "generation_config", None)
+        self._resolve_configs(model_config, optim_config, engine_config)
+        init_deepspeed_distributed(self.device, self.engine_config.collective_timeout_s)
+        model = self._load_hf_model()
         kwargs = {}
-        if optim_config is None:
-            model.requires_grad_(False)
-        else:
+        if optim_config is not None:
             optimizer = build_optimizer(model.parameters(), optim_config)
             kwargs = {"optimizer": optimizer, "lr_scheduler": lambda opt: build_lr_scheduler(opt, optim_config)}
-        config = deepspeed_config(optim_config, engine_config, dist.get_world_size())
+        config = deepspeed_config(optim_config, self.engine_config, dist.get_world_size())
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(model=model, config=config, **kwargs)
         self.model = self.ds.module
-        self.global_step = 0
 
-    # ------------------------------------------------------------------------------------------ properties
-    @property
-    def dp_rank(self) -> int:
-        return dist.get_rank()
+    # ------------------------------------------------------------------------------------------------ hooks
+    def _compute_module(self) -> torch.nn.Module:
+        return self.ds  # its forward sets up autocast and the ZeRO-3 backward hooks
 
-    @property
-    def dp_size(self) -> int:
-        return dist.get_world_size()
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss, scale_wrt_gas=False)  # accumulates only: the micro-batch weights are ours
 
-    # --------------------------------------------------------------------------------------- micro-batching
-    def _partition(self, batch: DataProto) -> Partition:
-        return agreed_partition(batch, self.engine_config, self.device)
+    def _clip_grads(self) -> float:
+        """DeepSpeed clips and updates in one call, ``step()`` (the boundary: clip, AdamW, LR schedule, zero the
+        gradients), so it runs here and ``_apply_update`` has nothing left to do. It skips the update itself on a
+        non-finite gradient norm (the rule of backends/train_step.py), reporting the norm as inf."""
+        self.ds.step()
+        norm = self.ds.get_global_grad_norm()
+        norm = float("nan") if norm is None else float(norm)
+        if not self.ds.was_step_applied() and math.isfinite(norm):
+            return float("inf")  # whatever made DeepSpeed skip, the shared tail must see a skipped step
+        return norm
 
-    def _forward(self, micro: DataProto, outputs: tuple[str, ...], temperature: float) -> dict[str, torch.Tensor]:
-        inputs = {k: micro.batch[k].to(self.device) for k in MODEL_INPUTS if k in micro.batch.keys()}
-        # through the DeepSpeed engine: its forward sets up autocast and the ZeRO-3 backward hooks
-        return forward_micro_batch(
-            self.ds,
-            inputs,
-            outputs,
-            kind=self.model_config.kind,
-            remove_padding=self.model_config.use_remove_padding,
-            temperature=temperature,
-            chunk_size=self.engine_config.entropy_chunk_size,
-        )
+    def _apply_update(self) -> None:
+        pass  # applied by ``ds.step()`` in _clip_grads
 
-    # -------------------------------------------------------------------------------------------- compute
-    def forward(self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",)) -> DataProto:
-        outputs = check_outputs(self.model_config.kind, outputs)
-        temperature = float(batch.meta_info.get("temperature", 1.0))
-        inputs = batch.select(batch_keys=[k for k in MODEL_INPUTS if k in batch.batch.keys()], non_tensor_batch_keys=[])
-        self.ds.eval()
-        parts = self._partition(inputs)
-        results = []
-        with torch.no_grad():
-            for part in parts:
-                out = self._forward(inputs.select_idxs(part), outputs, temperature)
-                results.append({k: v.float().cpu() for k, v in out.items()})
-        order = restore_order(parts)
-        return DataProto.from_dict({k: torch.cat([r[k] for r in results])[order] for k in outputs})
-
-    def train_step(self, mini_batch: DataProto, loss_fn: LossFn, outputs: tuple[str, ...] = ("log_probs",)) -> dict:
-        """Metrics as the FSDP engine's: the whole mini-batch's ``loss`` and loss_fn metrics, the global
-        ``grad_norm`` (before clipping), the ``lr`` this step used, ``step_skipped`` (non-finite gradient norm)."""
-        if self.optim_config is None:
-            raise RuntimeError("train_step on a forward-only engine (built with optim_config=None)")
-        outputs = check_outputs(self.model_config.kind, outputs)
-        temperature = float(mini_batch.meta_info.get("temperature", 1.0))
-        self.ds.train()
-        micros = [mini_batch.select_idxs(part) for part in self._partition(mini_batch)]
-        acc = Accumulation(loss_fn, micros, self.device)
-        for i, micro in enumerate(micros):
-            micro = micro.to(self.device)
-            out = self._forward(micro, outputs, temperature)
-            loss, metrics = loss_fn(out, micro)
-            self.ds.backward(loss * acc.grad_scale(i), scale_wrt_gas=False)
-            acc.add(i, loss.detach(), metrics)
-        sums = acc.metrics()
-        lr = self.scheduler.get_last_lr()[0]
-        self.ds.step()  # the boundary: clip, AdamW, LR schedule, zero the gradients
-        skipped = not self.ds.was_step_applied()
-        grad_norm = self.ds.get_global_grad_norm()
-        grad_norm = float("nan") if grad_norm is None else float(grad_norm)
-        if skipped:
-            logger.warning("non-finite grad norm %s at step %d: optimizer step skipped", grad_norm, self.global_step)
-            self.scheduler.step()  # DeepSpeed does not advance the schedule on a skipped step; FSDP does
-        self.global_step += 1
-        return {**sums, "grad_norm": grad_norm, "lr": lr, "step_skipped": float(skipped)}
-
-    # -------------------------------------------------------------------------------------------- weights
-    def export_weights(self, bucket_bytes: int = 256 << 20) -> Buckets:
-        return self._full_tensor_buckets(bucket_bytes, skip=())
+    def _end_step(self, skipped: bool) -> None:
+        if skipped:  # DeepSpeed advances the schedule only with an applied update; one advance per train_step
+            self.scheduler.step()
 
     def _full_tensor_buckets(self, bucket_bytes: int, skip) -> Buckets:
         """Gathers one parameter at a time (``GatheredParameters``), in HF state_dict order; a bucket is yielded
@@ -220,19 +152,6 @@ class DeepSpeedEngine(TrainEngine):
             if name not in skip
         )
         yield from bucketed(items, bucket_bytes)
-
-    def save_hf(self, path: str, shard_bytes: int = 1 << 30) -> None:
-        """Config + safetensors (+ tokenizer files of the source model), written by rank 0; collective."""
-        write_hf_checkpoint(
-            path,
-            self._full_tensor_buckets(shard_bytes, skip=self.tied_names),
-            self.hf_config,
-            self.architecture,
-            is_writer=dist.get_rank() == 0,
-            generation_config=self.generation_config,
-            tokenizer_dir=self.model_config.path,
-        )
-        dist.barrier()
 
     # -------------------------------------------------------------------------------------------- checkpoint
     def save(self, path: str) -> None:

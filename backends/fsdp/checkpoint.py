@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from backends.dist import rng_state, set_rng_state
+from scaletrain.utils.seeding import rng_state, set_rng_state
 
 
 def _extra_path(path: str) -> str:

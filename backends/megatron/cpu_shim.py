@@ -3,7 +3,7 @@
 megatron-core assumes CUDA in a handful of places that matter for training on CPU with gloo. ``apply_cpu_shim()``
 patches them, once per process, and only when ``torch.cuda.is_available()`` is False; the Megatron engine calls it
 right before it first touches megatron-core (never at import of scaletrain). Re-check every item when bumping the
-pinned version. The items (numbered as in the platform notes):
+pinned version. The items (the code below refers to their numbers):
 
 1. ``torch.cuda.current_device()`` is used as a device argument -> returns "cpu".
 2. ``torch.cuda.synchronize()`` in p2p communication -> no-op.
@@ -62,7 +62,7 @@ def apply_cpu_shim() -> bool:
     if _applied:
         return True
     import megatron.core
-    from megatron.core.tensor_parallel import random as mg_random
+    from megatron.core.tensor_parallel import random as mg_random  # imported before any patch (the order checked)
     from megatron.core.transformer import torch_norm
 
     version = getattr(megatron.core, "__version__", "?")
@@ -75,8 +75,19 @@ def apply_cpu_shim() -> bool:
     _mode = _CudaToCpuMode()  # 4
     _mode.__enter__()  # stays pushed for the life of the process
     _patch_causal_masks()  # built inside autograd.Function.forward under recompute, where modes are off
+    _patch_rng_tracker(mg_random)  # 5
+    _patch_torch_norm(torch_norm)  # 7
+    _patch_tensor_type()  # 8 (and 6)
+    _applied = True
+    logger.info("megatron-core CPU shim applied")
+    return True
 
-    def get_state(device="cuda", clone=False, graph_safe=False):  # 5
+
+def _patch_rng_tracker(mg_random) -> None:
+    """Item 5: megatron's CUDA RNG tracker (module ``mg_random``) saves and restores states through the CPU
+    generator."""
+
+    def get_state(device="cuda", clone=False, graph_safe=False):
         state = torch.get_rng_state()
         return state.clone() if clone else state
 
@@ -88,7 +99,12 @@ def apply_cpu_shim() -> bool:
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.manual_seed = lambda seed: None  # the tracker seeds a side state; CPU keeps one generator
 
-    original_new = torch_norm.WrappedTorchNorm.__new__  # 7
+
+def _patch_torch_norm(torch_norm) -> None:
+    """Item 7: torch norms (module ``torch_norm``) under sequence parallelism, built without it and tagged for the
+    TP all-reduce."""
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
 
     def norm_new(cls, config, hidden_size, *args, **kwargs):
         if not config.sequence_parallel:
@@ -100,7 +116,10 @@ def apply_cpu_shim() -> bool:
 
     torch_norm.WrappedTorchNorm.__new__ = norm_new
 
-    original_type = torch.Tensor.type  # 8 (and 6)
+
+def _patch_tensor_type() -> None:
+    """Item 8: ``Tensor.type()`` without arguments reports the CUDA type string for CPU float tensors."""
+    original_type = torch.Tensor.type
     cuda_names = {
         "torch.FloatTensor": "torch.cuda.FloatTensor",
         "torch.HalfTensor": "torch.cuda.HalfTensor",
@@ -114,9 +133,6 @@ def apply_cpu_shim() -> bool:
         return result
 
     torch.Tensor.type = tensor_type
-    _applied = True
-    logger.info("megatron-core CPU shim applied")
-    return True
 
 
 def _patch_causal_masks() -> None:

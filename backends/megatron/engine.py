@@ -19,8 +19,6 @@ layout. CPU: backends/megatron/cpu_shim.py is applied before megatron-core is fi
 
 from __future__ import annotations
 
-import logging
-import math
 import os
 from functools import partial
 
@@ -31,7 +29,7 @@ from backends.accumulation import Accumulation
 from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, register_backend
 from backends.batching import restore_order
 from backends.config import EngineConfig, ModelConfig, OptimConfig, resolve_precision
-from backends.dist import agreed_partition, init_distributed, local_device, rng_state, set_rng_state
+from backends.dist import init_distributed, local_device
 from backends.hf_checkpoint import write_hf_checkpoint
 from backends.hf_model import build_model, check_outputs, torch_dtype
 from backends.megatron.export import export_groups, gather_hf_buckets
@@ -40,9 +38,9 @@ from backends.megatron.model import build_gpt_model, load_hf_weights, transforme
 from backends.megatron.ops import prepare_micro_batch, response_outputs
 from backends.megatron.parallel import MegatronParallelConfig, init_model_parallel
 from backends.optim import SCHEDULES, lr_multiplier
+from backends.train_step import finish_train_step, partition_batch, require_trainable
 from scaletrain.protocol import DataProto
-
-logger = logging.getLogger(__name__)
+from scaletrain.utils.seeding import rng_state, set_rng_state
 
 
 def _check_supported(model_config: ModelConfig, optim_config: OptimConfig | None) -> None:
@@ -59,8 +57,6 @@ def _check_supported(model_config: ModelConfig, optim_config: OptimConfig | None
 
 @register_backend("megatron")
 class MegatronEngine(TrainEngine):
-    dispatch = "MEGATRON_COMPUTE_PROTO"
-
     def __init__(self, model_config: ModelConfig, optim_config: OptimConfig | None, engine_config: EngineConfig):
         """``optim_config=None`` builds a forward-only engine (a frozen reference policy)."""
         _check_supported(model_config, optim_config)
@@ -77,17 +73,33 @@ class MegatronEngine(TrainEngine):
             apply_cpu_shim()
         from megatron.core import parallel_state as ps
 
-        torch.manual_seed(engine_config.seed)  # same fresh value head on every rank (as the other engines)
-        hf_model = build_model(model_config)
-        self.hf_config, self.architecture = hf_model.config, type(hf_model).__name__
-        self.generation_config = getattr(hf_model, "generation_config", None)
-        hf_state = {k: v.detach() for k, v in hf_model.state_dict().items()}
-        del hf_model
+        hf_state = self._read_hf_model()
         self.parallel.validate(dist.get_world_size(), self.hf_config)
         init_model_parallel(self.parallel, engine_config.seed, engine_config.collective_timeout_s)
         self.ps = ps
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         self.tp_group, self.pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+        self.model = self._build_gpt_model(hf_state)
+        del hf_state  # the full HF weights: free them before the optimizer state is allocated
+        self.optimizer = None
+        if optim_config is None:
+            self.model.requires_grad_(False)
+        else:
+            self._build_optimizer(optim_config)
+        self.global_step = 0
+
+    def _read_hf_model(self) -> dict[str, torch.Tensor]:
+        """The HF checkpoint's state dict (config and names kept for save_hf); the HF model itself is dropped."""
+        torch.manual_seed(self.engine_config.seed)  # same fresh value head on every rank (as the other engines)
+        hf_model = build_model(self.model_config)
+        self.hf_config, self.architecture = hf_model.config, type(hf_model).__name__
+        self.generation_config = getattr(hf_model, "generation_config", None)
+        return {k: v.detach() for k, v in hf_model.state_dict().items()}
+
+    def _build_gpt_model(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """This rank's shard of megatron's GPTModel with the HF weights (``self.module``); returns it wrapped for
+        bf16 compute when the config asks for it."""
+        model_config, engine_config = self.model_config, self.engine_config
         # a reward model (HF sequence classifier, head ``score``) runs as a value model: the same per-token head,
         # read at each row's last valid token (ops.response_outputs) instead of before each response token
         self.layout = layout_from_hf(
@@ -109,7 +121,6 @@ class MegatronEngine(TrainEngine):
         load_hf_weights(model, hf_state, self.layout, self.tp_rank, self.pp_rank)
         self.hf_meta = {k: (tuple(v.shape), v.dtype) for k, v in hf_state.items()}
         self.groups = export_groups(self.layout, list(hf_state))
-        del hf_state
         if self.device.type == "cuda":
             model.cuda(self.device)
         self.module = model  # the unwrapped GPTModel
@@ -118,13 +129,7 @@ class MegatronEngine(TrainEngine):
 
             # bf16 compute: megatron casts the model to bf16 and keeps fp32 main weights in its optimizer
             model = Float16Module(self.tf_config, model)
-        self.model = model
-        self.optimizer = None
-        if optim_config is None:
-            model.requires_grad_(False)
-        else:
-            self._build_optimizer(optim_config)
-        self.global_step = 0
+        return model
 
     def _build_optimizer(self, optim: OptimConfig) -> None:
         from megatron.core.distributed import (
@@ -181,20 +186,8 @@ class MegatronEngine(TrainEngine):
 
         temperature = float(batch.meta_info.get("temperature", 1.0))
         dp_group = self.ps.get_data_parallel_group()
-        parts = agreed_partition(batch, self.engine_config, self.device, dp_group)
-        rows = max(len(p) for p in parts) if self.layout.pp > 1 else 0
-        seq_multiple = self.layout.tp if self.parallel.sequence_parallel else 1
-        keys = [k for k in MODEL_INPUTS if k in batch.batch.keys()]
-        micros = []
-        for i, part in enumerate(parts):
-            micro = batch.select_idxs(part)
-            prepared = prepare_micro_batch(
-                {k: micro.batch[k] for k in keys},
-                max(rows, len(part)),
-                seq_multiple,
-                pad_id=getattr(self.hf_config, "pad_token_id", None) or 0,
-            )
-            micros.append((i, micro, prepared))
+        parts = partition_batch(batch, self.engine_config, self.device, dp_group)
+        micros = self._prepared_micros(batch, parts)
         n = len(micros)
         # every stage and TP rank of a DP rank holds the same rows, so all agree on the weights
         acc = Accumulation(loss_fn, [m[1] for m in micros], self.device, dp_group) if loss_fn is not None else None
@@ -240,6 +233,24 @@ class MegatronEngine(TrainEngine):
         )
         return parts, acc, results
 
+    def _prepared_micros(self, batch: DataProto, parts) -> list[tuple[int, DataProto, dict[str, torch.Tensor]]]:
+        """(index, micro-batch, its model inputs) per part: padded to equal rows with PP > 1 (the pipeline needs one
+        shape) and to a multiple of TP in length with sequence parallelism."""
+        rows = max(len(p) for p in parts) if self.layout.pp > 1 else 0
+        seq_multiple = self.layout.tp if self.parallel.sequence_parallel else 1
+        keys = [k for k in MODEL_INPUTS if k in batch.batch.keys()]
+        micros = []
+        for i, part in enumerate(parts):
+            micro = batch.select_idxs(part)
+            prepared = prepare_micro_batch(
+                {k: micro.batch[k] for k in keys},
+                max(rows, len(part)),
+                seq_multiple,
+                pad_id=getattr(self.hf_config, "pad_token_id", None) or 0,
+            )
+            micros.append((i, micro, prepared))
+        return micros
+
     def _from_last_stage(self, obj):
         """``obj`` of the last PP stage, on every stage of this rank's pipeline."""
         if self.layout.pp == 1:
@@ -261,9 +272,9 @@ class MegatronEngine(TrainEngine):
 
     def train_step(self, mini_batch: DataProto, loss_fn: LossFn, outputs: tuple[str, ...] = ("log_probs",)) -> dict:
         """Metrics like the FSDP engine's: the whole mini-batch's ``loss`` and loss_fn metrics (all DP ranks), the
-        global ``grad_norm`` (before clipping), the ``lr`` of this step and ``step_skipped``."""
-        if self.optimizer is None:
-            raise RuntimeError("train_step on a forward-only engine (built with optim_config=None)")
+        global ``grad_norm`` (before clipping), the ``lr`` of this step and ``step_skipped``; the step-or-skip tail is
+        the one every engine shares (backends/train_step.py)."""
+        require_trainable(self.optim_config)
         outputs = check_outputs(self.model_config.kind, outputs)
         optim = self.optim_config
         lr = optim.lr * lr_multiplier(
@@ -280,18 +291,18 @@ class MegatronEngine(TrainEngine):
             for i, (_, metrics) in enumerate(results):
                 acc.add(i, metrics.pop("loss"), metrics)
             sums = acc.metrics()
-        sums = self._from_last_stage(sums)
-        self.optimizer.prepare_grads()
-        grad_norm = float(self.optimizer.get_grad_norm())
-        skipped = not math.isfinite(grad_norm)
-        if skipped:
-            logger.warning("non-finite grad norm %s at step %d: optimizer step skipped", grad_norm, self.global_step)
-        else:
-            self.optimizer.step()
+        result = finish_train_step(
+            self._from_last_stage(sums), lr, self.global_step, self._grad_norm, self.optimizer.step
+        )
         self.optimizer.zero_grad()
         self.model.zero_grad_buffer()
         self.global_step += 1
-        return {**sums, "grad_norm": grad_norm, "lr": lr, "step_skipped": float(skipped)}
+        return result
+
+    def _grad_norm(self) -> float:
+        """The global gradient norm (over TP, PP and DP) before clipping; megatron's ``step()`` clips."""
+        self.optimizer.prepare_grads()
+        return float(self.optimizer.get_grad_norm())
 
     # -------------------------------------------------------------------------------------------- weights
     def export_weights(self, bucket_bytes: int = 256 << 20) -> Buckets:

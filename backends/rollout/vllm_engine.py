@@ -53,6 +53,7 @@ from backends.rollout.base import (
 from backends.rollout.layout import build_rollout_output, eos_token_ids, pad_token_id
 from backends.rollout.vllm_tp import SPMDSeeds, launcher_env, shard_buckets
 from scaletrain.protocol import DataProto
+from scaletrain.utils.seeding import derive_seed
 
 EXTENSION = "backends.rollout.vllm_extension.WeightSyncExtension"
 GREEDY_EPS = 1e-5
@@ -76,8 +77,11 @@ def _drop_chat_warmup_warning(record: logging.LogRecord) -> bool:
 
 
 def row_seed(seed: int, row: int, n: int) -> int:
-    """Seed of prompt row ``row``; vLLM gives sample j seed + j, so rows are spaced n apart to stay distinct."""
-    return (seed * (1 << 24) + row * n) % (1 << 62)
+    """Seed of prompt row ``row`` of a call seeded ``seed``. vLLM seeds sample j of a request with seed + j, so the
+    rows of one call start from one hashed base and are spaced n apart: the samples' seeds base + row * n + j are
+    distinct for every (row, j). (Hashing each row on its own would leave a small chance that two rows' ranges of
+    n seeds overlap.) The base has 62 bits, so base + row * n + j stays far below 2**63."""
+    return derive_seed(seed) + row * n
 
 
 @register_rollout("vllm")

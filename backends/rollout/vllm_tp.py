@@ -31,6 +31,7 @@ import torch
 
 from backends.resharding import rank_shard
 from backends.rollout.vllm_extension import LM_HEAD
+from scaletrain.utils.seeding import derive_seed
 
 VOCAB_PADDING = 64  # vLLM's VocabParallelEmbedding pads the vocabulary to a multiple of this
 
@@ -86,4 +87,4 @@ class SPMDSeeds:
         if seed is not None:
             return seed
         self.calls += 1
-        return (self.base * 1_000_003 + self.calls) % (1 << 62)
+        return derive_seed(self.base, self.calls)

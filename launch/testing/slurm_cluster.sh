@@ -6,7 +6,7 @@
 #   launch/testing/slurm_cluster.sh wait STATE_DIR JOB_ID [TIMEOUT_S]  # until the job ends; prints "STATE EXIT_CODE"
 #   launch/testing/slurm_cluster.sh down STATE_DIR          # stop everything `up` started, delete its namespaces
 #
-# Layout (see the "SLURM + multi-node Ray" section of the platform notes):
+# Layout (README.md, "Multi-node: SLURM", says how the tests use it):
 #   - each "host" is a network namespace: stslurm-ctl (slurmctld, and the bridge stslurm-br) and stslurm-nodeI
 #     (one slurmd -N nodeI), linked by veth pairs to the bridge; addresses 10.231.0.1 (ctl), 10.231.0.1I (nodeI),
 #     no default route, so nothing leaves the machine;
@@ -79,7 +79,7 @@ SlurmctldPidFile=$STATE/slurmctld.pid
 SlurmdPidFile=$STATE/slurmd-%n.pid
 SlurmctldLogFile=$STATE/log/slurmctld.log
 SlurmdLogFile=$STATE/log/slurmd-%n.log
-# no cgroups inside these namespaces (platform notes)
+# no cgroup plugins: the daemons run in unshared namespaces without a cgroup hierarchy they may manage
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none

@@ -25,6 +25,7 @@ import torch
 from scaletrain.agent.base import AgentLoopOutput, get_agent_loop
 from scaletrain.agent.server import AsyncServerManager
 from scaletrain.protocol import DataProto
+from scaletrain.utils.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
 ROW_FIELDS = ("raw_prompt", "raw_prompt_ids", "extra_info", "data_source", "reward_model", "index")
@@ -115,7 +116,7 @@ class AgentLoopManager:
     async def _run_one(self, row: dict[str, Any], sampling: dict[str, Any]) -> AgentLoopOutput:
         params = dict(sampling)
         if params.get("seed") is not None:
-            params["seed"] = int(params["seed"]) * 100003 + row["sample"]
+            params["seed"] = derive_seed(int(params["seed"]), row["sample"])
         try:
             return await self._loop(row["agent_name"]).run(params, **row)
         finally:

@@ -10,8 +10,9 @@ Routing is sticky: a trajectory's ``request_id`` is bound to one DP rank (the le
 and keeps it until ``release(request_id)``, so every turn of a trajectory lands on the same engine (its prefix
 cache).
 
-Backends: ``WorkerGroupBackend`` (the ActorRolloutRefWorker group's ``generate_tokens``, one Ray call per batch
-covering every rank) and ``LocalEngineBackend`` (RolloutEngine objects in this process: tests, benchmarks).
+Backends: ``WorkerGroupBackend`` (the ActorRolloutRefWorker group's ``generate_tokens`` through its typed role,
+one Ray call per batch covering every rank) and ``LocalEngineBackend`` (RolloutEngine objects in this process:
+tests, benchmarks).
 vLLM's AsyncLLM is not used: the engines already live in the role workers (where weights are synced), and a
 batched call per flush keeps them full; see README "Agent loops".
 """
@@ -23,9 +24,12 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
+
+if TYPE_CHECKING:  # agent loops run without the role workers (LocalEngineBackend)
+    from scaletrain.trainer.roles import ActorRolloutRefRole
 
 logger = logging.getLogger(__name__)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
@@ -49,14 +53,15 @@ class LocalEngineBackend:
 
 
 class WorkerGroupBackend:
-    """The rollout worker group: ``generate_tokens`` dispatched per rollout DP rank (ROLLOUT_TOKENS mode)."""
+    """The rollout worker group, through its typed role: ``generate_tokens`` with one request list per rollout DP
+    rank."""
 
-    def __init__(self, worker_group) -> None:
-        self.wg = worker_group
-        self.dp_size = worker_group.mesh_places("rollout")[0].dp_size
+    def __init__(self, policy: ActorRolloutRefRole) -> None:
+        self.policy = policy
+        self.dp_size = policy.rollout_dp_size()
 
     def generate(self, per_rank: list[list[TokenRequest]]) -> list[list[TokenOutput]]:
-        return self.wg.generate_tokens(per_rank)
+        return self.policy.generate_tokens(per_rank)
 
 
 def to_sampling(params: dict[str, Any]) -> SamplingConfig:

@@ -26,6 +26,7 @@ from typing import Any
 from scaletrain.agent.base import AgentData, AgentLoopBase, AgentLoopOutput, AgentState, register_agent_loop
 from scaletrain.agent.tool_parser import FunctionCall, ToolParser
 from scaletrain.agent.tools.base import BaseTool, ToolResponse
+from scaletrain.utils.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
 TRUNCATE_SIDES = ("left", "right", "middle")
@@ -171,7 +172,7 @@ class ToolAgentLoop(AgentLoopBase):
     async def _handle_generating(self, data: AgentData, sampling_params: dict[str, Any]) -> AgentState:
         params = {**sampling_params, "max_new_tokens": self._budget(data)}
         if params.get("seed") is not None:  # a fresh stream per turn, still reproducible
-            params["seed"] = int(params["seed"]) + 7919 * data.assistant_turns
+            params["seed"] = derive_seed(int(params["seed"]), data.assistant_turns)
         out = await self.server_manager.generate(data.request_id, data.prompt_ids, params)
         data.assistant_turns += 1
         data.response_ids = list(out.token_ids)

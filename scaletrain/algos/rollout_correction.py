@@ -82,15 +82,7 @@ def compute_rollout_correction(
     ``rollout_corr/is_masked_frac``, and ``rollout_corr/is_ess``
     ((sum w)**2 / (n sum w**2) of the final weights, in (0, 1]).
     """
-    if rollout_is_level not in IS_LEVELS:
-        raise ValueError(f"unknown rollout_is_level '{rollout_is_level}'; expected one of: {', '.join(IS_LEVELS)}")
-    if rollout_is_mode not in IS_MODES:
-        raise ValueError(f"unknown rollout_is_mode '{rollout_is_mode}'; expected one of: {', '.join(IS_MODES)}")
-    upper = float(rollout_is_threshold)
-    lower = 1.0 / upper if rollout_is_threshold_lower is None else float(rollout_is_threshold_lower)
-    if upper <= 0 or lower < 0 or lower > upper:
-        raise ValueError(f"need 0 <= lower <= threshold and threshold > 0, got lower={lower}, threshold={upper}")
-
+    lower, upper = _is_bounds(rollout_is_level, rollout_is_mode, rollout_is_threshold, rollout_is_threshold_lower)
     keep = response_mask.bool()
     log_ratio = torch.where(keep, (old_log_prob - rollout_log_probs).float(), 0.0)
     if rollout_is_level == "token":
@@ -109,17 +101,33 @@ def compute_rollout_correction(
     weights = torch.where(keep, weights, 0.0)
 
     metrics = compute_mismatch_metrics(old_log_prob.float(), rollout_log_probs.float(), keep)
-    raw_sel, w_sel = unit_raw[unit_mask], unit_w[unit_mask]
-    empty = raw_sel.numel() == 0
-    metrics.update(
-        {
-            "rollout_corr/is_ratio_mean": 0.0 if empty else float(raw_sel.mean()),
-            "rollout_corr/is_ratio_max": 0.0 if empty else float(raw_sel.max()),
-            "rollout_corr/is_ratio_min": 0.0 if empty else float(raw_sel.min()),
-            cut_name: 0.0 if empty else float(cut[unit_mask].float().mean()),
-            "rollout_corr/is_ess": 0.0
-            if empty
-            else float(w_sel.sum() ** 2 / (w_sel.numel() * w_sel.square().sum()).clamp(min=1e-12)),
-        }
-    )
+    metrics.update(_is_weight_metrics(unit_raw[unit_mask], unit_w[unit_mask], cut[unit_mask], cut_name))
     return weights, metrics
+
+
+def _is_bounds(level: str, mode: str, threshold: float, threshold_lower: float | None) -> tuple[float, float]:
+    """(lower, upper) bounds of the importance weights, after checking the level, mode and thresholds."""
+    if level not in IS_LEVELS:
+        raise ValueError(f"unknown rollout_is_level '{level}'; expected one of: {', '.join(IS_LEVELS)}")
+    if mode not in IS_MODES:
+        raise ValueError(f"unknown rollout_is_mode '{mode}'; expected one of: {', '.join(IS_MODES)}")
+    upper = float(threshold)
+    lower = 1.0 / upper if threshold_lower is None else float(threshold_lower)
+    if upper <= 0 or lower < 0 or lower > upper:
+        raise ValueError(f"need 0 <= lower <= threshold and threshold > 0, got lower={lower}, threshold={upper}")
+    return lower, upper
+
+
+def _is_weight_metrics(raw: torch.Tensor, weights: torch.Tensor, cut: torch.Tensor, cut_name: str) -> dict:
+    """Ratio mean / max / min (before truncation), the share ``cut`` (truncated or masked) and the effective
+    sample size of the final weights, over the valid units (tokens or sequences); all 0 when there are none."""
+    if raw.numel() == 0:
+        names = ("is_ratio_mean", "is_ratio_max", "is_ratio_min")
+        return {**{f"rollout_corr/{n}": 0.0 for n in names}, cut_name: 0.0, "rollout_corr/is_ess": 0.0}
+    return {
+        "rollout_corr/is_ratio_mean": float(raw.mean()),
+        "rollout_corr/is_ratio_max": float(raw.max()),
+        "rollout_corr/is_ratio_min": float(raw.min()),
+        cut_name: float(cut.float().mean()),
+        "rollout_corr/is_ess": float(weights.sum() ** 2 / (weights.numel() * weights.square().sum()).clamp(min=1e-12)),
+    }

@@ -9,6 +9,7 @@
 
     group = RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(Adder))
     group.add(10)  # [10, 11]
+    group.call(Adder.add, 10)  # the same call, naming the worker's method (so an editor can follow it)
 
 The controller knows nothing about PPO or any backend: the trainer composes it with role workers.
 """
@@ -16,6 +17,8 @@ The controller knows nothing about PPO or any backend: the trainer composes it w
 from scaletrain.controller.colocate import create_colocated_worker_cls
 from scaletrain.controller.decorator import register
 from scaletrain.controller.dispatch import (
+    ENGINE_MESH,
+    ROLLOUT_MESH,
     Dispatch,
     Execute,
     MeshPlace,
@@ -29,6 +32,8 @@ from scaletrain.controller.worker import Worker
 from scaletrain.controller.worker_group import LocalWorkerGroup, WorkerDiedError, WorkerError, WorkerGroup
 
 __all__ = [
+    "ENGINE_MESH",
+    "ROLLOUT_MESH",
     "Dispatch",
     "Execute",
     "LocalWorkerGroup",

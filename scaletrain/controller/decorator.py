@@ -20,7 +20,7 @@ REGISTERED_ATTR = "__scaletrain_registered__"
 
 @dataclass(frozen=True)
 class RegisteredMethod:
-    dispatch_mode: Any
+    dispatch_mode: Dispatch | str
     execute_mode: Execute
     blocking: bool
     materialize_futures: bool
@@ -44,7 +44,7 @@ def _strip_pad_marker(value: Any, found: list[tuple[int, int]]) -> Any:
 
 
 def register(
-    dispatch_mode: Any = Dispatch.ALL_TO_ALL,
+    dispatch_mode: Dispatch | str = Dispatch.ALL_TO_ALL,
     execute_mode: Execute = Execute.ALL,
     blocking: bool = True,
     materialize_futures: bool = True,

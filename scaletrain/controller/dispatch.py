@@ -7,9 +7,13 @@ A dispatch mode is a pair of functions, registered by name with ``register_dispa
     order (values, or Ray refs for non-blocking calls).
 
 Data-parallel modes split DataProtos into padded shares (see ``scaletrain.protocol.padded_shares``); the
-worker-side wrapper trims the padding off each share's output. Mesh modes (the MEGATRON family) ask each worker
-for its place in a named mesh: its data-parallel rank and whether its output is collected (TP rank 0 of the
-last pipeline stage), so one mechanism serves every layout.
+worker-side wrapper trims the padding off each share's output. Mesh modes ask each worker for its place in a named
+mesh: its data-parallel rank and whether its output is collected (e.g. TP rank 0 of the last pipeline stage), so
+one mechanism serves every layout. The role workers declare two meshes, ``ENGINE_MESH`` from their training
+engine and ``ROLLOUT_MESH`` from their rollout engine, and route by them (scaletrain/workers/dispatch.py). verl's
+MEGATRON modes are the same routing under verl's names, so a verl worker that names them runs unchanged:
+MEGATRON_COMPUTE(_PROTO) split over the engine's DP ranks, MEGATRON_PP_AS_DP_PROTO (verl's generation layout)
+over the rollout engine's.
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ class Dispatch(str, Enum):
     MEGATRON_COMPUTE = "MEGATRON_COMPUTE"
     MEGATRON_COMPUTE_PROTO = "MEGATRON_COMPUTE_PROTO"
     MEGATRON_PP_AS_DP_PROTO = "MEGATRON_PP_AS_DP_PROTO"
-    MEGATRON_PP_ONLY = "MEGATRON_PP_ONLY"
 
 
 class Execute(str, Enum):
@@ -59,6 +62,8 @@ class MeshPlace:
 
 
 DISPATCH_MODES = Registry("dispatch mode")
+ENGINE_MESH = "engine"  # a worker's place in its training engine's layout (DP rank, size, kept output)
+ROLLOUT_MESH = "rollout"  # its place in its rollout engine's layout (one DP rank per engine, TP rank 0 kept)
 
 
 def register_dispatch_mode(name: str, dispatch_fn: Callable, collect_fn: Callable) -> DispatchSpec:
@@ -68,11 +73,7 @@ def register_dispatch_mode(name: str, dispatch_fn: Callable, collect_fn: Callabl
     return spec
 
 
-def get_dispatch_spec(mode: Any) -> DispatchSpec:
-    if isinstance(mode, DispatchSpec):
-        return mode
-    if isinstance(mode, dict):  # {"dispatch_fn": ..., "collect_fn": ...}
-        return DispatchSpec("custom", mode["dispatch_fn"], mode["collect_fn"])
+def get_dispatch_spec(mode: Dispatch | str) -> DispatchSpec:
     return DISPATCH_MODES.get(mode.value if isinstance(mode, Dispatch) else str(mode))
 
 
@@ -199,21 +200,9 @@ for _mode, _dispatch, _collect in [
     (Dispatch.DP_COMPUTE_PROTO, dispatch_dp_compute_proto, collect_dp_compute_proto),
     (Dispatch.DP_COMPUTE_PROTO_WITH_FUNC, dispatch_dp_compute_proto_with_func, collect_dp_compute_proto),
     (Dispatch.DP_COMPUTE_METRIC, dispatch_dp_compute_proto, collect_all),
-    (
-        Dispatch.MEGATRON_COMPUTE,
-        make_mesh_dispatch("megatron", proto=False),
-        make_mesh_collect("megatron", proto=False),
-    ),
-    (
-        Dispatch.MEGATRON_COMPUTE_PROTO,
-        make_mesh_dispatch("megatron", proto=True),
-        make_mesh_collect("megatron", proto=True),
-    ),
-    (
-        Dispatch.MEGATRON_PP_AS_DP_PROTO,
-        make_mesh_dispatch("megatron_pp_as_dp", proto=True),
-        make_mesh_collect("megatron_pp_as_dp", proto=True),
-    ),
-    (Dispatch.MEGATRON_PP_ONLY, dispatch_one_to_all, make_mesh_collect("megatron_pp_only", proto=False)),
+    # verl's names for the engine / rollout mesh routing (see the module docstring)
+    (Dispatch.MEGATRON_COMPUTE, make_mesh_dispatch(ENGINE_MESH, False), make_mesh_collect(ENGINE_MESH, False)),
+    (Dispatch.MEGATRON_COMPUTE_PROTO, make_mesh_dispatch(ENGINE_MESH, True), make_mesh_collect(ENGINE_MESH, True)),
+    (Dispatch.MEGATRON_PP_AS_DP_PROTO, make_mesh_dispatch(ROLLOUT_MESH, True), make_mesh_collect(ROLLOUT_MESH, True)),
 ]:
     register_dispatch_mode(_mode.value, _dispatch, _collect)

@@ -3,8 +3,8 @@
 A worker knows its ``rank`` and ``world_size`` from the environment the group sets (WORLD_SIZE, RANK,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so it can form a torch.distributed group with its peers. Rank 0 picks the
 rendezvous address when none is given. Workers that run a model-parallel layout declare their place in a named
-mesh (``register_mesh`` / ``set_megatron_mesh``) so mesh dispatch modes know where each data share goes and whose
-output to collect.
+mesh (``register_mesh``; ``set_megatron_mesh`` for verl-style workers) so mesh dispatch modes know where each data
+share goes and whose output to collect.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import os
 import socket
 from typing import Any
 
-from scaletrain.controller.dispatch import MeshPlace
+from scaletrain.controller.dispatch import ENGINE_MESH, ROLLOUT_MESH, MeshPlace
+from scaletrain.utils.net import free_port
 
 
 def _node_ip() -> str:
@@ -27,12 +28,6 @@ def _node_ip() -> str:
     return "127.0.0.1"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 class Worker:
     # methods the group calls on every worker, in addition to the @register ones (colocation forwards them)
     CONTROL_METHODS = ("get_mesh_place", "worker_info", "get_master_address")
@@ -43,7 +38,7 @@ class Worker:
         self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if self._rank == 0 and "MASTER_ADDR" not in os.environ:
             os.environ["MASTER_ADDR"] = _node_ip()
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(free_port())
         self._mesh_places: dict[str, MeshPlace] = {}
 
     @property
@@ -68,13 +63,13 @@ class Worker:
     def set_megatron_mesh(
         self, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, dp_rank: int, dp_size: int
     ) -> None:
-        """Declare a (TP, PP, DP) place; serves MEGATRON_COMPUTE*, MEGATRON_PP_AS_DP_PROTO and MEGATRON_PP_ONLY."""
+        """Declare a (TP, PP, DP) place as the engine mesh (MEGATRON_COMPUTE*: DP shares, output of TP rank 0 of the
+        last stage) and the rollout mesh as verl's generation layout (MEGATRON_PP_AS_DP_PROTO: PP stages as DP)."""
         if tp_size * pp_size * dp_size != self._world_size:
             raise ValueError(f"TP {tp_size} x PP {pp_size} x DP {dp_size} != world size {self._world_size}")
         last_stage = pp_rank == pp_size - 1
-        self.register_mesh("megatron", dp_rank, dp_size, tp_rank == 0 and last_stage)
-        self.register_mesh("megatron_pp_as_dp", dp_rank * pp_size + pp_rank, dp_size * pp_size, tp_rank == 0)
-        self.register_mesh("megatron_pp_only", pp_rank, pp_size, tp_rank == 0 and dp_rank == 0)
+        self.register_mesh(ENGINE_MESH, dp_rank, dp_size, tp_rank == 0 and last_stage)
+        self.register_mesh(ROLLOUT_MESH, dp_rank * pp_size + pp_rank, dp_size * pp_size, tp_rank == 0)
 
     def get_mesh_place(self, name: str) -> MeshPlace | None:
         return self._mesh_places.get(name)

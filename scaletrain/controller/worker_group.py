@@ -1,8 +1,11 @@
 """WorkerGroup: turns a Worker class's @register methods into methods of a group (layer 3).
 
-Each bound method runs dispatch -> execute on the workers -> (if blocking) wait -> collect. Subclasses say how
-to execute and wait: ``RayWorkerGroup`` (one Ray actor per worker) and ``LocalWorkerGroup`` below (workers as
-plain objects in this process, so a debugger can step through worker code with the same API).
+Each group method runs dispatch -> execute on the workers -> (if blocking) wait -> collect. It is reachable two
+ways, both running the same code: ``group.call(Worker.method, *args)`` names the worker's function itself, so an
+editor's "go to definition" lands on the worker method (the typed roles of scaletrain/trainer/roles.py call this
+way); and, as in verl, ``group.method(*args)``, an attribute bound per @register method when the group is built.
+Subclasses say how to execute and wait: ``RayWorkerGroup`` (one Ray actor per worker) and ``LocalWorkerGroup``
+below (workers as plain objects in this process, so a debugger can step through worker code with the same API).
 
 A failing worker surfaces as ``WorkerError`` naming the role, rank and method with the worker's traceback; a
 worker whose process died surfaces as ``WorkerDiedError``.
@@ -17,7 +20,7 @@ from typing import Any
 
 from scaletrain.controller.decorator import RegisteredMethod, get_registration
 from scaletrain.controller.dispatch import Dispatch, Execute, MeshPlace, get_dispatch_spec
-from scaletrain.controller.worker import _free_port
+from scaletrain.utils.net import free_port
 
 
 class WorkerError(RuntimeError):
@@ -50,6 +53,8 @@ class WorkerGroup:
         self.name = name
         self._control_prefix = control_prefix
         self._mesh_cache: dict[str, list[MeshPlace]] = {}
+        self._worker_cls: type | None = None
+        self._group_methods: dict[str, Callable] = {}  # @register method name -> its dispatch/execute/collect call
 
     # ------------------------------------------------------------------------------------ transport (abstract)
     @property
@@ -65,14 +70,29 @@ class WorkerGroup:
         raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------------ binding
+    def call(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run the worker group method ``method`` (the worker class's own function, e.g.
+        ``ActorRolloutRefWorker.update_actor``) with its @register dispatch, on the workers of this group."""
+        name = getattr(method, "__name__", None)
+        bound = self._group_methods.get(name)
+        owner = self._worker_cls
+        if bound is None or not any(vars(cls).get(name) is method for cls in owner.__mro__):
+            raise TypeError(
+                f"worker group '{self.name}': {getattr(method, '__qualname__', method)!r} is not a @register method "
+                f"of its worker class {owner.__name__ if owner else None}"
+            )
+        return bound(*args, **kwargs)
+
     def _bind_worker_methods(self, user_cls: type, remote_prefix: str = "") -> None:
+        self._worker_cls = user_cls
         for attr in dir(user_cls):
             info = get_registration(getattr(user_cls, attr, None))
             if info is None:
                 continue
             if attr in vars(WorkerGroup) or attr in ("name", "world_size"):
                 raise ValueError(f"{user_cls.__name__}.{attr} collides with a WorkerGroup attribute; rename it")
-            setattr(self, attr, self._make_method(remote_prefix + attr, info, getattr(user_cls, attr)))
+            self._group_methods[attr] = self._make_method(remote_prefix + attr, info, getattr(user_cls, attr))
+            setattr(self, attr, self._group_methods[attr])  # verl's style: group.<method>(...)
 
     def _make_method(self, remote_name: str, info: RegisteredMethod, user_fn: Callable) -> Callable:
         spec = get_dispatch_spec(info.dispatch_mode)
@@ -104,7 +124,7 @@ class WorkerGroup:
                 if place is None:
                     raise ValueError(
                         f"worker group '{self.name}': rank {rank} declared no place in mesh '{mesh}'; the worker "
-                        f"must call register_mesh('{mesh}', ...) or set_megatron_mesh(...) before such calls"
+                        f"must call register_mesh('{mesh}', ...) (or set_megatron_mesh(...)) before such calls"
                     )
             sizes = {p.dp_size for p in places}
             if len(sizes) != 1:
@@ -120,7 +140,7 @@ class LocalWorkerGroup(WorkerGroup):
         super().__init__(name or cls.__name__)
         self._workers = []
         saved = dict(os.environ)
-        port = str(_free_port())
+        port = str(free_port())
         try:
             for rank in range(world_size):
                 os.environ.update(

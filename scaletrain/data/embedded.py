@@ -1,7 +1,7 @@
 """The embedded default: a tiny Qwen2 model, its tokenizer and a synthetic addition task, built once and cached.
 
-The task (see the platform notes' recipe): two 3-digit operands (100-999), prompt ``"437+258="``, answer
-``"695"`` followed by EOS. Problems are distinct (a, b) pairs drawn without replacement from the 810,000
+The task (run by scaletrain/trainer/embedded_default.py): two 3-digit operands (100-999), prompt ``"437+258="``,
+answer ``"695"`` followed by EOS. Problems are distinct (a, b) pairs drawn without replacement from the 810,000
 possible ones, seeded; the test set is drawn first, then validation, then train, so held-out sets are disjoint
 from train and don't change when ``n_train`` does.
 

@@ -1,10 +1,10 @@
 """A deterministic, resumable batch loader over a map-style dataset (``len`` + ``__getitem__``).
 
 Each ``iter(loader)`` runs (the rest of) one epoch and yields DataProto batches. With ``shuffle=True`` epoch ``e``
-visits rows in ``numpy.random.default_rng(seed + e).permutation(len(dataset))``; otherwise in order. The loader
-counts the batches it has handed out, so ``state_dict()`` (``epoch``, ``batches_in_epoch``) taken after consuming
-k batches and loaded into a fresh loader makes it yield exactly the batches the uninterrupted one would have
-yielded next, across epoch boundaries. After the last batch of an epoch the state already reads
+visits rows in ``numpy.random.default_rng(derive_seed(seed, e)).permutation(len(dataset))``; otherwise in order.
+The loader counts the batches it has handed out, so ``state_dict()`` (``epoch``, ``batches_in_epoch``) taken
+after consuming k batches and loaded into a fresh loader makes it yield exactly the batches the uninterrupted one
+would have yielded next, across epoch boundaries. After the last batch of an epoch the state already reads
 ``(epoch + 1, 0)``: a checkpoint taken there resumes at the start of the next epoch.
 
 No worker processes: rows are fetched and collated in the calling thread (tokenization happened when the
@@ -30,6 +30,7 @@ import numpy as np
 
 from scaletrain.data.rl_dataset import collate_fn as default_collate
 from scaletrain.protocol import DataProto
+from scaletrain.utils.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class StatefulDataLoader:
     Args:
         dataset: anything with ``__len__`` and ``__getitem__(int)`` returning what ``collate_fn`` accepts.
         batch_size: rows per batch.
-        shuffle: a fresh permutation each epoch, from ``seed + epoch``.
+        shuffle: a fresh permutation each epoch, from ``derive_seed(seed, epoch)``.
         seed: the shuffle seed.
         drop_last: drop the last, smaller batch of each epoch.
         collate_fn: list of rows -> DataProto (default: ``rl_dataset.collate_fn``).
@@ -92,7 +93,7 @@ class StatefulDataLoader:
         n = len(self.dataset)
         if not self.shuffle:
             return np.arange(n)
-        return np.random.default_rng(self.seed + epoch).permutation(n)
+        return np.random.default_rng(derive_seed(self.seed, epoch)).permutation(n)
 
     def _normalize(self) -> None:
         if self._position >= len(self):

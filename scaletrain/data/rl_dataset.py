@@ -196,50 +196,17 @@ class RLDataset:
 
     # ---------------------------------------------------------------------------------------------- loading
     def _load(self, max_samples: int | None) -> None:
-        rows, wheres = [], []
-        for path in self.data_files:
-            if not os.path.exists(path):
-                raise FileNotFoundError(f"RL data file not found: {path}")
-            table = pq.read_table(path)
-            self.has_agent_name |= "agent_name" in table.column_names
-            for i, raw in enumerate(table.to_pylist()):
-                if max_samples is not None and len(rows) >= max_samples:
-                    break
-                where = f"{path}: row {i}"
-                rows.append(_check_row(raw, self.prompt_key, where))
-                wheres.append(where)
-        texts = []
-        for row, where in zip(rows, wheres):
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    row["raw_prompt"], add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
-                )
-            except Exception as exc:  # template errors are user data errors: say which row
-                raise ValueError(f"{where}: applying the chat template failed: {exc}") from exc
-            texts.append(text)
-        all_ids = []
-        if texts:
-            all_ids = self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-
-        limit = self.max_prompt_length
-        for row_id, (row, ids, where) in enumerate(zip(rows, all_ids, wheres)):
-            ids = list(ids)
-            if len(ids) > limit:
-                if self.filter_overlong_prompts:
-                    self.num_filtered += 1
-                    continue
-                if self.truncation == "error":
-                    raise ValueError(
-                        f"{where}: prompt has {len(ids)} tokens, more than max_prompt_length={limit}; "
-                        "raise max_prompt_length, set filter_overlong_prompts=True or truncation='left'|'right'"
-                    )
-                ids = ids[-limit:] if self.truncation == "left" else ids[:limit]
-                self.num_truncated += 1
+        rows, wheres = self._read_rows(max_samples)
+        for row_id, (row, ids, where) in enumerate(zip(rows, self._tokenize_prompts(rows, wheres), wheres)):
+            ids = self._fit_prompt(list(ids), where)
+            if ids is None:
+                continue
             row["row_id"] = row_id
             index = row["extra_info"].get("index")
             row["index"] = index if index is not None else row_id
             self.rows.append(row)
             self.prompt_ids.append(ids)
+        limit = self.max_prompt_length
         if self.num_filtered:
             logger.info(
                 "filtered %d of %d prompts longer than %d tokens (%s)",
@@ -256,6 +223,53 @@ class RLDataset:
                 f"({len(rows)} read, {self.num_filtered} longer than max_prompt_length={limit})"
             )
         logger.info("RL dataset: %d prompts from %d file(s)", len(self.rows), len(self.data_files))
+
+    def _read_rows(self, max_samples: int | None) -> tuple[list[dict[str, Any]], list[str]]:
+        """The checked rows of every data file (at most ``max_samples`` in all) and where each came from."""
+        rows, wheres = [], []
+        for path in self.data_files:
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"RL data file not found: {path}")
+            table = pq.read_table(path)
+            self.has_agent_name |= "agent_name" in table.column_names
+            for i, raw in enumerate(table.to_pylist()):
+                if max_samples is not None and len(rows) >= max_samples:
+                    break
+                where = f"{path}: row {i}"
+                rows.append(_check_row(raw, self.prompt_key, where))
+                wheres.append(where)
+        return rows, wheres
+
+    def _tokenize_prompts(self, rows: list[dict[str, Any]], wheres: list[str]) -> list[list[int]]:
+        """Token ids of each row's chat prompt (generation prompt added), tokenized in one batch."""
+        texts = []
+        for row, where in zip(rows, wheres):
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    row["raw_prompt"], add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
+                )
+            except Exception as exc:  # template errors are user data errors: say which row
+                raise ValueError(f"{where}: applying the chat template failed: {exc}") from exc
+            texts.append(text)
+        if not texts:
+            return []
+        return self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+    def _fit_prompt(self, ids: list[int], where: str) -> list[int] | None:
+        """``ids`` within max_prompt_length: as is, truncated, or None when overlong prompts are filtered out."""
+        limit = self.max_prompt_length
+        if len(ids) <= limit:
+            return ids
+        if self.filter_overlong_prompts:
+            self.num_filtered += 1
+            return None
+        if self.truncation == "error":
+            raise ValueError(
+                f"{where}: prompt has {len(ids)} tokens, more than max_prompt_length={limit}; "
+                "raise max_prompt_length, set filter_overlong_prompts=True or truncation='left'|'right'"
+            )
+        self.num_truncated += 1
+        return ids[-limit:] if self.truncation == "left" else ids[:limit]
 
     # ---------------------------------------------------------------------------------------------- access
     def __len__(self) -> int:

@@ -15,14 +15,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import re
 import shutil
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
+
+from scaletrain.utils.seeding import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -38,22 +38,6 @@ def _write_atomic(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def rng_state() -> dict[str, Any]:
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state().tolist(),
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
 
 
 def _jsonable(obj: Any) -> Any:
@@ -130,5 +114,8 @@ class CheckpointManager:
             raise FileNotFoundError(f"{path} is not a complete checkpoint: {STATE} is missing")
         with open(state_file) as f:
             state = json.load(f)
-        set_rng_state(state["rng"])
+        try:
+            set_rng_state(state["rng"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{state_file}: cannot restore the driver's RNG state ({e})") from e
         return state

@@ -1,20 +1,20 @@
-"""The PPO trainer's typed config (layer 4): configs/ppo_trainer.yaml mapped onto dataclasses, then validated.
+"""The PPO trainer's typed config (layer 4): every key and its default, in one place.
 
-Key names follow verl's so a verl user's command ports. ``load_ppo_config(dict)`` builds the dataclasses
-strictly (unknown keys and wrong types fail naming the dotted key) and ``validate`` checks what types cannot:
-batch sizes that must divide, registered names (estimator, policy loss, backend, rollout engine, reward
-manager, loggers), files that must exist. Both run before Ray starts.
+Key names follow verl's so a verl user's command ports. configs/ppo_trainer.yaml lists the same keys with the
+same defaults (a test compares them); the embedded task's small sizes are a recipe overlay
+(configs/recipe/embedded.yaml, applied by scaletrain/trainer/embedded_default.py when the model or data paths are
+null). ``load_ppo_config(dict)`` builds the dataclasses strictly (unknown keys and wrong types fail naming the
+dotted key); null fallbacks and derived values are computed once by scaletrain/trainer/plan.py, and
+scaletrain/trainer/config_checks.py checks what types cannot, once, before Ray starts.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-from scaletrain.models.prepare import check_causal_lm
-from scaletrain.trainer.rollout_checks import validate_rollout, validate_rollout_model
-from scaletrain.utils.typed_config import ConfigError, build
+from backends.config import OptimConfig
+from scaletrain.utils.typed_config import build
 from scaletrain.workers.config import ActorConfig, FSDPConfig, MegatronConfig, RefConfig, RolloutWorkerConfig
 
 
@@ -22,10 +22,10 @@ from scaletrain.workers.config import ActorConfig, FSDPConfig, MegatronConfig, R
 class DataConfig:
     train_files: Any = None  # str | list[str]; null: the embedded default task
     val_files: Any = None
-    train_batch_size: int = 32  # prompts per step
+    train_batch_size: int = 1024  # prompts per step
     val_batch_size: int | None = None  # null: the whole validation set at once
-    max_prompt_length: int = 16
-    max_response_length: int = 8
+    max_prompt_length: int = 512
+    max_response_length: int = 512
     filter_overlong_prompts: bool = True
     truncation: str = "error"  # error | left | right (when not filtering)
     shuffle: bool = True
@@ -76,13 +76,13 @@ class CriticSection:
     strategy: str | None = None  # as actor_rollout_ref.actor.strategy; the roles share one backend
     model: RoleModelConfig = field(default_factory=RoleModelConfig)  # path null: the actor's model
     ppo_mini_batch_size: int | None = None  # null: the actor's
-    ppo_micro_batch_size_per_gpu: int = 4
+    ppo_micro_batch_size_per_gpu: int = 8
     ppo_epochs: int | None = None
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
-    optim: dict[str, Any] = field(default_factory=lambda: {"lr": 1e-5})
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # backend=megatron: the critic's layout
 
 
@@ -168,14 +168,15 @@ class BackendConfig:
 @dataclass
 class TrainerSection:
     project_name: str = "scaletrain"
-    experiment_name: str = "run"
+    experiment_name: str | None = None  # null: <adv_estimator>_<backend.name>, so runs on different backends
+    # keep separate checkpoint directories
     total_epochs: int = 1
     total_training_steps: int | None = None
     n_gpus_per_node: int = 2
     nnodes: int = 1
     device: str = "auto"  # auto | cpu | cuda
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"  # verl's
+    default_local_dir: str | None = None  # the run directory; null: checkpoints/<project_name>/<experiment_name>
     save_freq: int = -1  # steps between checkpoints; -1: only at the end
     test_freq: int = -1  # steps between validations; -1: only at the end
     val_before_train: bool = True
@@ -191,6 +192,7 @@ class TrainerSection:
     log_val_generations: int = 0  # validation samples (input, output, score) shown in the loggers
     critic_warmup: int = 0  # the first N steps update only the critic (actor and rollout unchanged)
     balance_batch: bool = False  # reorder rows so each DP rank gets a similar number of tokens
+    verbose: bool = False  # the console shows libraries' INFO logs too (run.log always has them: console.py)
 
 
 @dataclass
@@ -227,191 +229,6 @@ def load_ppo_config(data: dict[str, Any]) -> PPOConfig:
     return build(PPOConfig, data)
 
 
-def _files(value: Any) -> list[str]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, str) else list(value)
-
-
-def validate(cfg: PPOConfig) -> PPOConfig:
-    """Checks across keys; raises ConfigError naming the key. Returns cfg for chaining."""
-    from scaletrain.trainer.dynamic_sampling import validate_filter_groups
-    from scaletrain.trainer.rm_reward import validate_reward_model
-    from scaletrain.trainer.role_checks import validate_roles
-    from scaletrain.trainer.rollout_correction import validate_rollout_correction
-
-    arr, data, trainer = cfg.actor_rollout_ref, cfg.data, cfg.trainer
-    _validate_names(cfg)
-    world, n = cfg.world_size, arr.rollout.n
-    positive = {
-        "data.train_batch_size": data.train_batch_size,
-        "actor_rollout_ref.rollout.n": n,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": arr.actor.ppo_mini_batch_size,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": arr.actor.ppo_micro_batch_size_per_gpu,
-        "trainer.n_gpus_per_node": trainer.n_gpus_per_node,
-        "trainer.nnodes": trainer.nnodes,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{key} must be positive, got {value}")
-    if data.train_batch_size % arr.actor.ppo_mini_batch_size:
-        raise ConfigError(
-            f"actor_rollout_ref.actor.ppo_mini_batch_size ({arr.actor.ppo_mini_batch_size}) must "
-            f"divide data.train_batch_size ({data.train_batch_size})"
-        )
-    if (arr.actor.ppo_mini_batch_size * n) % world:
-        raise ConfigError(
-            f"actor_rollout_ref.actor.ppo_mini_batch_size x rollout.n = "
-            f"{arr.actor.ppo_mini_batch_size * n} rows do not split over {world} ranks"
-        )
-    rows_per_rank = arr.actor.ppo_mini_batch_size * n // world
-    micro = arr.actor.ppo_micro_batch_size_per_gpu
-    if not arr.actor.use_dynamic_bsz and micro < rows_per_rank and rows_per_rank % micro:
-        raise ConfigError(
-            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu "
-            f"({arr.actor.ppo_micro_batch_size_per_gpu}) must divide the {rows_per_rank} mini-batch "
-            f"rows per rank"
-        )
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "grpo_passk", "opo", "reinforce_plus_plus_baseline") and n < 2:
-        raise ConfigError(
-            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of one prompt: "
-            f"set actor_rollout_ref.rollout.n >= 2 (got {n})"
-        )
-    if arr.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
-        raise ConfigError(
-            "actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward both add a KL penalty; enable one"
-        )
-    validate_rollout(arr.rollout, world, trainer.device)
-    validate_roles(cfg)
-    validate_rollout_correction(cfg)
-    validate_filter_groups(cfg)
-    if cfg.backend.name == "megatron":
-        _validate_megatron(cfg, world)
-    if trainer.resume_mode not in ("auto", "disable", "resume_path"):
-        raise ConfigError(f"trainer.resume_mode must be auto | disable | resume_path, got '{trainer.resume_mode}'")
-    if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
-        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
-    _validate_generation_outputs(trainer)
-    if trainer.critic_warmup < 0:
-        raise ConfigError(f"trainer.critic_warmup must be >= 0, got {trainer.critic_warmup}")
-    if trainer.critic_warmup and not cfg.use_critic:
-        raise ConfigError(
-            f"trainer.critic_warmup={trainer.critic_warmup} warms up a critic, but this run has none "
-            f"(algorithm.adv_estimator={cfg.algorithm.adv_estimator}, critic.enable={cfg.critic.enable})"
-        )
-    arr.rollout.val_sampling()  # raises ConfigError naming a bad val_kwargs key
-    _validate_paths(cfg)
-    validate_reward_model(cfg)  # after _validate_megatron: the RM shares the resolved layout
-    return cfg
-
-
-def _validate_names(cfg: PPOConfig) -> None:
-    """Every configured name (estimator, loss, backend, rollout, reward manager, aggregation, loggers) is registered;
-    the backend's packages import."""
-    from backends.base import BACKENDS
-    from backends.rollout.base import ROLLOUTS
-    from scaletrain.algos import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
-    from scaletrain.reward import REWARD_MANAGERS
-    from scaletrain.trainer.tracking import LOGGERS
-
-    arr = cfg.actor_rollout_ref
-    names = [
-        ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ADV_ESTIMATORS),
-        ("actor_rollout_ref.actor.policy_loss.loss_mode", arr.actor.policy_loss.loss_mode, POLICY_LOSSES),
-        ("backend.name", cfg.backend.name, BACKENDS),
-        ("actor_rollout_ref.rollout.name", arr.rollout.name, ROLLOUTS),
-        ("reward_model.reward_manager", cfg.reward_model.reward_manager, REWARD_MANAGERS),
-    ]
-    for key, name, registry in names:
-        if name not in registry:
-            raise ConfigError(f"{key}: unknown {registry.kind} '{name}'; registered: {', '.join(registry.names())}")
-    try:
-        BACKENDS.get(cfg.backend.name)  # imports a lazily registered backend: a missing package fails here
-    except ImportError as exc:
-        raise ConfigError(f"backend.name: {exc}") from exc
-    for key, mode in (
-        ("actor_rollout_ref.actor.loss_agg_mode", arr.actor.loss_agg_mode),
-        ("critic.loss_agg_mode", cfg.critic.loss_agg_mode),
-    ):
-        if mode not in LOSS_AGG_MODES:
-            raise ConfigError(f"{key}: unknown mode '{mode}'; one of {', '.join(LOSS_AGG_MODES)}")
-    for name in cfg.trainer.logger:
-        if name not in LOGGERS:
-            raise ConfigError(f"trainer.logger: unknown logger '{name}'; registered: {', '.join(LOGGERS.names())}")
-
-
-def _validate_paths(cfg: PPOConfig) -> None:
-    """Data files, model directories and the reward function exist; the actor's model is a causal LM."""
-    for key in ("data.train_files", "data.val_files"):
-        for path in _files(getattr(cfg.data, key.split(".")[1])):
-            if not os.path.exists(path):
-                raise ConfigError(f"{key}: file not found: {path}")
-    model_path = cfg.actor_rollout_ref.model.path
-    for key, path in (
-        ("actor_rollout_ref.model.path", model_path),
-        ("critic.model.path", cfg.critic.model.path),
-        ("custom_reward_function.path", cfg.custom_reward_function.path),
-    ):
-        if path is not None and not os.path.exists(path):
-            raise ConfigError(f"{key}: not found: {path}")
-    if model_path is not None:
-        try:
-            check_causal_lm(model_path, "actor_rollout_ref.model.path")
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
-        validate_rollout_model(cfg.actor_rollout_ref.rollout, model_path)
-
-
-def _validate_generation_outputs(trainer: TrainerSection) -> None:
-    """``trainer.log_val_generations`` >= 0; the dump directories can be created (nothing is created here)."""
-    if trainer.log_val_generations < 0:
-        raise ConfigError(f"trainer.log_val_generations must be >= 0, got {trainer.log_val_generations}")
-    for key in ("rollout_data_dir", "validation_data_dir"):
-        path = getattr(trainer, key)
-        if path is None:
-            continue
-        existing = os.path.abspath(path)
-        while not os.path.exists(existing):  # the nearest existing ancestor decides
-            existing = os.path.dirname(existing)
-        if not os.path.isdir(existing):
-            raise ConfigError(f"trainer.{key}: {existing} is not a directory, so {path} cannot be one")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise ConfigError(f"trainer.{key}: {path} cannot be written ({existing} is not writable)")
-
-
-def _validate_megatron(cfg: PPOConfig, world: int) -> None:
-    """The actor's (and ref's) and the critic's Megatron layouts fit the world (and the model, when on disk).
-
-    The roles are colocated in one process per device and megatron's parallel state is per process, so they share
-    one layout: it is resolved here (actor section over ``backend.extra.megatron``, critic section over that) and
-    written back into ``backend.extra["megatron"]``, which every role's engine config starts from."""
-    from backends.megatron.hf_mapping import check_mappable
-
-    arr = cfg.actor_rollout_ref
-    sections = [("actor_rollout_ref.actor.megatron", arr.actor.megatron, arr.model.path)]
-    if cfg.use_critic:
-        sections.append(("critic.megatron", cfg.critic.megatron, cfg.critic.model.path or arr.model.path))
-    layouts = []
-    for key, section, path in sections:
-        hf_config = None
-        if path and os.path.isfile(os.path.join(path, "config.json")):
-            from transformers import AutoConfig
-
-            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=arr.model.trust_remote_code)
-        # the critic's unset keys follow the actor's layout (they must match anyway)
-        base = {"megatron": asdict(layouts[0][1])} if layouts else cfg.backend.extra
-        try:
-            layout = section.resolved(base)
-            layout.validate(world, hf_config)
-            if hf_config is not None:
-                check_mappable(hf_config)  # a model the HF <-> megatron mapping cannot reproduce fails before Ray
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"{key}: {exc} (trainer.n_gpus_per_node x trainer.nnodes = {world} ranks)") from exc
-        layouts.append((key, layout))
-    for key, layout in layouts[1:]:
-        if layout != layouts[0][1]:
-            raise ConfigError(
-                f"{key} ({layout}) differs from {layouts[0][0]} ({layouts[0][1]}): the roles share "
-                "one process per device and megatron's parallel state, so they need the same layout"
-            )
-    cfg.backend.extra = {**cfg.backend.extra, "megatron": asdict(layouts[0][1])}
+def files_of(value: Any) -> list[str]:
+    """A ``*_files`` key's value as a list of paths."""
+    return [] if value is None else [value] if isinstance(value, str) else list(value)

@@ -1,22 +1,30 @@
 """The embedded default (layer 4): null model/data paths select a tiny task built and cached locally.
 
 With no data files the run trains on the synthetic addition task and validates on its held-out test split.
-With no model path it starts from the embedded tiny Qwen2 after an SFT warm-up (the platform notes' recipe:
-stop once validation accuracy reaches ``stop_at_val_acc``), cached next to the task so later runs reuse it.
+With no model path it starts from the embedded tiny Qwen2 after an SFT warm-up (configs/sft_trainer.yaml's settings;
+it stops once validation accuracy reaches ``stop_at_val_acc``), cached next to the task so later runs reuse it.
+The task's small sizes (8-token prompts, 32 prompts a step, 700 steps, ...) are a recipe,
+configs/recipe/embedded.yaml, laid over the config's real-model defaults by ``apply_embedded_overlay`` before the
+config is built, on the keys the user left alone.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterable
+from dataclasses import replace
+from importlib import resources
+from typing import Any
 
 from scaletrain.trainer.config import PPOConfig
+from scaletrain.utils.typed_config import to_dict
 
 logger = logging.getLogger(__name__)
 
-EMBEDDED_GRPO_STEPS = 700  # measured: +16 points by step 400, rising (see README "The embedded default")
 SFT_RECIPE = {
     "stop_at_val_acc": 0.15,
     "total_steps": 1200,
@@ -27,28 +35,58 @@ SFT_RECIPE = {
 }
 
 
+def embedded_overlay() -> dict[str, Any]:
+    """configs/recipe/embedded.yaml as a nested dict."""
+    import yaml
+
+    return yaml.safe_load(resources.files("scaletrain.configs").joinpath("recipe", "embedded.yaml").read_text())
+
+
+def apply_embedded_overlay(raw: dict[str, Any], explicit: Iterable[str] = ()) -> tuple[dict[str, Any], list[str]]:
+    """``raw`` (a composed PPO config dict) with the embedded recipe's sizes when ``data.train_files`` is null;
+    returns (the new dict, the keys set). A key is set only where the user left it alone: not named in
+    ``explicit`` (the command line's keys) and still at the dataclass default."""
+    if (raw.get("data") or {}).get("train_files"):
+        return raw, []
+    explicit, defaults = set(explicit), to_dict(PPOConfig())
+    out, applied = copy.deepcopy(raw), []
+    for key, value in _leaves(embedded_overlay()):
+        parts = key.split(".")
+        node, default = out, defaults
+        for part in parts[:-1]:
+            node, default = node.setdefault(part, {}), default[part]
+        if key not in explicit and node.get(parts[-1], default[parts[-1]]) == default[parts[-1]]:
+            node[parts[-1]] = value
+            applied.append(key)
+    return out, applied
+
+
+def _leaves(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    leaves = []
+    for name, value in tree.items():
+        key = f"{prefix}{name}"
+        leaves += _leaves(value, f"{key}.") if isinstance(value, dict) else [(key, value)]
+    return leaves
+
+
 def needs_embedded(cfg: PPOConfig) -> bool:
     return not (cfg.actor_rollout_ref.model.path and cfg.data.train_files)
 
 
 def resolve_embedded_default(cfg: PPOConfig) -> PPOConfig:
+    """A copy of ``cfg`` with null data paths set to the embedded task's files and a null model path to the
+    embedded model after its SFT warm-up (which runs on the Ray cluster when it is not cached)."""
     if not needs_embedded(cfg):
         return cfg
     from scaletrain.data import build_embedded_default
 
     paths = build_embedded_default()
-    if not cfg.data.train_files:
-        cfg.data.train_files = paths["train"]
-        cfg.data.val_files = cfg.data.val_files or paths["test"]
-        if cfg.trainer.total_training_steps is None:
-            cfg.trainer.total_training_steps = EMBEDDED_GRPO_STEPS
-        if cfg.trainer.test_freq <= 0:
-            cfg.trainer.test_freq = 100
-        if cfg.trainer.save_freq <= 0:
-            cfg.trainer.save_freq = 100
-    if not cfg.actor_rollout_ref.model.path:
-        cfg.actor_rollout_ref.model.path = warm_up(cfg, paths)
-    return cfg
+    data, arr = cfg.data, cfg.actor_rollout_ref
+    if not data.train_files:
+        data = replace(data, train_files=paths["train"], val_files=data.val_files or paths["test"])
+    if not arr.model.path:
+        arr = replace(arr, model=replace(arr.model, path=warm_up(cfg, paths)))
+    return replace(cfg, data=data, actor_rollout_ref=arr)
 
 
 def warm_up(cfg: PPOConfig, paths: dict[str, str]) -> str:

@@ -2,7 +2,9 @@
 
 Composes configs/ppo_trainer.yaml with the overrides (verl's command-line forms translated first: verl_compat.py),
 builds and validates the typed config before Ray starts, fills null model/data paths with the embedded default,
-then trains and writes the run's outputs (metrics, checkpoints, an HF export, curves).
+then trains and writes the run's outputs (metrics, checkpoints, an HF export, curves). The console shows our own
+lines (a progress bar per phase, step lines, warnings); every log line of every process goes to <run dir>/run.log
+(console.py; ``trainer.verbose=true`` shows the libraries' INFO lines on the console too).
 """
 
 from __future__ import annotations
@@ -10,32 +12,32 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from scaletrain.trainer.config import PPOConfig, load_ppo_config, validate
+from scaletrain.trainer.config import PPOConfig, load_ppo_config
+from scaletrain.trainer.config_checks import check_config
+from scaletrain.trainer.plan import resolve_config
 
 logger = logging.getLogger(__name__)
 
 
-def resolve_device(cfg: PPOConfig) -> PPOConfig:
-    import torch
-
-    if cfg.trainer.device == "auto":
-        cfg.trainer.device = "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg
-
-
 def init_ray(cfg: PPOConfig) -> None:
+    """Starts Ray (unless it runs already); first the run log in the run directory when the command line set up
+    the console (console.py), so that every worker process writes to it too."""
     import ray
 
+    from scaletrain.trainer.console import ray_init_kwargs, start_run_log
+
+    start_run_log(cfg.trainer.default_local_dir)
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": "WARNING"}
+    kwargs: dict[str, Any] = {"include_dashboard": False, **ray_init_kwargs()}
     if cfg.ray_init.address:
         kwargs["address"] = cfg.ray_init.address
     else:  # a private local cluster: never attach to a stale or foreign one by accident ("auto" does that)
@@ -48,16 +50,18 @@ def init_ray(cfg: PPOConfig) -> None:
     ray.init(**kwargs)
 
 
-def run_ppo(raw: dict[str, Any]) -> dict[str, Any]:
-    """Train from a plain config dict (as Hydra composes it); returns a summary."""
-    from scaletrain.trainer.embedded_default import resolve_embedded_default
+def run_ppo(raw: dict[str, Any], explicit: Iterable[str] = ()) -> dict[str, Any]:
+    """Train from a plain config dict (as Hydra composes it); ``explicit``: the keys the user set (the embedded
+    recipe leaves them alone). Returns a summary."""
+    from scaletrain.trainer.embedded_default import apply_embedded_overlay, resolve_embedded_default
     from scaletrain.trainer.run import train
 
-    cfg = resolve_device(load_ppo_config(raw))
-    validate(cfg)  # everything checkable is checked before any heavy work
+    raw, applied = apply_embedded_overlay(raw, explicit)
+    if applied:
+        logger.info("embedded default: configs/recipe/embedded.yaml sets %s", ", ".join(applied))
+    cfg = check_config(resolve_config(load_ppo_config(raw)))  # everything checkable, once, before heavy work
     init_ray(cfg)
-    cfg = validate(resolve_embedded_default(cfg))  # may run the embedded SFT warm-up on this Ray cluster
-    return train(cfg)
+    return train(resolve_embedded_default(cfg))  # may run the embedded SFT warm-up on this Ray cluster
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -82,8 +86,14 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 @hydra.main(config_path="pkg://scaletrain.configs", config_name="ppo_trainer", version_base=None)
 def main(config: DictConfig) -> None:
-    summary = run_ppo(OmegaConf.to_container(config, resolve=True))
-    logger.info("summary: %s", summary)
+    from hydra.core.hydra_config import HydraConfig
+
+    from scaletrain.trainer.console import FILE_ONLY, setup_console
+
+    setup_console(bool(config.trainer.verbose))  # the library logs' INFO lines go to the run log only
+    explicit = [override.split("=", 1)[0].lstrip("+~") for override in HydraConfig.get().overrides.task]
+    summary = run_ppo(OmegaConf.to_container(config, resolve=True), explicit)
+    logger.info("summary: %s", summary, extra=FILE_ONLY)  # the console gets the table
     print_summary(summary)
 
 

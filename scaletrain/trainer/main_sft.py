@@ -15,14 +15,19 @@ import logging
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from scaletrain.trainer.sft_trainer import load_sft_config, run_sft
+from scaletrain.trainer.sft_config import load_sft_config
+from scaletrain.trainer.sft_trainer import run_sft
 
 logger = logging.getLogger(__name__)
 
 
 @hydra.main(config_path="pkg://scaletrain.configs", config_name="sft_trainer", version_base=None)
 def main(config: DictConfig) -> dict:
+    from scaletrain.trainer.console import setup_console, start_run_log
+
+    setup_console(bool(config.trainer.verbose))  # the library logs' INFO lines go to the run log only
     cfg = load_sft_config(OmegaConf.to_container(config, resolve=True))
+    start_run_log(cfg.output_dir)  # <output_dir>/run.log, before run_sft starts Ray
     summary = run_sft(cfg)
     logger.info(
         "SFT finished at step %d (val acc %s); HF checkpoint: %s",

@@ -1,20 +1,18 @@
 """The single controller (layer 4): ``RayPPOTrainer.fit()`` drives the worker groups step by step.
 
-Per step, as in the seed's outline: generate -> reward -> old log-prob -> ref log-prob -> values ->
+Per step: generate -> reward -> old log-prob -> ref log-prob -> values ->
 advantages -> critic update -> actor update -> weight sync -> validation -> checkpoint -> log. The trainer
-knows nothing about FSDP / DeepSpeed / Megatron: it only calls the role workers' registered methods.
+knows nothing about FSDP / DeepSpeed / Megatron: it calls the typed roles of roles.py (``self.actor``,
+``self.critic``), each method one call into a role's worker group.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import replace
 from functools import partial
 
 import numpy as np
 
-from backends.config import EngineConfig, ModelConfig, OptimConfig
 from backends.rollout.layout import eos_token_ids
 from scaletrain.algos import build_kl_controller
 from scaletrain.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, create_colocated_worker_cls
@@ -24,53 +22,37 @@ from scaletrain.reward import build_reward_manager
 from scaletrain.trainer.advantage import apply_kl_penalty, compute_advantage
 from scaletrain.trainer.balance import actor_dp_size, balance_batch
 from scaletrain.trainer.checkpoint import CheckpointManager
-from scaletrain.trainer.config import HFModelConfig, PPOConfig
+from scaletrain.trainer.config import PPOConfig
 from scaletrain.trainer.dynamic_sampling import Scored, collect_groups
 from scaletrain.trainer.generations import ScoredSamples, dump_batch, dump_jsonl, pick_samples
 from scaletrain.trainer.metrics import data_metrics, device_peak_flops, throughput_metrics, timer, timing_metrics
 from scaletrain.trainer.overlong import mask_overlong_responses
+from scaletrain.trainer.plan import RunPlan
 from scaletrain.trainer.remax import greedy_baseline
-from scaletrain.trainer.rm_reward import RewardWithRM, rm_worker_config
+from scaletrain.trainer.rm_reward import RewardWithRM
+from scaletrain.trainer.roles import ActorRolloutRefRole, CriticRole, RewardModelRole
 from scaletrain.trainer.rollout_correction import apply_rollout_correction
 from scaletrain.trainer.tracking import Tracking
 from scaletrain.trainer.val_metrics import validation_metrics
-from scaletrain.utils.typed_config import build, to_dict
-from scaletrain.workers import (
-    ActorRolloutRefConfig,
-    ActorRolloutRefWorker,
-    CriticConfig,
-    CriticWorker,
-    RewardModelWorker,
-    reduce_metrics,
-)
+from scaletrain.trainer.worker_configs import ppo_worker_configs
+from scaletrain.utils.seeding import derive_seed
+from scaletrain.utils.typed_config import to_dict
+from scaletrain.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
 logger = logging.getLogger(__name__)
 
 GEN_KEYS = ["input_ids", "attention_mask", "position_ids"]
 
 
-def _model_config(m: HFModelConfig, path: str, kind: str = "causal_lm") -> ModelConfig:
-    return ModelConfig(
-        path=path,
-        kind=kind,
-        dtype=m.dtype,
-        gradient_checkpointing=m.enable_gradient_checkpointing,
-        use_remove_padding=m.use_remove_padding,
-        trust_remote_code=m.trust_remote_code,
-        attn_implementation=m.attn_implementation,
-    )
-
-
 class RayPPOTrainer:
-    def __init__(self, cfg: PPOConfig, tokenizer, train_dataset, val_dataset) -> None:
-        self.cfg, self.tokenizer = cfg, tokenizer
+    def __init__(self, cfg: PPOConfig, plan: RunPlan, tokenizer, train_dataset, val_dataset) -> None:
+        """``cfg`` resolved and ``plan`` computed by scaletrain/trainer/plan.py."""
+        self.cfg, self.plan, self.tokenizer = cfg, plan, tokenizer
         self.loader = StatefulDataLoader(
             train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed
         )
         self.val_dataset = val_dataset
-        steps_per_epoch = len(self.loader)
-        self.total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
-        self.use_ref = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        self.total_steps, self.use_ref = plan.total_steps, plan.use_ref
         self.kl_ctrl = build_kl_controller(
             cfg.algorithm.kl_ctrl.type,
             kl_coef=cfg.algorithm.kl_ctrl.kl_coef,
@@ -86,12 +68,11 @@ class RayPPOTrainer:
             num_processes=rm.num_processes,
             **rm.reward_kwargs,
         )
-        self.checkpoints = CheckpointManager(cfg.trainer.default_local_dir, cfg.trainer.max_ckpt_to_keep)
+        self.checkpoints = CheckpointManager(plan.run_dir, cfg.trainer.max_ckpt_to_keep)
         self.global_step = 0
         self.device = cfg.trainer.device
         self.initial_val_metrics: dict[str, float] = {}  # validation before the first step
         self.agent_manager = None  # the multi-turn rollout path (init_workers)
-        self.rm_wg = None  # reward_model.enable (init_workers)
         self.train_reward_fn = self.reward_fn  # the rollouts' reward: with the RM's score once it is up
         self.eos_ids = (
             eos_token_ids(tokenizer, cfg.actor_rollout_ref.model.path)  # what ends a response
@@ -100,73 +81,29 @@ class RayPPOTrainer:
         )
 
     # ------------------------------------------------------------------------------------------------ workers
-    def _worker_configs(self) -> tuple[ActorRolloutRefConfig, CriticConfig | None]:
-        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
-        engine = EngineConfig(
-            mixed_precision=cfg.backend.mixed_precision,
-            param_offload=cfg.backend.param_offload,
-            optimizer_offload=cfg.backend.optimizer_offload,
-            seed=cfg.trainer.seed,
-            collective_timeout_s=cfg.trainer.collective_timeout_s,
-            extra=cfg.backend.extra,
-        )
-        minis = cfg.data.train_batch_size // arr.actor.ppo_mini_batch_size * arr.actor.ppo_epochs
-        actor = replace(arr.actor, optim=replace(arr.actor.optim, total_steps=self.total_steps * minis))
-        actor_cfg = ActorRolloutRefConfig(
-            model=_model_config(arr.model, arr.model.path),
-            backend=cfg.backend.name,
-            actor=actor,
-            rollout=arr.rollout,
-            ref=arr.ref,
-            engine=engine,
-        )
-        if not cfg.use_critic:
-            return actor_cfg, None
-        c = cfg.critic
-        mini, epochs = c.ppo_mini_batch_size or arr.actor.ppo_mini_batch_size, c.ppo_epochs or arr.actor.ppo_epochs
-        optim = build(OptimConfig, c.optim, "critic.optim")
-        optim = replace(optim, total_steps=self.total_steps * (cfg.data.train_batch_size // mini) * epochs)
-        critic_cfg = CriticConfig(
-            model=_model_config(c.model, c.model.path or arr.model.path, kind="value"),
-            backend=cfg.backend.name,
-            ppo_mini_batch_size=mini,
-            ppo_micro_batch_size_per_gpu=c.ppo_micro_batch_size_per_gpu,
-            ppo_epochs=epochs,
-            use_dynamic_bsz=c.use_dynamic_bsz,
-            ppo_max_token_len_per_gpu=c.ppo_max_token_len_per_gpu,
-            cliprange_value=c.cliprange_value,
-            loss_agg_mode=c.loss_agg_mode,
-            rollout_n=arr.rollout.n,
-            optim=optim,
-            engine=c.model.fsdp_config.applied(engine),
-        )
-        return actor_cfg, critic_cfg
-
     def init_workers(self) -> None:
         """One process per device holding every role (colocated), spawned as one worker group per role."""
         cfg = self.cfg
-        actor_cfg, critic_cfg = self._worker_configs()
+        actor_cfg, critic_cfg, rm_cfg = ppo_worker_configs(cfg, self.plan)
         role = "actor_rollout_ref" if self.use_ref else "actor_rollout"
         roles = {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, actor_cfg, role)}
         if critic_cfg is not None:
             roles["critic"] = RayClassWithInitArgs(CriticWorker, critic_cfg)
-        rm_cfg = rm_worker_config(
-            cfg, actor_cfg.engine, _model_config(cfg.reward_model.model, cfg.reward_model.model.path, kind="reward")
-        )
         if rm_cfg is not None:  # the reward model: one more colocated role on the same processes
             roles["rm"] = RayClassWithInitArgs(RewardModelWorker, rm_cfg)
         self.pool = RayResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes, use_gpu=self.device == "cuda")
-        self.wg_dict = RayWorkerGroup(self.pool, create_colocated_worker_cls(roles), name_prefix="colocated")
-        groups = self.wg_dict.spawn(prefix_set=list(roles))
-        self.actor_rollout_wg = groups["actor_rollout"]
-        self.critic_wg = groups.get("critic")
-        if self.critic_wg is not None:
-            self.critic_wg.init_model()
-        self.actor_rollout_wg.init_model()
+        colocated = RayWorkerGroup(self.pool, create_colocated_worker_cls(roles), name_prefix="colocated")
+        groups = colocated.spawn(prefix_set=list(roles))
+        self.actor = ActorRolloutRefRole(groups["actor_rollout"])
+        self.critic = CriticRole(groups["critic"]) if "critic" in groups else None
+        if self.critic is not None:
+            self.critic.init_model()
+        self.actor.init_model()
         if rm_cfg is not None:
-            self.rm_wg = groups["rm"]
-            self.rm_wg.init_model()
-            self.train_reward_fn = RewardWithRM(self.rm_wg, self.reward_fn if cfg.custom_reward_function.path else None)
+            reward_model = RewardModelRole(groups["rm"])
+            reward_model.init_model()
+            rule_fn = self.reward_fn if cfg.custom_reward_function.path else None  # None: the RM's score alone
+            self.train_reward_fn = RewardWithRM(reward_model, rule_fn)
         if cfg.actor_rollout_ref.rollout.use_agent_loop:
             self.agent_manager = self._build_agent_manager()
         self.actor_params = self._count_params(actor_cfg.model.path)
@@ -177,7 +114,7 @@ class RayPPOTrainer:
         from scaletrain.agent.server import AsyncServerManager, WorkerGroupBackend
 
         rc = self.cfg.actor_rollout_ref.rollout
-        server = AsyncServerManager(WorkerGroupBackend(self.actor_rollout_wg), rc.multi_turn.max_batch_wait_ms)
+        server = AsyncServerManager(WorkerGroupBackend(self.actor), rc.multi_turn.max_batch_wait_ms)
         return AgentLoopManager(
             rc.multi_turn, server, self.tokenizer, prompt_length=rc.prompt_length, response_length=rc.response_length
         )
@@ -186,7 +123,7 @@ class RayPPOTrainer:
         """Rollout of one batch: the sync path (one batched generate) or the agent loops (multi_turn.enable /
         mode=async); returns (B * n rows, rollout metrics)."""
         if self.agent_manager is None:
-            return self.actor_rollout_wg.generate_sequences(gen_batch), {}
+            return self.actor.generate(gen_batch), {}
         rc = self.cfg.actor_rollout_ref.rollout
         sampling = {
             "temperature": rc.temperature,
@@ -254,7 +191,7 @@ class RayPPOTrainer:
         suffix = f"-{gen_index}" if gen_index else ""
         batch.non_tensor_batch["uid"] = np.array([f"{step}{suffix}-{i}" for i in range(len(batch))], dtype=object)
         gen_batch = batch.pop(batch_keys=GEN_KEYS)
-        gen_batch.meta_info["seed"] = cfg.trainer.seed * 100003 + step + gen_index * 1000003
+        gen_batch.meta_info["seed"] = derive_seed(cfg.trainer.seed, step, gen_index)
         with timer("gen", timings):
             gen_out, metrics = self._generate(batch, gen_batch, tag=f"step{step}{suffix}")
         baseline = None
@@ -296,7 +233,7 @@ class RayPPOTrainer:
             if cfg.trainer.balance_batch:  # each DP rank gets a similar number of tokens
                 metrics.update(balance_batch(batch, actor_dp_size(cfg)))
             with timer("old_log_prob", timings):
-                old = self.actor_rollout_wg.compute_log_prob(batch)
+                old = self.actor.compute_log_prob(batch)
                 entropy = old.batch["entropys"][batch.batch["response_mask"].bool()]
                 metrics["actor/entropy"] = entropy.mean().item()
                 batch = batch.union(old.select(batch_keys=["old_log_probs"]))
@@ -305,10 +242,10 @@ class RayPPOTrainer:
                 metrics.update(mask_overlong_responses(batch, self.eos_ids))
             if self.use_ref:
                 with timer("ref", timings):
-                    batch = batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
-            if self.critic_wg is not None:
+                    batch = batch.union(self.actor.compute_ref_log_prob(batch))
+            if self.critic is not None:
                 with timer("values", timings):
-                    batch = batch.union(self.critic_wg.compute_values(batch))
+                    batch = batch.union(self.critic.compute_values(batch))
 
             with timer("adv", timings):
                 if cfg.algorithm.use_kl_in_reward:
@@ -317,14 +254,14 @@ class RayPPOTrainer:
                     batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
                 compute_advantage(batch, cfg.algorithm)
 
-            if self.critic_wg is not None:
+            if self.critic is not None:
                 with timer("update_critic", timings):
-                    metrics.update(reduce_metrics(self.critic_wg.update_critic(batch)))
+                    metrics.update(self.critic.update(batch))
             if self.global_step > cfg.trainer.critic_warmup:  # during the warm-up only the critic learns
                 with timer("update_actor", timings):
-                    metrics.update(reduce_metrics(self.actor_rollout_wg.update_actor(batch)))
+                    metrics.update(self.actor.update(batch))
                 with timer("sync_weights", timings):
-                    self.actor_rollout_wg.sync_rollout_weights()
+                    self.actor.sync_weights()
 
         metrics.update(data_metrics(batch))
         metrics.update(timing_metrics(timings))
@@ -369,19 +306,16 @@ class RayPPOTrainer:
     # ---------------------------------------------------------------------------------------------- checkpoint
     def save_checkpoint(self) -> str:
         def save_workers(path: str) -> None:
-            self.actor_rollout_wg.save_checkpoint(path)
-            if self.critic_wg is not None:
-                self.critic_wg.save_checkpoint(path)
+            self.actor.save_checkpoint(path)
+            if self.critic is not None:
+                self.critic.save_checkpoint(path)
 
         state = {"dataloader": self.loader.state_dict(), "kl_coef": self.kl_ctrl.value}
         return self.checkpoints.save(self.global_step, save_workers, state)
 
     def resume_path(self) -> str | None:
-        """The checkpoint this run continues from (``trainer.resume_mode``), or None."""
-        mode = self.cfg.trainer.resume_mode
-        if mode == "disable":
-            return None
-        return self.cfg.trainer.resume_from_path if mode == "resume_path" else self.checkpoints.latest()
+        """The checkpoint this run continues from (``trainer.resume_mode``), or None: the plan's."""
+        return self.plan.resume_path
 
     def _resume(self) -> None:
         path = self.resume_path()
@@ -389,20 +323,20 @@ class RayPPOTrainer:
             logger.info("no checkpoint under %s: starting from scratch", self.checkpoints.root)
             return
         state = self.checkpoints.load_state(path)
-        self.actor_rollout_wg.load_checkpoint(path)
-        if self.critic_wg is not None:
-            self.critic_wg.load_checkpoint(path)
+        self.actor.load_checkpoint(path)
+        if self.critic is not None:
+            self.critic.load_checkpoint(path)
         self.loader.load_state_dict(state["dataloader"])
         self.kl_ctrl.value = state["kl_coef"]
         self.global_step = int(state["global_step"])
         logger.info("resumed from %s at step %d", path, self.global_step)
 
     def save_hf(self, path: str) -> str:
-        self.actor_rollout_wg.save_hf(path)
+        self.actor.save_hf(path)
         return path
 
     def close(self) -> None:
         self.reward_fn.close()  # stops the scoring processes
 
     def run_dir(self) -> str:
-        return os.path.abspath(self.cfg.trainer.default_local_dir)
+        return self.plan.run_dir

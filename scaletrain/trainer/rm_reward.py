@@ -18,44 +18,26 @@ as ``rm_score`` (so rollout dumps show it next to the final ``score``).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from scaletrain.protocol import DataProto
 from scaletrain.utils.typed_config import ConfigError
 
-
-def rm_worker_config(cfg, engine, model_config):
-    """The RewardModelConfig of ``cfg.reward_model`` (None when disabled); ``engine``: the roles' EngineConfig,
-    ``model_config``: the RM's backends ModelConfig (kind reward)."""
-    from scaletrain.workers.config import RewardModelConfig
-
-    rm = cfg.reward_model
-    if not rm.enable:
-        return None
-    fsdp = getattr(rm.model, "fsdp_config", None)
-    return RewardModelConfig(
-        model=model_config,
-        backend=cfg.backend.name,
-        micro_batch_size_per_gpu=rm.micro_batch_size_per_gpu,
-        use_dynamic_bsz=rm.use_dynamic_bsz,
-        forward_max_token_len_per_gpu=rm.forward_max_token_len_per_gpu,
-        input_tokenizer=rm.model.input_tokenizer,
-        max_length=rm.max_length,
-        engine=fsdp.applied(engine) if fsdp is not None else engine,
-    )
+if TYPE_CHECKING:  # the reward-model checks here run before Ray, without the workers' imports
+    from scaletrain.trainer.roles import RewardModelRole
 
 
 class RewardWithRM:
     """Called like a reward manager (``reward(batch, return_dict=True)``): the reward model's score, alone or added
     to ``rule_fn``'s (None: the RM's score replaces the rule reward). Adds ``rm_scores`` to the batch."""
 
-    def __init__(self, rm_wg, rule_fn) -> None:
-        self.rm_wg, self.rule_fn = rm_wg, rule_fn
+    def __init__(self, reward_model: RewardModelRole, rule_fn) -> None:
+        self.reward_model, self.rule_fn = reward_model, rule_fn
 
     def __call__(self, batch: DataProto, return_dict: bool = False):
-        batch.union(self.rm_wg.compute_rm_score(batch))
+        batch.union(self.reward_model.compute_rm_score(batch))
         rule = self.rule_fn(batch, return_dict=True) if self.rule_fn is not None else None
         reward = combine_rewards(batch.batch["rm_scores"], rule)
         return reward if return_dict else reward["reward_tensor"]

@@ -33,15 +33,13 @@ def validate_roles(cfg) -> None:
 
 
 def _validate_prebuilt(cfg) -> None:
-    """What the trainer builds after Ray starts, built or checked now: the critic's optimizer settings, the
-    reward manager's keyword arguments."""
-    from backends.config import OptimConfig
+    """What the trainer builds after Ray starts, checked now: the optimizers' schedules, the reward manager's
+    keyword arguments."""
     from backends.optim import SCHEDULES
     from scaletrain.reward.build import unknown_manager_kwargs
-    from scaletrain.utils.typed_config import build
 
     for key, optim in (
-        ("critic.optim", build(OptimConfig, cfg.critic.optim, "critic.optim")),
+        ("critic.optim", cfg.critic.optim),
         ("actor_rollout_ref.actor.optim", cfg.actor_rollout_ref.actor.optim),
     ):
         if optim.lr_scheduler not in SCHEDULES:

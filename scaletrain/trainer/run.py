@@ -10,7 +10,9 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from scaletrain.data import RLDataset
+from scaletrain.trainer.checkpoint import CheckpointManager
 from scaletrain.trainer.config import PPOConfig
+from scaletrain.trainer.plan import log_plan, plan_run
 from scaletrain.trainer.ppo_trainer import RayPPOTrainer
 from scaletrain.trainer.tracking import Tracking
 from scaletrain.utils.typed_config import to_dict
@@ -38,22 +40,21 @@ def train(cfg: PPOConfig) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
     train_set = _dataset(cfg.data.train_files, tokenizer, cfg, cfg.data.max_samples)
     val_set = _dataset(cfg.data.val_files, tokenizer, cfg, cfg.data.val_max_samples)
-    trainer = RayPPOTrainer(cfg, tokenizer, train_set, val_set)
-    run_dir = trainer.run_dir()
+    latest = CheckpointManager(os.path.abspath(cfg.trainer.default_local_dir)).latest()
+    plan = plan_run(cfg, len(train_set), latest)
+    log_plan(cfg, plan)
+    trainer = RayPPOTrainer(cfg, plan, tokenizer, train_set, val_set)
+    run_dir = plan.run_dir
     os.makedirs(run_dir, exist_ok=True)
     trainer.init_workers()
-    resume_step = None
-    latest = trainer.resume_path()
-    if latest is not None:  # the jsonl log drops lines from steps the resumed run will redo
-        resume_step = int(os.path.basename(os.path.normpath(latest)).rsplit("_", 1)[1]) + 1
     tracking = Tracking(
         cfg.trainer.project_name,
         cfg.trainer.experiment_name,
         cfg.trainer.logger,
         run_dir,
         config=to_dict(cfg),
-        total_steps=trainer.total_steps,
-        resume_step=resume_step,
+        total_steps=plan.total_steps,
+        resume_step=plan.resume_step,  # the jsonl log drops lines from steps the resumed run will redo
     )
     try:
         with tracking:

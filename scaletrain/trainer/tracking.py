@@ -6,7 +6,9 @@
 
 Backends (``trainer.logger=[console,jsonl,tensorboard,wandb,mlflow]``), all writing under ``log_dir``:
 
-- ``console``: a tqdm progress bar over ``total_steps`` plus one compact line of key metrics per step.
+- ``console``: a rich progress bar with the ETA over ``total_steps`` (on a terminal) plus a compact line of key
+  metrics every few steps (about 20 lines a run) and at each validation. Library logs stay off the console
+  (scaletrain/trainer/console.py).
 - ``jsonl``: ``<log_dir>/metrics.jsonl``, one ``{"step": ..., <metric>: <float>, ...}`` object per line (NaN/inf
   written as Python's json does: ``NaN``/``Infinity``). Appends, so a resumed run continues the file; with
   ``resume_step=N`` the lines with ``step >= N`` are dropped first, so no step appears twice.
@@ -33,7 +35,6 @@ import json
 import logging
 import os
 import re
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,6 +185,8 @@ def require_module(module: str, package: str, backend: str) -> Any:
 # ---------------------------------------------------------------------------------------------------- console
 
 _CONSOLE_KEYS = (
+    ("sft/loss", "loss"),
+    ("val/loss", "val_loss"),
     ("response_length/mean", "resp_len"),
     ("actor/pg_loss", "pg_loss"),
     ("actor/entropy", "entropy"),
@@ -207,37 +210,59 @@ def format_console_line(metrics: Mapping[str, float], step: int, total_steps: in
     return " | ".join([head] + [f"{label} {value:.4g}" for label, value in picked])
 
 
+def step_line_every(total_steps: int | None, lines: int = 20) -> int:
+    """Steps between two console step lines: the smallest of 1, 2, 5, 10, 20, 50, 100, ... that keeps a run of
+    ``total_steps`` to about ``lines`` lines (1 when the total is unknown)."""
+    target = (total_steps or 0) / lines
+    return next(n for n in (m * 10**k for k in range(12) for m in (1, 2, 5)) if n >= target)
+
+
 @register_logger("console")
 class ConsoleLogger(LoggerBackend):
-    """A progress bar (on stderr, only on a terminal) and one compact line per step written through ``tqdm.write``."""
+    """A progress bar with the ETA (rich, on a terminal only) and a compact step line every
+    ``step_line_every(total_steps)`` steps, at the last step and at each step with a validation accuracy. Lines go
+    to ``sys.stdout`` as it is at each write (a live bar prints them above itself)."""
 
     def __init__(self, run: RunInfo):
         super().__init__(run)
-        from tqdm.auto import tqdm
-
-        self._tqdm = tqdm
-        start = max((run.resume_step or 1) - 1, 0)
-        self.bar = tqdm(
-            total=run.total_steps,
-            initial=start,
-            desc=run.experiment_name,
-            unit="step",
-            dynamic_ncols=True,
-            disable=None,
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
         )
 
+        self.console = Console(soft_wrap=True, markup=False, highlight=False, emoji=False)
+        self.every = step_line_every(run.total_steps)
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=self.console,
+            disable=not self.console.is_terminal,  # a log file or a pipe gets the step lines only
+        )
+        start = max((run.resume_step or 1) - 1, 0)
+        self.task = self.progress.add_task(run.experiment_name, total=run.total_steps, completed=start)
+        self.progress.start()
+
     def log(self, metrics: dict[str, float], step: int) -> None:
-        if step > self.bar.n:
-            self.bar.update(step - self.bar.n)
-        self._tqdm.write(format_console_line(metrics, step, self.run.total_steps), file=sys.stdout)
+        self.progress.update(self.task, completed=step)
+        if step % self.every == 0 or step == self.run.total_steps or any(_is_val_acc(key) for key in metrics):
+            self.console.print(format_console_line(metrics, step, self.run.total_steps))
 
     def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
         lines = [f"validation samples at step {step}:"]
         lines += [f"  [score {s['score']:.4g}] {_shorten(s['input'])!r} -> {_shorten(s['output'])!r}" for s in samples]
-        self._tqdm.write("\n".join(lines), file=sys.stdout)
+        self.console.print("\n".join(lines))
 
     def finish(self) -> None:
-        self.bar.close()
+        self.progress.stop()
 
 
 def _shorten(text: str, limit: int = 200) -> str:

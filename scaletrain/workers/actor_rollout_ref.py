@@ -8,8 +8,8 @@ device when is ``ColocatedRollout``'s job (colocated_rollout.py): rollout calls 
 calls (log-probs, updates, checkpoints) enter training mode first, and the rollout engine's state machine
 refuses any other order.
 
-Call path from the trainer: ``actor_rollout_wg.update_actor(batch)`` -> this worker's ``update_actor`` ->
-``engine.train_step`` of the backend.
+Call path from the trainer: ``self.actor.update(batch)`` (``ActorRolloutRefRole``, scaletrain/trainer/roles.py) ->
+this worker's ``update_actor`` on every rank -> ``train_step`` of the backend's engine.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from backends.dist import MICRO_BATCHING
 from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
+from scaletrain.utils.seeding import derive_seed
 from scaletrain.workers.colocated_rollout import ColocatedRollout
 from scaletrain.workers.config import ActorRolloutRefConfig, log_prob_micro_batching
 from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO, ROLLOUT_TOKENS, declare_engine_mesh
@@ -124,7 +125,7 @@ class ActorRolloutRefWorker(Worker):
             sampling = replace(sampling, **{k: v for k, v in rc.val_sampling().items() if k in SAMPLING_KEYS})
         overrides = {k: meta[k] for k in SAMPLING_KEYS if k in meta}
         if overrides.get("seed") is not None:  # one stream per rollout DP rank (its TP ranks sample alike)
-            overrides["seed"] = int(overrides["seed"]) * 1000 + self.rank // rc.tensor_model_parallel_size
+            overrides["seed"] = derive_seed(int(overrides["seed"]), self.rank // rc.tensor_model_parallel_size)
         return replace(sampling, **overrides)
 
     def _training(self, part: str):

@@ -100,8 +100,8 @@ def with_megatron(engine: EngineConfig, backend: str, section: MegatronConfig) -
 class ActorConfig:
     strategy: str | None = None  # verl's backend selector: fsdp | fsdp2 | deepspeed | megatron; null:
     # the backend group's (configs/backend, the `backend=` short form)
-    ppo_mini_batch_size: int = 8  # prompts per mini-batch (x rollout.n rows), over all DP ranks
-    ppo_micro_batch_size_per_gpu: int = 4  # rows per micro-batch on one rank
+    ppo_mini_batch_size: int = 256  # prompts per mini-batch (x rollout.n rows), over all DP ranks
+    ppo_micro_batch_size_per_gpu: int = 8  # rows per micro-batch on one rank
     ppo_epochs: int = 1
     shuffle: bool = False
     data_loader_seed: int = 1
@@ -147,16 +147,16 @@ class RolloutWorkerConfig(RolloutEngineSettings):
 
     name: str = "vllm"  # vllm | hf
     mode: str = "sync"  # sync: one batched generate | async: agent loops (see multi_turn)
-    n: int = 1
+    n: int = 8  # samples per prompt (the default estimator, GRPO, compares them)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    prompt_length: int = 512
-    response_length: int = 512
+    prompt_length: int | None = None  # null: data.max_prompt_length (the trainer's resolve fills it)
+    response_length: int | None = None  # null: data.max_response_length
     tensor_model_parallel_size: int = 1
     log_prob_micro_batch_size_per_gpu: int = 8  # rows per micro-batch of the old-log-prob pass
-    log_prob_use_dynamic_bsz: bool = False  # that pass batches by tokens instead (log_prob_max_token_len_per_gpu)
-    log_prob_max_token_len_per_gpu: int = 16384
+    log_prob_use_dynamic_bsz: bool | None = None  # by tokens instead (max_token_len); null: actor.use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: int | None = None  # null: actor.ppo_max_token_len_per_gpu
     weight_bucket_bytes: int = 256 << 20
     offload_train_during_rollout: bool = False  # the actor's memory goes to CPU while the engine generates
     val_kwargs: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.0, "n": 1})
@@ -196,8 +196,8 @@ def log_prob_micro_batching(section) -> dict[str, Any]:
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 8
-    log_prob_use_dynamic_bsz: bool = False
-    log_prob_max_token_len_per_gpu: int = 16384
+    log_prob_use_dynamic_bsz: bool | None = None  # null: actor.use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: int | None = None  # null: actor.ppo_max_token_len_per_gpu
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # must match the actor's layout (colocated)
 

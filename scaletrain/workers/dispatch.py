@@ -8,23 +8,31 @@ serves every backend without knowing which it runs.
 
 from __future__ import annotations
 
-from scaletrain.controller import make_mesh_collect, make_mesh_dispatch, register_dispatch_mode
+from scaletrain.controller import (
+    ENGINE_MESH,
+    ROLLOUT_MESH,
+    make_mesh_collect,
+    make_mesh_dispatch,
+    register_dispatch_mode,
+)
 
 ENGINE_PROTO = "ENGINE_COMPUTE_PROTO"  # DataProto in, DataProto out (log-probs, values)
 ENGINE_METRIC = "ENGINE_COMPUTE_METRIC"  # DataProto in, one metrics dict per kept rank out (updates)
 ROLLOUT_PROTO = "ROLLOUT_COMPUTE_PROTO"  # prompts in, sequences out
 ROLLOUT_TOKENS = "ROLLOUT_TOKENS"  # one list of token requests per rollout DP rank in, one list out each
 
-register_dispatch_mode(ENGINE_PROTO, make_mesh_dispatch("engine", proto=True), make_mesh_collect("engine", proto=True))
 register_dispatch_mode(
-    ENGINE_METRIC, make_mesh_dispatch("engine", proto=True), make_mesh_collect("engine", proto=False)
+    ENGINE_PROTO, make_mesh_dispatch(ENGINE_MESH, proto=True), make_mesh_collect(ENGINE_MESH, proto=True)
 )
 register_dispatch_mode(
-    ROLLOUT_PROTO, make_mesh_dispatch("rollout", proto=True), make_mesh_collect("rollout", proto=True)
+    ENGINE_METRIC, make_mesh_dispatch(ENGINE_MESH, proto=True), make_mesh_collect(ENGINE_MESH, proto=False)
+)
+register_dispatch_mode(
+    ROLLOUT_PROTO, make_mesh_dispatch(ROLLOUT_MESH, proto=True), make_mesh_collect(ROLLOUT_MESH, proto=True)
 )
 
 register_dispatch_mode(
-    ROLLOUT_TOKENS, make_mesh_dispatch("rollout", proto=False), make_mesh_collect("rollout", proto=False)
+    ROLLOUT_TOKENS, make_mesh_dispatch(ROLLOUT_MESH, proto=False), make_mesh_collect(ROLLOUT_MESH, proto=False)
 )
 
 
@@ -36,4 +44,4 @@ def reduce_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
 def declare_engine_mesh(worker, engine) -> None:
     """Declare ``worker``'s place in mesh "engine" from its training engine (the ENGINE_* modes route by it)."""
-    worker.register_mesh("engine", engine.dp_rank, engine.dp_size, engine.collects_output)
+    worker.register_mesh(ENGINE_MESH, engine.dp_rank, engine.dp_size, engine.collects_output)

@@ -8,7 +8,8 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from backends.rollout.base import RolloutConfig, RolloutEngine, RolloutEngineSettings, get_rollout
-from scaletrain.controller import Worker
+from scaletrain.controller import ROLLOUT_MESH, Worker
+from scaletrain.utils.seeding import derive_seed
 
 
 def build_rollout(
@@ -22,15 +23,17 @@ def build_rollout(
     trust_remote_code: bool = False,
 ) -> tuple[RolloutEngine, Any]:
     """(engine, tokenizer). Ranks form rollout groups of ``tensor_parallel_size``; rank 0 of each is collected.
-    ``settings`` is the worker's rollout section (it extends RolloutEngineSettings); each engine seeds seed + its
-    rollout DP rank. With TP > 1 every rank hosts one shard of its group's engine (backends/rollout/vllm_tp.py)."""
+    ``settings`` is the worker's rollout section (it extends RolloutEngineSettings); each engine's seed is derived
+    from the configured seed and its rollout DP rank (32 bits: vLLM passes it to ``numpy.random.seed``), the same
+    on the ranks of one engine. With TP > 1 every rank hosts one shard of its group's engine
+    (backends/rollout/vllm_tp.py)."""
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     shared = {f.name: getattr(settings, f.name) for f in fields(RolloutEngineSettings)}
-    shared["seed"] = settings.seed + worker.rank // tensor_parallel_size  # the ranks of one engine agree
+    shared["seed"] = derive_seed(settings.seed, worker.rank // tensor_parallel_size, bits=32)
     config = RolloutConfig(
         **shared, model_path=model_path, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len
     )
     engine = get_rollout(name)(config, tokenizer)
     tp = tensor_parallel_size
-    worker.register_mesh("rollout", worker.rank // tp, worker.world_size // tp, worker.rank % tp == 0)
+    worker.register_mesh(ROLLOUT_MESH, worker.rank // tp, worker.world_size // tp, worker.rank % tp == 0)
     return engine, tokenizer

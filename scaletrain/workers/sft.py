@@ -7,8 +7,8 @@ in buckets, a collective every rank takes part in) at the start of the first ``g
 so generation always sees the current weights. The rollout engine sleeps while training runs and wakes for
 generation (``ColocatedRollout``, colocated_rollout.py).
 
-Call path from the SFT trainer: ``sft_wg.train_batch(batch)`` -> this worker's ``train_batch`` ->
-``engine.train_step`` of the backend with ``sft_loss_fn``.
+Call path from the SFT trainer: ``self.model.train_batch(batch)`` (``SFTRole``, scaletrain/trainer/roles.py) ->
+this worker's ``train_batch`` on every rank -> ``train_step`` of the backend's engine with ``sft_loss_fn``.
 """
 
 from __future__ import annotations

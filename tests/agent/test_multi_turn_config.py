@@ -2,23 +2,19 @@
 
 import pytest
 
-from scaletrain.trainer.config import load_ppo_config, validate
+from scaletrain.trainer.config import load_ppo_config
 from scaletrain.utils.typed_config import ConfigError
-from tests.trainer.test_ppo_config import composed
+from tests.trainer.test_ppo_config import checked, composed
 
 
 def test_multi_turn_defaults_and_overrides():
-    cfg = validate(load_ppo_config(composed()))
+    cfg = checked()
     rollout = cfg.actor_rollout_ref.rollout
     assert rollout.mode == "sync" and not rollout.multi_turn.enable and not rollout.use_agent_loop
-    cfg = validate(
-        load_ppo_config(
-            composed(
-                "actor_rollout_ref.rollout.multi_turn.enable=true",
-                "actor_rollout_ref.rollout.multi_turn.max_user_turns=3",
-                "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=left",
-            )
-        )
+    cfg = checked(
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.max_user_turns=3",
+        "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=left",
     )
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     assert cfg.actor_rollout_ref.rollout.use_agent_loop and mt.max_user_turns == 3 and mt.format == "hermes"
@@ -41,7 +37,7 @@ def test_multi_turn_defaults_and_overrides():
 )
 def test_multi_turn_validation(override, message):
     with pytest.raises(ConfigError, match=message.replace("|", "\\|")):
-        validate(load_ppo_config(composed(override)))
+        checked(override)
 
 
 def test_unknown_multi_turn_key_fails():

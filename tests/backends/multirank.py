@@ -5,14 +5,15 @@ RANK / WORLD_SIZE / MASTER_* set, waits (killing stragglers after ``timeout_s``)
 ``{check: error text or None}``. ``run_checks(work, fn)`` is the rank side: it runs ``fn(work, rank, results)``
 and always writes the results, so one launch serves many checks; ``rank_check`` records one check there,
 ``assert_close`` compares tensors inside a check, ``assert_step_matches_reference`` compares one engine step with
-the single-process reference step, and ``assert_ranks_passed`` reports a check in the parent test.
+the single-process reference step, ``assert_nonfinite_step_skipped`` / ``assert_empty_batch_refused`` are the
+shared train_step guards every HF engine must keep alike, and ``assert_ranks_passed`` reports a check in the parent
+test.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import traceback
@@ -21,13 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from scaletrain.utils.net import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(module: str, work: Path, world: int, timeout_s: float) -> dict[int, dict]:
@@ -121,3 +118,32 @@ def assert_step_matches_reference(
     assert list(weights) == list(ref_sd), "names differ from the HF state_dict"
     for k, v in weights.items():
         assert_close(v, ref_sd[k], f"weight {k}")
+
+
+def assert_nonfinite_step_skipped(engine, batch, loss_fn, outputs, exported) -> None:
+    """An HF engine's train_step with a NaN loss (so a NaN gradient norm) skips the update the same way on every
+    backend (backends/train_step.py): the weights stay bit-equal, the metrics say so, and the step still counts
+    (step counter and LR schedule advance once, as after an applied step)."""
+    import math
+
+    import torch
+
+    before, step, lr = exported(engine), engine.global_step, engine.scheduler.get_last_lr()[0]
+    lr_after_applied_step = engine.scheduler.lr_lambdas[0](step + 1) * engine.optim_config.lr
+    metrics = engine.train_step(batch, lambda o, mb: (loss_fn(o, mb)[0] * float("nan"), {}), outputs)
+    assert metrics["step_skipped"] == 1.0 and not math.isfinite(metrics["grad_norm"]), metrics
+    assert math.isnan(metrics["loss"]) and metrics["lr"] == lr, metrics
+    assert engine.global_step == step + 1 and engine.scheduler.get_last_lr()[0] == lr_after_applied_step
+    for k, v in exported(engine).items():
+        assert torch.equal(v, before[k]), k
+
+
+def assert_empty_batch_refused(engine, batch, loss_fn, outputs) -> None:
+    """An engine given no rows on every rank refuses forward and train_step with a ValueError on every rank (so
+    none waits in a collective) and leaves its step counter alone."""
+    empty, step = batch.select_idxs([]), engine.global_step
+    with pytest.raises(ValueError, match="empty batch"):
+        engine.forward(empty, outputs)
+    with pytest.raises(ValueError, match="empty batch"):
+        engine.train_step(empty, loss_fn, outputs)
+    assert engine.global_step == step

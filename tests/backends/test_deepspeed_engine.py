@@ -14,6 +14,8 @@ import pytest
 
 from tests.backends.multirank import (
     assert_close,
+    assert_empty_batch_refused,
+    assert_nonfinite_step_skipped,
     assert_ranks_passed,
     assert_step_matches_reference,
     launch,
@@ -34,6 +36,8 @@ CHECKS = (
     "exact_aggregation",
     "resume_exact",
     "save_hf",
+    "nonfinite_grad_skips_step",
+    "empty_batch_refused",
 )
 
 
@@ -195,6 +199,14 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
             for k, v in loaded.state_dict().items():
                 assert torch.equal(v, weights[k]), k
         dist.barrier()
+
+    @rank_check(results, "nonfinite_grad_skips_step")
+    def _():  # the FSDP engine's check (tests/backends/multirank.py): both skip a non-finite step alike
+        assert_nonfinite_step_skipped(engine, share, actor_loss, ("log_probs", "entropy"), exported)
+
+    @rank_check(results, "empty_batch_refused")
+    def _():
+        assert_empty_batch_refused(engine, share, actor_loss, ("log_probs", "entropy"))
 
     dist.barrier()
     dist.destroy_process_group()

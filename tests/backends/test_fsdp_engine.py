@@ -13,7 +13,15 @@ import os
 
 import pytest
 
-from tests.backends.multirank import assert_close, assert_ranks_passed, launch, rank_check, run_checks
+from tests.backends.multirank import (
+    assert_close,
+    assert_empty_batch_refused,
+    assert_nonfinite_step_skipped,
+    assert_ranks_passed,
+    launch,
+    rank_check,
+    run_checks,
+)
 
 pytestmark = pytest.mark.slow  # a multi-process launch (setup.cfg: `pytest -m "not slow"` skips it)
 
@@ -26,6 +34,7 @@ CHECKS = (
     "remove_padding",
     "dynamic_rmpad_checkpointing",
     "nonfinite_grad_skips_step",
+    "empty_batch_refused",
     "mixed_precision_bf16",
     "value_model",
     "reward_model",
@@ -193,14 +202,11 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
 
     @rank_check(results, "nonfinite_grad_skips_step")
     def _():
-        other = engines["dynamic_bsz"]
-        before = exported(other)
-        metrics = other.train_step(
-            share, lambda o, mb: (actor_loss(o, mb)[0] * float("nan"), {}), ("log_probs", "entropy")
-        )
-        assert metrics["step_skipped"] == 1.0, metrics
-        for k, v in exported(other).items():
-            assert torch.equal(v, before[k]), k
+        assert_nonfinite_step_skipped(engines["dynamic_bsz"], share, actor_loss, ("log_probs", "entropy"), exported)
+
+    @rank_check(results, "empty_batch_refused")
+    def _():
+        assert_empty_batch_refused(engines["dynamic_bsz"], share, actor_loss, ("log_probs", "entropy"))
 
     @rank_check(results, "mixed_precision_bf16")
     def _():

@@ -7,10 +7,10 @@
   TP=2 x PP=2 (actor and critic). In each: log-probs / entropy / values equal the HF model's, one update equals
   the reference (loss, grad norm, exported HF weights), and where noted save -> load -> next steps are bit-exact.
   Each layout also builds one more engine for another path: bf16 compute (TP=2), dynamic batch size with unequal
-  micro-batches padded for the pipeline + a skipped non-finite step (PP=2), activation recompute (DP=2), and a
-  forward-only reference policy (TP=2 x PP=2); TP=2 also checks a Llama model's log-probs. PP=2 and DP=2 also
-  check exact loss aggregation (tests/backends/exactness.py: 1 vs 4 micro-batches vs dynamic batch sizes, to 1e-6
-  relative; the reference loss is a token-mean over the whole batch).
+  micro-batches padded for the pipeline + a skipped non-finite step + an empty batch refused (PP=2), activation
+  recompute (DP=2), and a forward-only reference policy (TP=2 x PP=2); TP=2 also checks a Llama model's log-probs.
+  PP=2 and DP=2 also check exact loss aggregation (tests/backends/exactness.py: 1 vs 4 micro-batches vs dynamic
+  batch sizes, to 1e-6 relative; the reference loss is a token-mean over the whole batch).
 """
 
 from __future__ import annotations
@@ -20,7 +20,14 @@ import os
 import pytest
 import torch
 
-from tests.backends.multirank import assert_close, assert_step_matches_reference, launch, rank_check, run_checks
+from tests.backends.multirank import (
+    assert_close,
+    assert_empty_batch_refused,
+    assert_step_matches_reference,
+    launch,
+    rank_check,
+    run_checks,
+)
 
 pytestmark = pytest.mark.slow  # multi-process launches (setup.cfg: `pytest -m "not slow"` skips them)
 
@@ -274,9 +281,10 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
                 nan = other.train_step(
                     share, lambda o, mb: (ref.actor_loss(o, mb)[0] * float("nan"), {}), ("log_probs", "entropy")
                 )
-                assert nan["step_skipped"] == 1.0, nan
+                assert nan["step_skipped"] == 1.0 and other.global_step == 2, nan
                 for k, v in exported(other).items():
                     assert torch.equal(v, weights[k]), k
+                assert_empty_batch_refused(other, share, ref.actor_loss, ("log_probs", "entropy"))
 
         if layout == "tp2_sp":
 

@@ -1,4 +1,5 @@
-"""Colocated roles in one process per rank, the seed walkthrough's examples, and the in-process group."""
+"""Colocated roles in one process per rank, a plain Ray actor next to a worker group (the controller's smallest
+example), and the in-process group."""
 
 import pytest
 import ray
@@ -44,7 +45,7 @@ class GPUAccumulator(Worker):
 
 
 @pytest.mark.slow
-def test_seed_accumulator_and_worker_group(ray_cluster):
+def test_accumulator_actor_and_worker_group(ray_cluster):
     acc = Accumulator.remote()
     assert ray.get(acc.get_value.remote()) == 0
     acc.add.remote(5)

@@ -100,23 +100,34 @@ def test_megatron_modes_tp2_dp2(group):
     res = group.mg_proto(rows(5))
     assert res.batch["x"].tolist() == [10 * i for i in range(5)]
     assert res.batch["rank"].tolist() == [0, 0, 0, 2, 2]
+    # the role workers' engine routing is the same one
+    same = group.engine_proto(rows(5))
+    assert same.batch["x"].tolist() == res.batch["x"].tolist() and same.batch["rank"].tolist() == [0, 0, 0, 2, 2]
 
 
 def test_megatron_pp_modes_tp2_pp2(ray_cluster):
-    """TP=2 x PP=2 (DP=1): PP-as-DP splits over PP stages; PP_ONLY collects one output per stage."""
+    """TP=2 x PP=2 (DP=1): MEGATRON_COMPUTE_PROTO keeps the last stage; PP-as-DP (the rollout mesh) splits over
+    the PP stages."""
     with started_group(ray_cluster, 4, EchoWorker, name_prefix="mesh_pp") as wg:
         wg.set_mesh(tp=2, pp=2, dp=1)
-        # collected from the last PP stage only
         res = wg.mg_proto(rows(4))
         assert res.batch["rank"].tolist() == [2, 2, 2, 2]
-        res = wg.mg_pp_as_dp(rows(4))
-        assert res.batch["x"].tolist() == [0, 10, 20, 30]
-        assert res.batch["rank"].tolist() == [0, 0, 2, 2]
-        out = wg.mg_pp_only("w")
-        assert out == [(0, (0, 0, 0), "w"), (2, (0, 1, 0), "w")]
+        for res in (wg.mg_pp_as_dp(rows(4)), wg.rollout_proto(rows(4))):
+            assert res.batch["x"].tolist() == [0, 10, 20, 30]
+            assert res.batch["rank"].tolist() == [0, 0, 2, 2]
+
+
+def test_megatron_modes_route_by_an_engine_declared_place(ray_cluster):
+    """A verl worker naming MEGATRON_COMPUTE(_PROTO), whose place comes from its engine as the role workers declare
+    it (declare_engine_mesh), not from set_megatron_mesh."""
+    with started_group(ray_cluster, 4, EchoWorker, use_gpu=False, name_prefix="mesh_engine") as wg:
+        wg.declare_engine_place(dp=2)  # ranks {0, 1} and {2, 3}; ranks 0 and 2 kept
+        res = wg.mg_proto(rows(3))
+        assert res.batch["x"].tolist() == [0, 10, 20] and res.batch["rank"].tolist() == [0, 0, 2]
+        assert wg.mg_compute(["a", "b"]) == [(0, None, "a"), (2, None, "b")]
 
 
 def test_mesh_mode_without_declared_mesh_fails_clearly(ray_cluster):
     with started_group(ray_cluster, 2, EchoWorker, use_gpu=False, name_prefix="nomesh") as wg:
-        with pytest.raises(ValueError, match="declared no place in mesh 'megatron'"):
+        with pytest.raises(ValueError, match="declared no place in mesh 'engine'"):
             wg.mg_proto(rows(4))

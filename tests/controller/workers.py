@@ -3,6 +3,7 @@
 import contextlib
 import os
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from scaletrain.controller import (
     register,
 )
 from scaletrain.protocol import DataProto
+from scaletrain.workers.dispatch import ENGINE_PROTO, ROLLOUT_PROTO, declare_engine_mesh
 
 
 class EchoWorker(Worker):
@@ -26,6 +28,7 @@ class EchoWorker(Worker):
         super().__init__()
         self.offset = offset
         self.calls = 0
+        self.place = None  # (tp, pp, dp) once set_mesh lays the ranks out
 
     @register(Dispatch.ONE_TO_ALL)
     def one_to_all(self, x, y=0):
@@ -92,19 +95,33 @@ class EchoWorker(Worker):
     def mg_compute(self, x):
         return (self.rank, self.place, x)
 
+    def _ranked(self, data: DataProto) -> DataProto:
+        return DataProto.from_dict({"x": data.batch["x"], "rank": torch.full((len(data),), self.rank)})
+
     @register(Dispatch.MEGATRON_COMPUTE_PROTO)
     def mg_proto(self, data: DataProto):
-        n = len(data)
-        return DataProto.from_dict({"x": data.batch["x"], "rank": torch.full((n,), self.rank)})
+        return self._ranked(data)
 
     @register(Dispatch.MEGATRON_PP_AS_DP_PROTO)
     def mg_pp_as_dp(self, data: DataProto):
-        n = len(data)
-        return DataProto.from_dict({"x": data.batch["x"], "rank": torch.full((n,), self.rank)})
+        return self._ranked(data)
 
-    @register(Dispatch.MEGATRON_PP_ONLY)
-    def mg_pp_only(self, x):
-        return (self.rank, self.place, x)
+    # the role workers' names for the same routing (scaletrain/workers/dispatch.py)
+    @register(ENGINE_PROTO)
+    def engine_proto(self, data: DataProto):
+        return self._ranked(data)
+
+    @register(ROLLOUT_PROTO)
+    def rollout_proto(self, data: DataProto):
+        return self._ranked(data)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def declare_engine_place(self, dp: int):
+        """Declare the engine mesh as a role worker does, from an engine's place: ranks split evenly over ``dp``
+        DP groups, the first rank of each kept (as Megatron keeps TP rank 0)."""
+        group = self.world_size // dp
+        engine = SimpleNamespace(dp_rank=self.rank // group, dp_size=dp, collects_output=self.rank % group == 0)
+        declare_engine_mesh(self, engine)
 
     @register(Dispatch.ONE_TO_ALL)
     def allreduce_rank(self):

@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +72,6 @@ def test_embedded_default_learns(tmp_path):
     assert "VLLM_OK (1, 5)" in loaded.stdout, loaded.stderr[-3000:]
     assert (run_dir / "plots" / "reward.png").stat().st_size > 5000
     assert "points)" in out.stdout  # the summary table
+    # the console shows our own lines; the libraries' INFO lines, the workers' too, are in the run log only
+    assert re.search(r"INFO \[\w+ rank \d+ pid \d+\] vllm\.", (run_dir / "run.log").read_text())
+    assert not re.search(r"\bINFO\b", out.stdout + out.stderr), "a library's INFO line reached the console"

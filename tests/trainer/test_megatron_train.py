@@ -41,6 +41,7 @@ def test_gae_on_megatron_pp2_with_vllm(tmp_path):
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.actor.optim.lr=1e-3",
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",  # the critic follows the actor's layout
+        "data.max_prompt_length=8",
         "data.max_response_length=4",
         "trainer.total_training_steps=2",
         "trainer.save_freq=2",

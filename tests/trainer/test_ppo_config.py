@@ -4,7 +4,9 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from scaletrain.trainer.config import load_ppo_config, validate
+from scaletrain.trainer.config import load_ppo_config
+from scaletrain.trainer.config_checks import check_config
+from scaletrain.trainer.plan import resolve_config
 from scaletrain.utils.typed_config import ConfigError
 
 
@@ -16,11 +18,16 @@ def composed(*overrides):
     return data
 
 
+def checked(*overrides):
+    """The composed config as the trainer sees it: built, resolved and checked (raises ConfigError)."""
+    return check_config(resolve_config(load_ppo_config(composed(*overrides))))
+
+
 def test_yaml_defaults_build_and_validate():
-    cfg = validate(load_ppo_config(composed()))
+    cfg = checked()
     assert cfg.backend.name == "fsdp" and cfg.actor_rollout_ref.rollout.name == "vllm"
     assert cfg.actor_rollout_ref.rollout.response_length == cfg.data.max_response_length
-    hf = validate(load_ppo_config(composed("rollout=hf", "actor_rollout_ref.rollout.n=4")))
+    hf = checked("rollout=hf", "actor_rollout_ref.rollout.n=4")
     assert hf.actor_rollout_ref.rollout.name == "hf" and hf.actor_rollout_ref.rollout.n == 4
     assert load_ppo_config(composed("actor_rollout_ref.actor.optim.lr=3e-5")).actor_rollout_ref.actor.optim.lr == 3e-5
 
@@ -28,7 +35,7 @@ def test_yaml_defaults_build_and_validate():
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["data.train_batch_size=12"], "ppo_mini_batch_size (32) must divide data.train_batch_size (12)"),
+        (["data.train_batch_size=12"], "ppo_mini_batch_size (256) must divide data.train_batch_size (12)"),
         (["algorithm.adv_estimator=nope"], "algorithm.adv_estimator: unknown advantage estimator 'nope'"),
         (["actor_rollout_ref.actor.policy_loss.loss_mode=nope"], "policy_loss.loss_mode: unknown policy loss 'nope'"),
         (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name: unknown rollout engine 'sglang'"),
@@ -112,7 +119,7 @@ def test_yaml_defaults_build_and_validate():
 )
 def test_bad_configs_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as info:
-        validate(load_ppo_config(composed(*overrides)))
+        checked(*overrides)
     assert message in str(info.value)
 
 
@@ -122,17 +129,13 @@ def test_megatron_layout_keys_reach_the_engine_config():
     from backends.config import EngineConfig, ModelConfig
     from scaletrain.workers.config import ActorRolloutRefConfig, CriticConfig
 
-    cfg = validate(
-        load_ppo_config(
-            composed(
-                "backend=megatron",
-                "trainer.n_gpus_per_node=4",
-                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-                "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
-                "critic.megatron.sequence_parallel=true",
-                "critic.megatron.tensor_model_parallel_size=2",
-            )
-        )
+    cfg = checked(
+        "backend=megatron",
+        "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+        "critic.megatron.sequence_parallel=true",
+        "critic.megatron.tensor_model_parallel_size=2",
     )
     arr, base = cfg.actor_rollout_ref, EngineConfig(extra=cfg.backend.extra)
     actor = ActorRolloutRefConfig(model=ModelConfig(path="m"), backend="megatron", actor=arr.actor, engine=base)
@@ -149,39 +152,25 @@ def test_megatron_layout_keys_reach_the_engine_config():
     fsdp = ActorRolloutRefConfig(model=ModelConfig(path="m"), backend="fsdp", actor=arr.actor, engine=replace(base))
     assert fsdp.engine.extra == base.extra
     with pytest.raises(ConfigError, match="actor_rollout_ref.actor.megatron: world size 2 is not divisible"):
-        validate(
-            load_ppo_config(
-                composed("backend=megatron", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4")
-            )
-        )
+        checked("backend=megatron", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4")
     with pytest.raises(ConfigError, match="critic.megatron"):
-        validate(
-            load_ppo_config(
-                composed(
-                    "backend=megatron", "algorithm.adv_estimator=gae", "critic.megatron.pipeline_model_parallel_size=3"
-                )
-            )
+        checked(
+            "backend=megatron",
+            "algorithm.adv_estimator=gae",
+            "critic.megatron.pipeline_model_parallel_size=3",
         )
     # colocated roles share megatron's per-process parallel state: one layout, resolved into backend.extra
     with pytest.raises(ConfigError, match="need the same layout"):
-        validate(
-            load_ppo_config(
-                composed(
-                    "backend=megatron",
-                    "algorithm.adv_estimator=gae",
-                    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-                    "critic.megatron.tensor_model_parallel_size=1",
-                )
-            )
+        checked(
+            "backend=megatron",
+            "algorithm.adv_estimator=gae",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "critic.megatron.tensor_model_parallel_size=1",
         )
-    gae = validate(
-        load_ppo_config(
-            composed(  # the critic's unset keys follow the actor's layout
-                "backend=megatron",
-                "algorithm.adv_estimator=gae",
-                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-            )
-        )
+    gae = checked(  # the critic's unset keys follow the actor's layout
+        "backend=megatron",
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
     )
     assert gae.backend.extra["megatron"]["tensor_model_parallel_size"] == 2
 
@@ -189,9 +178,9 @@ def test_megatron_layout_keys_reach_the_engine_config():
 def test_model_path_must_be_a_causal_lm(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["BertForMaskedLM"], "model_type": "bert"}')
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.path: .* is not a causal language model"):
-        validate(load_ppo_config(composed(f"actor_rollout_ref.model.path={tmp_path}")))
+        checked(f"actor_rollout_ref.model.path={tmp_path}")
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.path: .* \(no config.json\)"):
-        validate(load_ppo_config(composed(f"actor_rollout_ref.model.path={tmp_path.parent}")))
+        checked(f"actor_rollout_ref.model.path={tmp_path.parent}")
 
 
 def test_megatron_refuses_a_model_it_cannot_map_before_ray(tmp_path):
@@ -203,7 +192,7 @@ def test_megatron_refuses_a_model_it_cannot_map_before_ray(tmp_path):
         match=r"actor_rollout_ref.actor.megatron: .*cannot map this qwen2 model: "
         r"hidden_act 'gelu'",
     ):
-        validate(load_ppo_config(composed("backend=megatron", f"actor_rollout_ref.model.path={path}")))
+        checked("backend=megatron", f"actor_rollout_ref.model.path={path}")
 
 
 def test_rollout_checks_against_the_model_before_ray(tmp_path):
@@ -212,16 +201,14 @@ def test_rollout_checks_against_the_model_before_ray(tmp_path):
     path = save_tiny_qwen2(str(tmp_path / "model"), with_tokenizer=False, max_position_embeddings=64)
     base = [f"actor_rollout_ref.model.path={path}"]
     with pytest.raises(ConfigError, match=r"prompt_length \+ response_length = 1536 .* max_position_embeddings \(64\)"):
-        validate(load_ppo_config(composed(*base, "data.max_prompt_length=512", "data.max_response_length=1024")))
+        checked(*base, "data.max_prompt_length=512", "data.max_response_length=1024")
     with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 does not split the model's 3 attention heads"):
         save_tiny_qwen2(
             str(tmp_path / "odd"), with_tokenizer=False, num_attention_heads=3, num_key_value_heads=1, hidden_size=96
         )
-        validate(
-            load_ppo_config(
-                composed(
-                    f"actor_rollout_ref.model.path={tmp_path / 'odd'}",
-                    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-                )
-            )
+        checked(
+            f"actor_rollout_ref.model.path={tmp_path / 'odd'}",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "data.max_prompt_length=8",
+            "data.max_response_length=8",
         )

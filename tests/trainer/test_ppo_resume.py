@@ -37,6 +37,7 @@ def command(task, run_dir, steps, extra=()):
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.actor.optim.lr=1e-3",
+        "data.max_prompt_length=8",
         "data.max_response_length=4",
         f"trainer.total_training_steps={steps}",
         "trainer.save_freq=1",

@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from scaletrain.protocol import DataProto
-from scaletrain.trainer.config import load_ppo_config, validate
 from scaletrain.trainer.rm_reward import combine_rewards
 from scaletrain.utils.typed_config import ConfigError
 from scaletrain.workers.rm_inputs import retokenized_inputs
-from tests.trainer.test_ppo_config import composed
+from tests.trainer.test_ppo_config import checked
 
 
 def save_char_rm(path) -> str:
@@ -45,13 +44,9 @@ def test_rm_keys_are_checked_before_ray(tmp_path):
 
     save_arithmetic_tokenizer(policy)
     on = ["reward_model.enable=true"]
-    ok = validate(load_ppo_config(composed(*on, f"reward_model.model.path={same_rm}")))
+    ok = checked(*on, f"reward_model.model.path={same_rm}")
     assert ok.reward_model.model.input_tokenizer is None and ok.reward_model.micro_batch_size_per_gpu == 8
-    validate(
-        load_ppo_config(
-            composed(*on, f"reward_model.model.path={char_rm}", f"reward_model.model.input_tokenizer={policy}")
-        )
-    )
+    checked(*on, f"reward_model.model.path={char_rm}", f"reward_model.model.input_tokenizer={policy}")
     bad = {
         "reward_model.enable needs reward_model.model.path": [],
         "the reward model's tokenizer differs from the policy's (16 vs 99 tokens)": [
@@ -69,7 +64,7 @@ def test_rm_keys_are_checked_before_ray(tmp_path):
     }
     for message, overrides in bad.items():
         with pytest.raises(ConfigError) as info:
-            validate(load_ppo_config(composed(*on, *overrides)))
+            checked(*on, *overrides)
         assert message in str(info.value), (message, str(info.value))
 
 
@@ -78,22 +73,18 @@ def test_a_causal_lm_is_refused_as_reward_model(tmp_path):
 
     path = save_tiny_model(tmp_path / "lm")
     with pytest.raises(ConfigError, match=r"Qwen2ForCausalLM; the reward model must be a \*ForSequenceClassification"):
-        validate(load_ppo_config(composed("reward_model.enable=true", f"reward_model.model.path={path}")))
+        checked("reward_model.enable=true", f"reward_model.model.path={path}")
 
 
 def test_megatron_checks_the_rm_against_the_shared_layout(tmp_path):
     rm = save_embedded_vocab_rm(tmp_path / "rm")  # 4 heads, 2 KV heads: TP=4 cannot split the KV heads
     with pytest.raises(ConfigError, match="reward_model.model.path: .*shares the actor's layout"):
-        validate(
-            load_ppo_config(
-                composed(
-                    "backend=megatron",
-                    "trainer.n_gpus_per_node=4",
-                    "reward_model.enable=true",
-                    f"reward_model.model.path={rm}",
-                    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
-                )
-            )
+        checked(
+            "backend=megatron",
+            "trainer.n_gpus_per_node=4",
+            "reward_model.enable=true",
+            f"reward_model.model.path={rm}",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
         )
 
 

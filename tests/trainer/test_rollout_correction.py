@@ -8,10 +8,10 @@ import torch
 
 from scaletrain.algos import POLICY_LOSSES
 from scaletrain.protocol import DataProto
-from scaletrain.trainer.config import RolloutCorrectionConfig, load_ppo_config, validate
+from scaletrain.trainer.config import RolloutCorrectionConfig
 from scaletrain.trainer.rollout_correction import apply_rollout_correction, rs_bounds
 from scaletrain.utils.typed_config import ConfigError
-from tests.trainer.test_ppo_config import composed
+from tests.trainer.test_ppo_config import checked as checked_config
 
 KEY = "algorithm.rollout_correction"
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
@@ -108,7 +108,7 @@ def test_rejection_masks_tokens_or_sequences():
 
 def checked(*settings, extra=()):
     """The validated config with ``algorithm.rollout_correction.<setting>`` overrides (plus ``extra``)."""
-    return validate(load_ppo_config(composed(*[f"{KEY}.{s}" for s in settings], *extra)))
+    return checked_config(*[f"{KEY}.{s}" for s in settings], *extra)
 
 
 @pytest.mark.parametrize(

@@ -2,13 +2,13 @@
 
 import pytest
 
-from scaletrain.trainer.config import load_ppo_config, validate
+from scaletrain.trainer.config import load_ppo_config
 from scaletrain.utils.typed_config import ConfigError
-from tests.trainer.test_ppo_config import composed
+from tests.trainer.test_ppo_config import checked, composed
 
 
 def test_defaults_are_off_and_val_kwargs_greedy():
-    cfg = validate(load_ppo_config(composed()))
+    cfg = checked()
     assert (cfg.trainer.rollout_data_dir, cfg.trainer.validation_data_dir, cfg.trainer.log_val_generations) == (
         None,
         None,
@@ -44,13 +44,13 @@ def test_val_kwargs_sampling_and_do_sample():
 )
 def test_bad_keys_are_named(overrides, message):
     with pytest.raises(ConfigError) as info:
-        validate(load_ppo_config(composed(*overrides)))
+        checked(*overrides)
     assert message in str(info.value)
 
 
 def test_dump_dirs_must_be_creatable(tmp_path):
     (tmp_path / "file").write_text("")
-    ok = validate(load_ppo_config(composed(f"trainer.rollout_data_dir={tmp_path / 'new' / 'dir'}")))
+    ok = checked(f"trainer.rollout_data_dir={tmp_path / 'new' / 'dir'}")
     assert ok.trainer.rollout_data_dir == str(tmp_path / "new" / "dir") and not (tmp_path / "new").exists()
     with pytest.raises(ConfigError, match=r"trainer.validation_data_dir: .*/file is not a directory"):
-        validate(load_ppo_config(composed(f"trainer.validation_data_dir={tmp_path / 'file' / 'sub'}")))
+        checked(f"trainer.validation_data_dir={tmp_path / 'file' / 'sub'}")

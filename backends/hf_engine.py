@@ -1,0 +1,169 @@
+"""The engine loop of the HF-model training engines (layer 1): FSDP2 (backends/fsdp/engine.py) and DeepSpeed ZeRO-3
+(backends/deepspeed/engine.py) subclass ``HFTrainEngine`` and supply only what their framework does its own way.
+
+Shared here: loading the HF model (same seed on every rank, so fresh value/reward heads agree), ``forward`` (no-grad,
+micro-batched, outputs put back in row order), ``train_step`` (micro-batches weighted by backends/accumulation.py,
+then the step-or-skip tail of backends/train_step.py that the Megatron engine uses too), ``export_weights`` and
+``save_hf``. Micro-batches are ``micro_batch_size_per_gpu`` rows or, with ``use_dynamic_bsz``, a token budget
+(backends/batching.py); the ranks agree on one count. ``meta_info["temperature"]`` (default 1) divides the logits.
+
+Hooks (the backend's part):
+  - ``_compute_module()``: the module a micro-batch runs through (FSDP: the sharded model; DeepSpeed: its engine,
+    whose forward sets up autocast and the ZeRO-3 hooks);
+  - ``_on_device(optimizer)``: a context that brings offloaded state back for a call (FSDP; DeepSpeed offloads
+    inside ZeRO);
+  - ``_backward(loss)``; ``_clip_grads()`` -> the global gradient norm before clipping; ``_apply_update()``;
+    ``_end_step(skipped)``: zero the gradients and advance the LR schedule (one per train_step, skipped or not);
+  - ``_full_tensor_buckets(bucket_bytes, skip)``: the full HF-named tensors in buckets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import abstractmethod
+
+import torch
+import torch.distributed as dist
+
+from backends.accumulation import Accumulation
+from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine
+from backends.batching import Partition, restore_order
+from backends.config import EngineConfig, ModelConfig, OptimConfig, resolve_precision
+from backends.dist import local_device
+from backends.hf_checkpoint import write_hf_checkpoint
+from backends.hf_model import build_model, check_outputs, forward_micro_batch, tied_duplicate_names
+from backends.train_step import finish_train_step, partition_batch, require_trainable
+from scaletrain.protocol import DataProto
+
+
+class HFTrainEngine(TrainEngine):
+    """One engine per process; every public method is collective over ``self.group`` (the data-parallel ranks)."""
+
+    group = None  # the data-parallel process group (None: the default group)
+    optimizer = scheduler = None  # set by a trainable engine
+
+    def _resolve_configs(
+        self, model_config: ModelConfig, optim_config: OptimConfig | None, engine_config: EngineConfig
+    ) -> None:
+        """Pick the device and store the configs with precision settings resolved for it."""
+        self.device = local_device()
+        model_config, engine_config = resolve_precision(
+            model_config, engine_config, self.device.type, trainable=optim_config is not None
+        )
+        self.model_config, self.optim_config, self.engine_config = model_config, optim_config, engine_config
+        self.global_step = 0
+
+    def _load_hf_model(self) -> torch.nn.Module:
+        """The HF model of ``model_config`` (frozen for a forward-only engine), remembering what ``save_hf`` needs
+        before the backend wraps or renames it."""
+        torch.manual_seed(self.engine_config.seed)  # same fresh heads (value/reward) on every rank
+        model = build_model(self.model_config)
+        self.architecture = type(model).__name__
+        self.tied_names = tied_duplicate_names(model)
+        self.hf_config = model.config
+        self.generation_config = getattr(model, "generation_config", None)
+        if self.optim_config is None:
+            model.requires_grad_(False)
+        return model
+
+    # ------------------------------------------------------------------------------------------------ hooks
+    def _compute_module(self) -> torch.nn.Module:
+        return self.model
+
+    def _on_device(self, optimizer: bool):
+        return contextlib.nullcontext()
+
+    @abstractmethod
+    def _backward(self, loss: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def _clip_grads(self) -> float: ...
+
+    @abstractmethod
+    def _apply_update(self) -> None: ...
+
+    @abstractmethod
+    def _end_step(self, skipped: bool) -> None: ...
+
+    @abstractmethod
+    def _full_tensor_buckets(self, bucket_bytes: int, skip) -> Buckets: ...
+
+    # ------------------------------------------------------------------------------------------ properties
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def dp_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    # --------------------------------------------------------------------------------------- micro-batching
+    def _partition(self, batch: DataProto) -> Partition:
+        return partition_batch(batch, self.engine_config, self.device, self.group)
+
+    def _forward(self, micro: DataProto, outputs: tuple[str, ...], temperature: float) -> dict[str, torch.Tensor]:
+        inputs = {k: micro.batch[k].to(self.device) for k in MODEL_INPUTS if k in micro.batch.keys()}
+        return forward_micro_batch(
+            self._compute_module(),
+            inputs,
+            outputs,
+            kind=self.model_config.kind,
+            remove_padding=self.model_config.use_remove_padding,
+            temperature=temperature,
+            chunk_size=self.engine_config.entropy_chunk_size,
+        )
+
+    # -------------------------------------------------------------------------------------------- compute
+    def forward(self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",)) -> DataProto:
+        outputs = check_outputs(self.model_config.kind, outputs)
+        temperature = float(batch.meta_info.get("temperature", 1.0))
+        inputs = batch.select(batch_keys=[k for k in MODEL_INPUTS if k in batch.batch.keys()], non_tensor_batch_keys=[])
+        with self._on_device(optimizer=False):
+            self._compute_module().eval()
+            parts = self._partition(inputs)
+            results = []
+            with torch.no_grad():
+                for part in parts:
+                    out = self._forward(inputs.select_idxs(part), outputs, temperature)
+                    results.append({k: v.float().cpu() for k, v in out.items()})
+        order = restore_order(parts)
+        return DataProto.from_dict({k: torch.cat([r[k] for r in results])[order] for k in outputs})
+
+    def train_step(self, mini_batch: DataProto, loss_fn: LossFn, outputs: tuple[str, ...] = ("log_probs",)) -> dict:
+        """Metrics are the whole mini-batch's (all DP ranks; backends/accumulation.py): ``loss`` and loss_fn's
+        metrics, plus the global ``grad_norm`` (before clipping), the ``lr`` this step used and ``step_skipped``
+        (1.0 when a non-finite gradient norm skipped the optimizer update; backends/train_step.py)."""
+        require_trainable(self.optim_config)
+        outputs = check_outputs(self.model_config.kind, outputs)
+        temperature = float(mini_batch.meta_info.get("temperature", 1.0))
+        with self._on_device(optimizer=True):
+            self._compute_module().train()
+            micros = [mini_batch.select_idxs(part) for part in self._partition(mini_batch)]
+            acc = Accumulation(loss_fn, micros, self.device, self.group)
+            for i, micro in enumerate(micros):
+                micro = micro.to(self.device)
+                loss, metrics = loss_fn(self._forward(micro, outputs, temperature), micro)
+                self._backward(loss * acc.grad_scale(i))
+                acc.add(i, loss.detach(), metrics)
+            lr = self.scheduler.get_last_lr()[0]
+            result = finish_train_step(acc.metrics(), lr, self.global_step, self._clip_grads, self._apply_update)
+            self._end_step(skipped=bool(result["step_skipped"]))
+            self.global_step += 1
+        return result
+
+    # -------------------------------------------------------------------------------------------- weights
+    def export_weights(self, bucket_bytes: int = 256 << 20) -> Buckets:
+        return self._full_tensor_buckets(bucket_bytes, skip=())
+
+    def save_hf(self, path: str, shard_bytes: int = 1 << 30) -> None:
+        """Config + safetensors (+ tokenizer files of the source model), written by rank 0; collective."""
+        write_hf_checkpoint(
+            path,
+            self._full_tensor_buckets(shard_bytes, skip=self.tied_names),
+            self.hf_config,
+            self.architecture,
+            is_writer=dist.get_rank() == 0,
+            generation_config=self.generation_config,
+            tokenizer_dir=self.model_config.path,
+        )
+        dist.barrier()

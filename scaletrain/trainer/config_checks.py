@@ -1,0 +1,218 @@
+"""Checks of the PPO config across keys (layer 4), run once before Ray starts.
+
+``check_config`` takes the resolved config (``scaletrain.trainer.plan.resolve_config``: null fallbacks filled)
+and checks what types cannot: batch sizes that must divide, registered names (estimator, policy loss, backend,
+rollout engine, reward manager, loggers), files and models that must exist, layouts that must fit. It raises
+ConfigError naming the key and changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+from scaletrain.models.prepare import check_causal_lm
+from scaletrain.trainer.config import PPOConfig, TrainerSection, files_of
+from scaletrain.trainer.rollout_checks import validate_rollout, validate_rollout_model
+from scaletrain.utils.typed_config import ConfigError
+
+
+def check_config(cfg: PPOConfig) -> PPOConfig:
+    """Checks across keys of a resolved config (``plan.resolve_config``); raises ConfigError naming the key.
+    Changes nothing; returns ``cfg`` for chaining."""
+    from scaletrain.trainer.dynamic_sampling import validate_filter_groups
+    from scaletrain.trainer.rm_reward import validate_reward_model
+    from scaletrain.trainer.role_checks import validate_roles
+    from scaletrain.trainer.rollout_correction import validate_rollout_correction
+
+    _validate_names(cfg)
+    _validate_batch_sizes(cfg)
+    _validate_algorithm(cfg)
+    validate_rollout(cfg.actor_rollout_ref.rollout, cfg.world_size, cfg.trainer.device)
+    validate_roles(cfg)
+    validate_rollout_correction(cfg)
+    validate_filter_groups(cfg)
+    if cfg.backend.name == "megatron":
+        _validate_megatron(cfg, cfg.world_size)
+    _validate_trainer(cfg)
+    cfg.actor_rollout_ref.rollout.val_sampling()  # raises ConfigError naming a bad val_kwargs key
+    _validate_paths(cfg)
+    validate_reward_model(cfg)  # after _validate_megatron: the RM shares the resolved layout
+    return cfg
+
+
+def _validate_batch_sizes(cfg: PPOConfig) -> None:
+    """Prompts per step split into mini-batches, mini-batch rows over the ranks, micro-batches into those rows."""
+    actor, data, trainer, n = cfg.actor_rollout_ref.actor, cfg.data, cfg.trainer, cfg.actor_rollout_ref.rollout.n
+    positive = {
+        "data.train_batch_size": data.train_batch_size,
+        "actor_rollout_ref.rollout.n": n,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": actor.ppo_mini_batch_size,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": actor.ppo_micro_batch_size_per_gpu,
+        "trainer.n_gpus_per_node": trainer.n_gpus_per_node,
+        "trainer.nnodes": trainer.nnodes,
+    }
+    check_positive(positive)
+    if data.train_batch_size % actor.ppo_mini_batch_size:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) must "
+            f"divide data.train_batch_size ({data.train_batch_size})"
+        )
+    world = cfg.world_size
+    if (actor.ppo_mini_batch_size * n) % world:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size x rollout.n = "
+            f"{actor.ppo_mini_batch_size * n} rows do not split over {world} ranks"
+        )
+    rows_per_rank, micro = actor.ppo_mini_batch_size * n // world, actor.ppo_micro_batch_size_per_gpu
+    if not actor.use_dynamic_bsz and micro < rows_per_rank and rows_per_rank % micro:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu ({micro}) must divide the {rows_per_rank} "
+            "mini-batch rows per rank"
+        )
+
+
+def _validate_algorithm(cfg: PPOConfig) -> None:
+    estimator, n = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
+    if estimator in ("grpo", "rloo", "grpo_passk", "opo", "reinforce_plus_plus_baseline") and n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={estimator} compares samples of one prompt: "
+            f"set actor_rollout_ref.rollout.n >= 2 (got {n})"
+        )
+    if cfg.actor_rollout_ref.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
+        raise ConfigError(
+            "actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward both add a KL penalty; enable one"
+        )
+
+
+def _validate_trainer(cfg: PPOConfig) -> None:
+    trainer = cfg.trainer
+    if trainer.resume_mode not in ("auto", "disable", "resume_path"):
+        raise ConfigError(f"trainer.resume_mode must be auto | disable | resume_path, got '{trainer.resume_mode}'")
+    if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+    _validate_generation_outputs(trainer)
+    if trainer.critic_warmup < 0:
+        raise ConfigError(f"trainer.critic_warmup must be >= 0, got {trainer.critic_warmup}")
+    if trainer.critic_warmup and not cfg.use_critic:
+        raise ConfigError(
+            f"trainer.critic_warmup={trainer.critic_warmup} warms up a critic, but this run has none "
+            f"(algorithm.adv_estimator={cfg.algorithm.adv_estimator}, critic.enable={cfg.critic.enable})"
+        )
+
+
+def _validate_names(cfg: PPOConfig) -> None:
+    """Every configured name (estimator, loss, backend, rollout, reward manager, aggregation, loggers) is registered;
+    the backend's packages import."""
+    from backends.base import BACKENDS
+    from backends.rollout.base import ROLLOUTS
+    from scaletrain.algos import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+    from scaletrain.reward import REWARD_MANAGERS
+    from scaletrain.trainer.tracking import LOGGERS
+
+    arr = cfg.actor_rollout_ref
+    names = [
+        ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ADV_ESTIMATORS),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode", arr.actor.policy_loss.loss_mode, POLICY_LOSSES),
+        ("backend.name", cfg.backend.name, BACKENDS),
+        ("actor_rollout_ref.rollout.name", arr.rollout.name, ROLLOUTS),
+        ("reward_model.reward_manager", cfg.reward_model.reward_manager, REWARD_MANAGERS),
+    ]
+    check_registered(names + [("trainer.logger", name, LOGGERS) for name in cfg.trainer.logger])
+    try:
+        BACKENDS.get(cfg.backend.name)  # imports a lazily registered backend: a missing package fails here
+    except ImportError as exc:
+        raise ConfigError(f"backend.name: {exc}") from exc
+    for key, mode in (
+        ("actor_rollout_ref.actor.loss_agg_mode", arr.actor.loss_agg_mode),
+        ("critic.loss_agg_mode", cfg.critic.loss_agg_mode),
+    ):
+        if mode not in LOSS_AGG_MODES:
+            raise ConfigError(f"{key}: unknown mode '{mode}'; one of {', '.join(LOSS_AGG_MODES)}")
+
+
+def check_positive(values: dict[str, float]) -> None:
+    """Each dotted key's value is > 0."""
+    for key, value in values.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+
+
+def check_registered(entries) -> None:
+    """Each (key, name, registry) names a registered entry; ConfigError naming the key and the choices if not."""
+    for key, name, registry in entries:
+        if name not in registry:
+            raise ConfigError(f"{key}: unknown {registry.kind} '{name}'; registered: {', '.join(registry.names())}")
+
+
+def _validate_paths(cfg: PPOConfig) -> None:
+    """Data files, model directories and the reward function exist; the actor's model is a causal LM."""
+    for key in ("data.train_files", "data.val_files"):
+        for path in files_of(getattr(cfg.data, key.split(".")[1])):
+            if not os.path.exists(path):
+                raise ConfigError(f"{key}: file not found: {path}")
+    model_path = cfg.actor_rollout_ref.model.path
+    for key, path in (
+        ("actor_rollout_ref.model.path", model_path),
+        ("critic.model.path", cfg.critic.model.path),
+        ("custom_reward_function.path", cfg.custom_reward_function.path),
+    ):
+        if path is not None and not os.path.exists(path):
+            raise ConfigError(f"{key}: not found: {path}")
+    if model_path is not None:
+        try:
+            check_causal_lm(model_path, "actor_rollout_ref.model.path")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        validate_rollout_model(cfg.actor_rollout_ref.rollout, model_path)
+
+
+def _validate_generation_outputs(trainer: TrainerSection) -> None:
+    """``trainer.log_val_generations`` >= 0; the dump directories can be created (nothing is created here)."""
+    if trainer.log_val_generations < 0:
+        raise ConfigError(f"trainer.log_val_generations must be >= 0, got {trainer.log_val_generations}")
+    for key in ("rollout_data_dir", "validation_data_dir"):
+        path = getattr(trainer, key)
+        if path is None:
+            continue
+        existing = os.path.abspath(path)
+        while not os.path.exists(existing):  # the nearest existing ancestor decides
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise ConfigError(f"trainer.{key}: {existing} is not a directory, so {path} cannot be one")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"trainer.{key}: {path} cannot be written ({existing} is not writable)")
+
+
+def _validate_megatron(cfg: PPOConfig, world: int) -> None:
+    """The actor's (and ref's) and the critic's Megatron layouts fit the world (and the model, when on disk).
+
+    The roles are colocated in one process per device and megatron's parallel state is per process, so they share
+    one layout: ``resolve_config`` put the actor's in ``backend.extra["megatron"]``; the critic's set keys must
+    agree with it."""
+    from backends.megatron.hf_mapping import check_mappable
+
+    arr = cfg.actor_rollout_ref
+    sections = [("actor_rollout_ref.actor.megatron", arr.actor.megatron, arr.model.path)]
+    if cfg.use_critic:
+        sections.append(("critic.megatron", cfg.critic.megatron, cfg.critic.model.path or arr.model.path))
+    layouts = []
+    for key, section, path in sections:
+        hf_config = None
+        if path and os.path.isfile(os.path.join(path, "config.json")):
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=arr.model.trust_remote_code)
+        try:
+            layout = section.resolved(cfg.backend.extra)
+            layout.validate(world, hf_config)
+            if hf_config is not None:
+                check_mappable(hf_config)  # a model the HF <-> megatron mapping cannot reproduce fails before Ray
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{key}: {exc} (trainer.n_gpus_per_node x trainer.nnodes = {world} ranks)") from exc
+        layouts.append((key, layout))
+    for key, layout in layouts[1:]:
+        if layout != layouts[0][1]:
+            raise ConfigError(
+                f"{key} ({layout}) differs from {layouts[0][0]} ({layouts[0][1]}): the roles share "
+                "one process per device and megatron's parallel state, so they need the same layout"
+            )

@@ -1,0 +1,129 @@
+"""Typed roles (layer 4): what the trainers call on their worker groups, one small class per role.
+
+Each method is one visible call into the role's worker group, naming the worker's own method::
+
+    def update(self, batch: DataProto) -> dict[str, float]:
+        return reduce_metrics(self.group.call(ActorRolloutRefWorker.update_actor, batch))
+
+so "go to definition" goes from the trainer to here, and from here to the worker method (which calls its
+engine), and the return types are the ones the trainer gets: the group's per-rank outputs are collected by the
+method's @register dispatch mode and, for metrics, averaged over the ranks here. The worker groups underneath are
+the verl-style controller (scaletrain/controller): dispatch modes, colocation, role-prefixed names across Ray.
+"""
+
+from __future__ import annotations
+
+from backends.rollout.base import TokenOutput, TokenRequest
+from scaletrain.controller import ROLLOUT_MESH, WorkerGroup
+from scaletrain.protocol import DataProto
+from scaletrain.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker, reduce_metrics
+from scaletrain.workers.sft import SFTWorker
+
+
+class ActorRolloutRefRole:
+    """The policy: rollout generation, old / reference log-probs, the actor update and the weight sync."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self.group = group
+
+    def init_model(self) -> None:
+        self.group.call(ActorRolloutRefWorker.init_model)
+
+    def generate(self, prompts: DataProto) -> DataProto:
+        """Responses to ``prompts`` (``n`` per prompt, sampling from the rollout config and ``meta_info``)."""
+        return self.group.call(ActorRolloutRefWorker.generate_sequences, prompts)
+
+    def generate_tokens(self, per_rank: list[list[TokenRequest]]) -> list[list[TokenOutput]]:
+        """Token-level generation for the agent loops: one request list per rollout DP rank in, one output list out."""
+        return self.group.call(ActorRolloutRefWorker.generate_tokens, per_rank)
+
+    def rollout_dp_size(self) -> int:
+        """How many rollout engines (DP ranks) ``generate_tokens`` takes a request list for."""
+        return self.group.mesh_places(ROLLOUT_MESH)[0].dp_size
+
+    def compute_log_prob(self, batch: DataProto) -> DataProto:
+        """``old_log_probs`` and ``entropys`` of the current policy."""
+        return self.group.call(ActorRolloutRefWorker.compute_log_prob, batch)
+
+    def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
+        """``ref_log_prob`` of the frozen reference policy."""
+        return self.group.call(ActorRolloutRefWorker.compute_ref_log_prob, batch)
+
+    def update(self, batch: DataProto) -> dict[str, float]:
+        """The PPO epochs over ``batch``'s mini-batches; metrics averaged over the ranks."""
+        return reduce_metrics(self.group.call(ActorRolloutRefWorker.update_actor, batch))
+
+    def sync_weights(self) -> None:
+        """The actor's weights into the rollout engine."""
+        self.group.call(ActorRolloutRefWorker.sync_rollout_weights)
+
+    def save_checkpoint(self, path: str) -> None:
+        self.group.call(ActorRolloutRefWorker.save_checkpoint, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.group.call(ActorRolloutRefWorker.load_checkpoint, path)
+
+    def save_hf(self, path: str) -> None:
+        self.group.call(ActorRolloutRefWorker.save_hf, path)
+
+
+class CriticRole:
+    """The value model: values of a batch and its update."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self.group = group
+
+    def init_model(self) -> None:
+        self.group.call(CriticWorker.init_model)
+
+    def compute_values(self, batch: DataProto) -> DataProto:
+        return self.group.call(CriticWorker.compute_values, batch)
+
+    def update(self, batch: DataProto) -> dict[str, float]:
+        """The value-loss epochs over ``batch``'s mini-batches; metrics averaged over the ranks."""
+        return reduce_metrics(self.group.call(CriticWorker.update_critic, batch))
+
+    def save_checkpoint(self, path: str) -> None:
+        self.group.call(CriticWorker.save_checkpoint, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.group.call(CriticWorker.load_checkpoint, path)
+
+
+class RewardModelRole:
+    """The reward model: one score per response."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self.group = group
+
+    def init_model(self) -> None:
+        self.group.call(RewardModelWorker.init_model)
+
+    def compute_rm_score(self, batch: DataProto) -> DataProto:
+        """``rm_scores`` (B, R): each row's score at its last valid response token."""
+        return self.group.call(RewardModelWorker.compute_rm_score, batch)
+
+
+class SFTRole:
+    """The SFT model: a training step, the validation NLL and greedy generation."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self.group = group
+
+    def init_model(self) -> None:
+        self.group.call(SFTWorker.init_model)
+
+    def train_batch(self, batch: DataProto) -> dict[str, float]:
+        """One optimizer step on ``batch``; metrics averaged over the ranks."""
+        return reduce_metrics(self.group.call(SFTWorker.train_batch, batch))
+
+    def eval_loss(self, batch: DataProto) -> DataProto:
+        """``nll_sum`` and ``num_tokens`` per row."""
+        return self.group.call(SFTWorker.eval_loss, batch)
+
+    def generate(self, prompts: DataProto) -> DataProto:
+        """One greedy response per prompt from the current weights."""
+        return self.group.call(SFTWorker.generate, prompts)
+
+    def save_hf(self, path: str) -> None:
+        self.group.call(SFTWorker.save_hf, path)

@@ -1,0 +1,189 @@
+"""The SFT trainer's typed config (layer 4): every key and its default, the embedded paths, the checks.
+
+configs/sft_trainer.yaml lists the same keys with the same defaults (the embedded default's warm-up recipe; a
+test compares them). ``load_sft_config`` builds the dataclasses strictly, ``resolve_embedded`` fills null paths
+with the embedded default's files, ``check_sft_config`` checks across keys; all before Ray starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from backends.config import OptimConfig
+from scaletrain.trainer.config import BackendConfig, HFModelConfig, RayInitConfig, files_of
+from scaletrain.utils.typed_config import ConfigError, build
+from scaletrain.workers.sft import GreedyRolloutConfig
+
+TRUNCATION = ("error", "truncate")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class SFTDataConfig:
+    train_files: Any = None  # str | list[str]; null: the embedded default's sft_train
+    val_files: Any = None  # null: no validation loss (embedded default: its sft_val)
+    val_prompts_file: str | None = None  # RL-format parquet for greedy accuracy (embedded default: its val)
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    train_batch_size: int = 128  # rows per optimizer step, over all ranks
+    micro_batch_size_per_gpu: int = 64
+    max_prompt_length: int = 8
+    max_response_length: int = 5  # response + EOS; also the greedy generation's max_new_tokens
+    truncation: str = "error"  # error | truncate (prompt keeps its end, response its start)
+    seed: int = 1
+    max_samples: int | None = None
+    val_max_samples: int | None = None
+
+
+@dataclass
+class SFTTrainerSection:
+    project_name: str = "scaletrain"
+    experiment_name: str = "sft"
+    total_epochs: int = 1
+    total_steps: int | None = 1200  # set: overrides total_epochs
+    n_gpus_per_node: int = 2
+    nnodes: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    default_local_dir: str | None = None  # null: outputs/<project_name>/<experiment_name>
+    test_freq: int = 25  # steps between evaluations (and at the last step); <= 0: never
+    val_before_train: bool = False
+    stop_at_val_acc: float | None = 0.15  # stop once greedy val accuracy >= this; null: never
+    save_hf_at_end: bool = True
+    seed: int = 1
+    verbose: bool = False  # the console shows libraries' INFO logs too (run.log always has them: console.py)
+
+
+@dataclass
+class SFTConfig:
+    """Defaults = configs/sft_trainer.yaml's (the warm-up recipe), so ``run_sft`` on a dict of paths follows it."""
+
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    model: HFModelConfig = field(default_factory=HFModelConfig)
+    optim: OptimConfig = field(
+        default_factory=lambda: OptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=0.0, warmup_steps=100)
+    )
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    rollout: GreedyRolloutConfig = field(default_factory=GreedyRolloutConfig)
+    trainer: SFTTrainerSection = field(default_factory=SFTTrainerSection)
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.n_gpus_per_node * self.trainer.nnodes
+
+    @property
+    def output_dir(self) -> str:
+        t = self.trainer
+        return t.default_local_dir or os.path.join("outputs", t.project_name, t.experiment_name)
+
+
+def load_sft_config(data: Mapping[str, Any] | None) -> SFTConfig:
+    """Typed config from a plain or OmegaConf mapping (``${...}`` interpolations resolved)."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(OmegaConf.create(dict(data or {})), resolve=True)
+    return build(SFTConfig, plain)
+
+
+def resolve_embedded(cfg: SFTConfig) -> SFTConfig:
+    """Null model path / train files -> the embedded default's (built once, cached)."""
+    if cfg.model.path is not None and cfg.data.train_files is not None:
+        return cfg
+    from scaletrain.data import build_embedded_default
+
+    paths = build_embedded_default()
+    data = cfg.data
+    if data.train_files is None:
+        data = replace(
+            data,
+            train_files=paths["sft_train"],
+            val_files=data.val_files or paths["sft_val"],
+            val_prompts_file=data.val_prompts_file or paths["val"],
+        )
+    model = cfg.model if cfg.model.path is not None else replace(cfg.model, path=paths["model"])
+    return replace(cfg, data=data, model=model)
+
+
+def check_sft_config(cfg: SFTConfig) -> SFTConfig:
+    """Checks across keys; raises ConfigError naming the key. Needs resolved paths (``resolve_embedded``).
+    Changes nothing; returns ``cfg`` for chaining."""
+    from backends.base import BACKENDS
+    from backends.rollout.base import ROLLOUTS
+    from scaletrain.trainer.config_checks import check_registered
+    from scaletrain.trainer.tracking import LOGGERS
+
+    check_registered(
+        [("backend.name", cfg.backend.name, BACKENDS), ("rollout.name", cfg.rollout.name, ROLLOUTS)]
+        + [("trainer.logger", name, LOGGERS) for name in cfg.trainer.logger]
+    )
+    cfg.rollout.check("rollout")
+    _check_values(cfg)
+    if cfg.model.path is None or not os.path.exists(cfg.model.path):
+        raise ConfigError(f"model.path: not found: {cfg.model.path}")
+    _check_data_files(cfg.data)
+    return cfg
+
+
+def _check_values(cfg: SFTConfig) -> None:
+    from backends.optim import SCHEDULES
+    from scaletrain.trainer.config_checks import check_positive
+
+    data, trainer = cfg.data, cfg.trainer
+    positive = {
+        "data.train_batch_size": data.train_batch_size,
+        "trainer.nnodes": trainer.nnodes,
+        "data.micro_batch_size_per_gpu": data.micro_batch_size_per_gpu,
+        "data.max_prompt_length": data.max_prompt_length,
+        "data.max_response_length": data.max_response_length,
+        "trainer.n_gpus_per_node": trainer.n_gpus_per_node,
+        "trainer.total_epochs": trainer.total_epochs,
+        "trainer.total_steps": trainer.total_steps or 1,
+        "optim.lr": cfg.optim.lr,
+    }
+    check_positive(positive)
+    if data.train_batch_size % cfg.world_size:
+        raise ConfigError(
+            f"data.train_batch_size ({data.train_batch_size}) must be divisible by the world size "
+            f"trainer.n_gpus_per_node x trainer.nnodes = {cfg.world_size}"
+        )
+    choices = {
+        "data.truncation": (data.truncation, TRUNCATION),
+        "trainer.device": (trainer.device, DEVICES),
+        "optim.lr_scheduler": (cfg.optim.lr_scheduler, SCHEDULES),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{key} must be one of {' | '.join(allowed)}, got '{value}'")
+    if trainer.stop_at_val_acc is not None:
+        if not 0.0 <= trainer.stop_at_val_acc <= 1.0:
+            raise ConfigError(f"trainer.stop_at_val_acc must be in [0, 1], got {trainer.stop_at_val_acc}")
+        if not data.val_prompts_file or trainer.test_freq <= 0:
+            raise ConfigError("trainer.stop_at_val_acc needs data.val_prompts_file and trainer.test_freq > 0")
+
+
+def _check_data_files(data: SFTDataConfig) -> None:
+    """The files exist, have the prompt / response columns, and hold at least one batch of training rows."""
+    if not files_of(data.train_files):
+        raise ConfigError("data.train_files: no files given")
+    for key in ("train_files", "val_files"):
+        for path in files_of(getattr(data, key)):
+            if not os.path.exists(path):
+                raise ConfigError(f"data.{key}: file not found: {path}")
+            columns = pq.read_schema(path).names
+            for col_key in ("prompt_key", "response_key"):
+                if getattr(data, col_key) not in columns:
+                    raise ConfigError(
+                        f"data.{col_key}: column '{getattr(data, col_key)}' not in {path} "
+                        f"(columns: {', '.join(columns)})"
+                    )
+    rows = sum(pq.ParquetFile(p).metadata.num_rows for p in files_of(data.train_files))
+    if (rows := min(rows, data.max_samples or rows)) < data.train_batch_size:
+        raise ConfigError(f"data.train_batch_size ({data.train_batch_size}) exceeds the {rows} training rows")
+    if data.val_prompts_file and not os.path.exists(data.val_prompts_file):
+        raise ConfigError(f"data.val_prompts_file: file not found: {data.val_prompts_file}")
