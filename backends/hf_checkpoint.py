@@ -41,6 +41,24 @@ def copy_tokenizer_files(src_dir: str, dst_dir: str) -> list[str]:
     return copied
 
 
+def save_engine_hf(engine, path: str, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
+    """A training engine's ``save_hf``: its full tensors in ``buckets`` (consumed on every rank: the gathers are
+    collective) written by rank 0 with the engine's HF config, architecture, generation config and source tokenizer;
+    then a barrier, so no rank returns before the files exist."""
+    import torch.distributed as dist
+
+    write_hf_checkpoint(
+        path,
+        buckets,
+        engine.hf_config,
+        engine.architecture,
+        is_writer=dist.get_rank() == 0,
+        generation_config=engine.generation_config,
+        tokenizer_dir=engine.model_config.path,
+    )
+    dist.barrier()
+
+
 def write_hf_checkpoint(
     path: str,
     buckets: Iterable[list[tuple[str, torch.Tensor]]],

@@ -30,7 +30,7 @@ from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine
 from backends.batching import Partition, restore_order
 from backends.config import EngineConfig, ModelConfig, OptimConfig, resolve_precision
 from backends.dist import local_device
-from backends.hf_checkpoint import write_hf_checkpoint
+from backends.hf_checkpoint import save_engine_hf
 from backends.hf_model import build_model, check_outputs, forward_micro_batch, tied_duplicate_names
 from backends.train_step import finish_train_step, partition_batch, require_trainable
 from scaletrain.protocol import DataProto
@@ -157,13 +157,4 @@ class HFTrainEngine(TrainEngine):
 
     def save_hf(self, path: str, shard_bytes: int = 1 << 30) -> None:
         """Config + safetensors (+ tokenizer files of the source model), written by rank 0; collective."""
-        write_hf_checkpoint(
-            path,
-            self._full_tensor_buckets(shard_bytes, skip=self.tied_names),
-            self.hf_config,
-            self.architecture,
-            is_writer=dist.get_rank() == 0,
-            generation_config=self.generation_config,
-            tokenizer_dir=self.model_config.path,
-        )
-        dist.barrier()
+        save_engine_hf(self, path, self._full_tensor_buckets(shard_bytes, skip=self.tied_names))

@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.common import median_ms
 from scaletrain.protocol import DataProto
-from scaletrain.utils.net import free_port
+from scaletrain.utils.net import free_port, local_rank_env
 
 logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,16 +168,7 @@ def launch(spec: dict, timeout_s: float = 900.0) -> dict:
     port, world = free_port(), spec["world"]
     procs, logs = [], []
     for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        }
+        env = local_rank_env(rank, world, port, str(ROOT))
         log = open(work / f"rank{rank}.log", "w")
         logs.append(log)
         procs.append(

@@ -30,7 +30,7 @@ from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, register_b
 from backends.batching import restore_order
 from backends.config import EngineConfig, ModelConfig, OptimConfig, resolve_precision
 from backends.dist import init_distributed, local_device
-from backends.hf_checkpoint import write_hf_checkpoint
+from backends.hf_checkpoint import save_engine_hf
 from backends.hf_model import build_model, check_outputs, torch_dtype
 from backends.megatron.export import export_groups, gather_hf_buckets
 from backends.megatron.hf_mapping import layout_from_hf
@@ -310,16 +310,7 @@ class MegatronEngine(TrainEngine):
 
     def save_hf(self, path: str, shard_bytes: int = 1 << 30) -> None:
         skip = ("lm_head.weight",) if self.layout.tie_embeddings and self.layout.kind == "causal_lm" else ()
-        write_hf_checkpoint(
-            path,
-            gather_hf_buckets(self, shard_bytes, skip=skip),
-            self.hf_config,
-            self.architecture,
-            is_writer=dist.get_rank() == 0,
-            generation_config=self.generation_config,
-            tokenizer_dir=self.model_config.path,
-        )
-        dist.barrier()
+        save_engine_hf(self, path, gather_hf_buckets(self, shard_bytes, skip=skip))
 
     # -------------------------------------------------------------------------------------------- checkpoint
     def _state(self) -> dict:

@@ -28,7 +28,7 @@ from scaletrain.workers.colocated_rollout import ColocatedRollout
 from scaletrain.workers.config import ActorRolloutRefConfig, log_prob_micro_batching
 from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO, ROLLOUT_TOKENS, declare_engine_mesh
 from scaletrain.workers.losses import ACTOR_INPUTS, actor_loss_fn, actor_outputs
-from scaletrain.workers.rollout_setup import build_rollout
+from scaletrain.workers.rollout_setup import build_colocated_rollout
 
 logger = logging.getLogger(__name__)
 
@@ -82,21 +82,14 @@ class ActorRolloutRefWorker(Worker):
 
     def _init_rollout(self) -> None:
         cfg, rc = self.config, self.config.rollout
-        engine, self.tokenizer = build_rollout(
+        self.rollout, self.tokenizer = build_colocated_rollout(
             self,
-            rc.name,
-            cfg.model.path,
             rc,
-            tensor_parallel_size=rc.tensor_model_parallel_size,
+            cfg.model.path,
+            self.actor,
             max_model_len=rc.prompt_length + rc.response_length,
             trust_remote_code=cfg.model.trust_remote_code,
-        )
-        self.rollout = ColocatedRollout(
-            engine,
-            self.actor,
-            free_cache_engine=rc.free_cache_engine,
             offload_trainer=rc.offload_train_during_rollout,
-            bucket_bytes=rc.weight_bucket_bytes,
         )
         if rc.load_format == "dummy":  # random weights: the actor's replace them before any generation
             if self.actor is None:

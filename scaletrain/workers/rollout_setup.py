@@ -1,4 +1,5 @@
-"""Building a role worker's rollout engine and declaring its place in the "rollout" mesh (layer 2)."""
+"""Building a role worker's rollout engine, colocated with its training engine, and declaring its place in
+the "rollout" mesh (layer 2)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from backends.base import TrainEngine
 from backends.rollout.base import RolloutConfig, RolloutEngine, RolloutEngineSettings, get_rollout
 from scaletrain.controller import ROLLOUT_MESH, Worker
 from scaletrain.utils.seeding import derive_seed
+from scaletrain.workers.colocated_rollout import ColocatedRollout
 
 
 def build_rollout(
@@ -37,3 +40,35 @@ def build_rollout(
     tp = tensor_parallel_size
     worker.register_mesh(ROLLOUT_MESH, worker.rank // tp, worker.world_size // tp, worker.rank % tp == 0)
     return engine, tokenizer
+
+
+def build_colocated_rollout(
+    worker: Worker,
+    settings: Any,
+    model_path: str,
+    trainer: TrainEngine | None,
+    *,
+    max_model_len: int,
+    trust_remote_code: bool,
+    offload_trainer: bool,
+) -> tuple[ColocatedRollout, Any]:
+    """(the rollout engine in its colocation with ``trainer``, tokenizer). ``settings``: the worker's rollout
+    section (``name``, ``tensor_model_parallel_size``, ``free_cache_engine``, ``weight_bucket_bytes`` and the
+    RolloutEngineSettings); ``trainer`` (None: no trained weights to sync) feeds it weights."""
+    engine, tokenizer = build_rollout(
+        worker,
+        settings.name,
+        model_path,
+        settings,
+        tensor_parallel_size=settings.tensor_model_parallel_size,
+        max_model_len=max_model_len,
+        trust_remote_code=trust_remote_code,
+    )
+    rollout = ColocatedRollout(
+        engine,
+        trainer,
+        free_cache_engine=settings.free_cache_engine,
+        offload_trainer=offload_trainer,
+        bucket_bytes=settings.weight_bucket_bytes,
+    )
+    return rollout, tokenizer

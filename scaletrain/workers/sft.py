@@ -28,7 +28,7 @@ from scaletrain.protocol import DataProto
 from scaletrain.workers.colocated_rollout import ColocatedRollout
 from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO, declare_engine_mesh
 from scaletrain.workers.losses import aggregated
-from scaletrain.workers.rollout_setup import build_rollout
+from scaletrain.workers.rollout_setup import build_colocated_rollout
 
 logger = logging.getLogger(__name__)
 
@@ -79,21 +79,14 @@ class SFTWorker(Worker):
         declare_engine_mesh(self, self.engine)
         if cfg.rollout is not None:
             rc = cfg.rollout
-            engine, _ = build_rollout(
+            self.rollout, _ = build_colocated_rollout(
                 self,
-                rc.name,
-                cfg.model.path,
                 rc,
-                tensor_parallel_size=rc.tensor_model_parallel_size,
+                cfg.model.path,
+                self.engine,
                 max_model_len=cfg.max_prompt_length + cfg.max_response_length,
                 trust_remote_code=cfg.model.trust_remote_code,
-            )
-            self.rollout = ColocatedRollout(
-                engine,
-                self.engine,
-                free_cache_engine=rc.free_cache_engine,
                 offload_trainer=False,
-                bucket_bytes=rc.weight_bucket_bytes,
             )
             self._rollout_stale = True  # the engine may have loaded other weights than the path (e.g. a resume)
             self.rollout.release()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.utils.net import free_port
+from scaletrain.utils.net import free_port, local_rank_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,16 +31,7 @@ def launch(module: str, work: Path, world: int, timeout_s: float) -> dict[int, d
     port = free_port()
     procs = []
     for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        }
+        env = local_rank_env(rank, world, port, str(ROOT))
         code = f"from {module} import run_rank; run_rank({str(work)!r})"
         log = open(work / f"rank{rank}.log", "w")
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=log, stderr=log))
