@@ -313,12 +313,8 @@ class RayPPOTrainer:
         state = {"dataloader": self.loader.state_dict(), "kl_coef": self.kl_ctrl.value}
         return self.checkpoints.save(self.global_step, save_workers, state)
 
-    def resume_path(self) -> str | None:
-        """The checkpoint this run continues from (``trainer.resume_mode``), or None: the plan's."""
-        return self.plan.resume_path
-
     def _resume(self) -> None:
-        path = self.resume_path()
+        path = self.plan.resume_path  # trainer.resume_mode's checkpoint, found once (plan.py)
         if path is None:
             logger.info("no checkpoint under %s: starting from scratch", self.checkpoints.root)
             return
@@ -337,6 +333,3 @@ class RayPPOTrainer:
 
     def close(self) -> None:
         self.reward_fn.close()  # stops the scoring processes
-
-    def run_dir(self) -> str:
-        return self.plan.run_dir
