@@ -136,40 +136,68 @@ class AsyncServerManager:
             self._task = None
 
     async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            if not self.pending:
-                continue
-            deadline = loop.time() + self.max_wait_s
-            while len(self.pending) < self.active and loop.time() < deadline:
+        """The batcher task. Whatever ends it (a bug, a bad engine output, cancellation) fails every trajectory
+        still waiting with that error instead of leaving it waiting forever."""
+        in_flight: list[asyncio.Future] = []
+        try:
+            while True:
+                await self._wakeup.wait()
                 self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), deadline - loop.time())
-                except asyncio.TimeoutError:
-                    break
-            batch, self.pending = self.pending, []
-            per_rank: list[list[TokenRequest]] = [[] for _ in range(self.backend.dp_size)]
-            slots = []
-            for rank, request, future in batch:
-                slots.append((rank, len(per_rank[rank]), future))
-                per_rank[rank].append(request)
-            start = time.perf_counter()
-            try:
-                outputs = await loop.run_in_executor(self._executor, self.backend.generate, per_rank)
-            except Exception as exc:  # every waiting trajectory sees the engine's error
-                for _, _, future in slots:
-                    if not future.done():
-                        future.set_exception(exc)
-                continue
-            self.stats["batches"] += 1
-            self.stats["requests"] += len(batch)
-            self.stats["generate_s"] += time.perf_counter() - start
-            for rank, pos, future in slots:
-                out = outputs[rank][pos]
-                self.stats["tokens"] += len(out.token_ids)
+                if not self.pending:
+                    continue
+                await self._gather()
+                batch, self.pending = self.pending, []
+                in_flight = [future for _, _, future in batch]
+                await self._flush(batch)
+                in_flight = []
+                if self.pending:
+                    self._wakeup.set()
+        except BaseException as exc:
+            error = exc if isinstance(exc, Exception) else RuntimeError(f"the rollout batcher stopped ({exc!r})")
+            waiting = in_flight + [future for _, _, future in self.pending]
+            self.pending = []
+            for future in waiting:
                 if not future.done():
-                    future.set_result(out)
-            if self.pending:
-                self._wakeup.set()
+                    future.set_exception(error)
+            if waiting:
+                logger.error("rollout batcher failed; %d waiting trajectories get its error: %r", len(waiting), exc)
+            raise
+
+    async def _gather(self) -> None:
+        """Waits until every live trajectory has a request pending, or ``max_wait_ms`` after the first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_wait_s
+        while len(self.pending) < self.active and loop.time() < deadline:
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                break
+
+    async def _flush(self, batch: list[tuple[int, TokenRequest, asyncio.Future]]) -> None:
+        """One generate call for ``batch``; each future gets its output, or all of them the engine's error."""
+        per_rank: list[list[TokenRequest]] = [[] for _ in range(self.backend.dp_size)]
+        slots = []
+        for rank, request, future in batch:
+            slots.append((rank, len(per_rank[rank]), future))
+            per_rank[rank].append(request)
+        start = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        try:
+            outputs = await loop.run_in_executor(self._executor, self.backend.generate, per_rank)
+        except Exception as exc:  # every waiting trajectory sees the engine's error; the batcher goes on
+            for _, _, future in slots:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        got = [len(out) for out in outputs]
+        if got != [len(reqs) for reqs in per_rank]:
+            raise RuntimeError(f"rollout engines returned {got} outputs per rank for {[len(r) for r in per_rank]}")
+        self.stats["batches"] += 1
+        self.stats["requests"] += len(batch)
+        self.stats["generate_s"] += time.perf_counter() - start
+        for rank, pos, future in slots:
+            out = outputs[rank][pos]
+            self.stats["tokens"] += len(out.token_ids)
+            if not future.done():
+                future.set_result(out)

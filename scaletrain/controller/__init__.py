@@ -29,7 +29,13 @@ from scaletrain.controller.dispatch import (
 from scaletrain.controller.ray_worker_group import RayClassWithInitArgs, RayWorkerGroup
 from scaletrain.controller.resource_pool import RayResourcePool
 from scaletrain.controller.worker import Worker
-from scaletrain.controller.worker_group import LocalWorkerGroup, WorkerDiedError, WorkerError, WorkerGroup
+from scaletrain.controller.worker_group import (
+    LocalWorkerGroup,
+    WorkerDiedError,
+    WorkerError,
+    WorkerGroup,
+    WorkerTimeoutError,
+)
 
 __all__ = [
     "ENGINE_MESH",
@@ -45,6 +51,7 @@ __all__ = [
     "WorkerDiedError",
     "WorkerError",
     "WorkerGroup",
+    "WorkerTimeoutError",
     "create_colocated_worker_cls",
     "make_mesh_collect",
     "make_mesh_dispatch",

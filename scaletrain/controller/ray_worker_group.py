@@ -3,7 +3,9 @@
 Rank r gets WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its environment
 (rank 0 picks the address), so the workers can form a torch.distributed group. Calls wait with ``ray.wait`` on
 all workers at once: the first failing or dead worker fails the call immediately, even while its peers are still
-blocked (e.g. in a collective waiting for it); ``call_timeout_s`` bounds a call that never returns.
+blocked (e.g. in a collective waiting for it); ``call_timeout_s`` bounds a call that never returns: on expiry every
+worker's Python stack is written under ``stack_dump_dir`` (stacks.py) and ``WorkerTimeoutError`` names the ranks
+still running.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from scaletrain.controller.resource_pool import RayResourcePool
-from scaletrain.controller.worker_group import WorkerDiedError, WorkerError, WorkerGroup, select_worker_args
+from scaletrain.controller.stacks import collect_stacks
+from scaletrain.controller.worker_group import (
+    WorkerDiedError,
+    WorkerError,
+    WorkerGroup,
+    WorkerTimeoutError,
+    select_worker_args,
+)
 from scaletrain.protocol import DataProto
 
 logger = logging.getLogger(__name__)
@@ -69,12 +78,14 @@ class RayWorkerGroup(WorkerGroup):
         init_timeout_s: float | None = None,
         poll_interval_s: float = 0.5,
         death_grace_s: float = 5.0,
+        stack_dump_dir: str | None = None,
         _from_workers: tuple[list, list[dict], type, str] | None = None,
     ) -> None:
         self.call_timeout_s = call_timeout_s
         self.init_timeout_s = init_timeout_s
         self.poll_interval_s = poll_interval_s
         self.death_grace_s = death_grace_s  # how long a failed call looks for a dead peer to blame
+        self.stack_dump_dir = stack_dump_dir  # where a timed-out call writes every worker's stack
         if _from_workers is not None:  # a role view of colocated workers (see spawn)
             workers, infos, user_cls, prefix = _from_workers
             super().__init__(name_prefix or prefix.rstrip("_"), control_prefix=prefix)
@@ -182,11 +193,18 @@ class RayWorkerGroup(WorkerGroup):
                         raise dead from err
                     raise
             if pending and deadline is not None and time.monotonic() > deadline:
-                late = sorted(rank_of[r] for r in pending)
-                raise TimeoutError(
-                    f"worker group '{self.name}': {remote_name}() did not finish on ranks {late} within {timeout_s}s"
-                )
+                self._timed_out(remote_name, sorted(rank_of[r] for r in pending), timeout_s)
         return [results[ref] for ref in handles]
+
+    def _timed_out(self, remote_name: str, late: list[int], timeout_s: float) -> None:
+        """Writes every worker's stack (the stuck ones and the peers they may be waiting for), then raises."""
+        stacks: list[str] = []
+        if self.stack_dump_dir:
+            try:
+                stacks = collect_stacks(self.name, self._infos, self.stack_dump_dir)
+            except Exception as err:  # the timeout is the error to report; a failed dump only a warning
+                logger.warning("worker group '%s': could not collect the workers' stacks: %s", self.name, err)
+        raise WorkerTimeoutError(self.name, late, f"{remote_name}", timeout_s, stacks)
 
     def _dead_peer(self, pending: list[Any], rank_of: dict, remote_name: str) -> WorkerDiedError | None:
         """A WorkerDiedError for a rank whose process died, if one shows within ``death_grace_s``."""
@@ -215,8 +233,9 @@ class RayWorkerGroup(WorkerGroup):
             raise
 
     # ------------------------------------------------------------------------------------------- colocation
-    def spawn(self, prefix_set) -> dict[str, RayWorkerGroup]:
-        """One worker group per role of a colocated class, all sharing these actors."""
+    def spawn(self, prefix_set, call_timeouts: dict[str, float | None] | None = None) -> dict[str, RayWorkerGroup]:
+        """One worker group per role of a colocated class, all sharing these actors; ``call_timeouts``: a role's
+        own call deadline (default this group's)."""
         role_classes = getattr(self._cls_with_init.user_cls, "ROLE_CLASSES", None)
         if role_classes is None:
             raise ValueError(f"worker group '{self.name}' is not colocated; build it with create_colocated_worker_cls")
@@ -225,9 +244,10 @@ class RayWorkerGroup(WorkerGroup):
             if role not in role_classes:
                 raise ValueError(f"unknown role '{role}'; this group holds {sorted(role_classes)}")
             groups[role] = RayWorkerGroup(
-                call_timeout_s=self.call_timeout_s,
+                call_timeout_s=(call_timeouts or {}).get(role, self.call_timeout_s),
                 poll_interval_s=self.poll_interval_s,
                 death_grace_s=self.death_grace_s,
+                stack_dump_dir=self.stack_dump_dir,
                 _from_workers=(self._workers, self._infos, role_classes[role], f"{role}_"),
             )
         return groups

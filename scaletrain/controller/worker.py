@@ -14,7 +14,17 @@ import socket
 from typing import Any
 
 from scaletrain.controller.dispatch import ENGINE_MESH, ROLLOUT_MESH, MeshPlace
+from scaletrain.controller.stacks import arm_stack_dump
 from scaletrain.utils.net import free_port
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except ImportError:  # pragma: no cover
+        return None
 
 
 def _node_ip() -> str:
@@ -40,6 +50,8 @@ class Worker:
             os.environ["MASTER_ADDR"] = _node_ip()
             os.environ["MASTER_PORT"] = str(free_port())
         self._mesh_places: dict[str, MeshPlace] = {}
+        if "SCALETRAIN_WORKER_GROUP" in os.environ:  # a group's process: the driver may ask for its stacks
+            arm_stack_dump()
 
     @property
     def rank(self) -> int:
@@ -79,4 +91,10 @@ class Worker:
         return os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
 
     def worker_info(self) -> dict[str, Any]:
-        return {"rank": self._rank, "pid": os.getpid(), "host": socket.gethostname(), "ip": _node_ip()}
+        return {
+            "rank": self._rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "ip": _node_ip(),
+            "node_id": _node_id(),
+        }

@@ -8,7 +8,8 @@ Subclasses say how to execute and wait: ``RayWorkerGroup`` (one Ray actor per wo
 below (workers as plain objects in this process, so a debugger can step through worker code with the same API).
 
 A failing worker surfaces as ``WorkerError`` naming the role, rank and method with the worker's traceback; a
-worker whose process died surfaces as ``WorkerDiedError``.
+worker whose process died surfaces as ``WorkerDiedError``; a call that overruns the group's deadline as
+``WorkerTimeoutError`` naming the ranks still running (with their stacks, see stacks.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,17 @@ class WorkerDiedError(WorkerError):
 
     def __init__(self, role: str, rank: int, method: str, detail: str):
         super().__init__(role, rank, method, detail, what="died while running")
+
+
+class WorkerTimeoutError(TimeoutError):
+    """A group call did not finish on some ranks within the group's deadline (the workers are alive but stuck)."""
+
+    def __init__(self, role: str, ranks: list[int], method: str, timeout_s: float, stacks: list[str]):
+        self.role, self.ranks, self.method, self.stacks = role, ranks, method, stacks
+        where = f"; every worker's Python stack is in {os.path.dirname(stacks[0])}" if stacks else ""
+        super().__init__(
+            f"worker group '{role}': {method}() did not finish on ranks {ranks} within {timeout_s:g}s{where}"
+        )
 
 
 def select_worker_args(n: int, i: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

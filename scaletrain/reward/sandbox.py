@@ -5,7 +5,7 @@ runs one call at a time; the parent sends a call only to an idle, started worker
 call that overruns gets status "timeout" and its worker is killed (with the process group it leads, so
 subprocesses a scorer started die too) and replaced; a call that raises gets status "error"; a worker that
 dies mid-call (segfault, ``os._exit``) gives "error" and is replaced. Nothing a scorer does can stop or hang
-``map`` beyond ``timeout_s`` per call.
+``map`` beyond ``timeout_s`` per call, nor (with ``budget_s``) the whole map beyond its budget.
 
 The function is pickled once and sent to each worker at start; it must be picklable by reference (a
 module-level function, a ``functools.partial`` of one, or a ``CustomRewardFn`` from ``loader.py``, which
@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
 _MAX_ERROR_CHARS = 4000
+PROGRESS_EVERY_S = 10.0  # a map running longer logs how far it got at this interval
 _PR_SET_PDEATHSIG = 1
 
 
@@ -228,14 +230,16 @@ class ScoringPool:
         self.close()
 
     # -------------------------------------------------------------------------------------------------- map
-    def map(self, calls: Sequence[tuple[tuple, dict]]) -> list[Outcome]:
-        """Run ``fn(*args, **kwargs)`` for each ``(args, kwargs)``; outcomes in input order."""
+    def map(self, calls: Sequence[tuple[tuple, dict]], budget_s: float | None = None) -> list[Outcome]:
+        """Run ``fn(*args, **kwargs)`` for each ``(args, kwargs)``; outcomes in input order. ``budget_s`` bounds the
+        whole map: calls still running or not started when it runs out get "timeout" (their workers replaced).
+        A map running longer than ``PROGRESS_EVERY_S`` logs its progress at that interval."""
         if self._closed:
             raise RuntimeError("ScoringPool is closed")
         with self._lock:
             self._generation += 1
             try:
-                return self._run(list(calls))
+                return self._run(list(calls), budget_s)
             except BaseException:
                 # A worker that failed to start, or a KeyboardInterrupt: drop busy and unstarted workers, so no
                 # stale result leaks into the next map; the next map starts fresh ones.
@@ -244,28 +248,60 @@ class ScoringPool:
                     self._workers.remove(worker)
                 raise
 
-    def _run(self, calls: list[tuple[tuple, dict]]) -> list[Outcome]:
+    def _run(self, calls: list[tuple[tuple, dict]], budget_s: float | None) -> list[Outcome]:
         results: list[Outcome | None] = [None] * len(calls)
         pending = collections.deque(range(len(calls)))
         for worker in [w for w in self._workers if not w.process.is_alive()]:
             self._replace(worker)  # died while idle since the last map
         while len(self._workers) < self.num_workers:
             self._start_worker()
+        start = time.monotonic()
+        end = math.inf if budget_s is None else start + budget_s
+        next_report = start + PROGRESS_EVERY_S
 
         while pending or any(w.task is not None for w in self._workers):
             self._dispatch(calls, pending)
             by_conn = {w.conn: w for w in self._workers}
             now = time.monotonic()
+            if now >= end:
+                self._abandon(results, pending, budget_s)
+                break
+            if now >= next_report:
+                self._report(results, now - start)
+                next_report = now + PROGRESS_EVERY_S
             deadlines = [
                 w.deadline if w.task is not None else w.started_at + self.start_timeout_s
                 for w in self._workers
                 if w.task is not None or not w.ready
             ]
-            wait_s = max(0.0, min(deadlines) - now) if deadlines else 0.0
+            wait_s = max(0.0, min(deadlines + [end, next_report]) - now) if deadlines else 0.0
             for conn in wait_for_ready(list(by_conn), timeout=wait_s):
                 self._receive(by_conn[conn], results, pending)
             self._enforce_deadlines(results)
         return results  # type: ignore[return-value]
+
+    def _abandon(self, results: list[Outcome | None], pending: collections.deque, budget_s: float | None) -> None:
+        """The map's budget ran out: running calls are killed, calls not started are not run; all get "timeout"."""
+        why = f"not scored within the step's scoring budget of {budget_s:g}s"
+        for worker in [w for w in self._workers if w.task is not None]:
+            results[worker.task[1]] = Outcome(TIMEOUT, error=f"{why}; worker killed")
+            worker.task = None
+            self._replace(worker)
+        while pending:
+            results[pending.popleft()] = Outcome(TIMEOUT, error=why)
+
+    def _report(self, results: list[Outcome | None], elapsed_s: float) -> None:
+        done = [r for r in results if r is not None]
+        timeouts = sum(r.status == TIMEOUT for r in done)
+        errors = sum(r.status == ERROR for r in done)
+        logger.info(
+            "reward: %d of %d samples scored after %.0f s (%d errors, %d timeouts so far)",
+            len(done),
+            len(results),
+            elapsed_s,
+            errors,
+            timeouts,
+        )
 
     def _dispatch(self, calls: list[tuple[tuple, dict]], pending: collections.deque) -> None:
         for worker in list(self._workers):

@@ -97,8 +97,12 @@ class RewardModelSection:
     forward_max_token_len_per_gpu: int = 16384
     reward_manager: str = "naive"  # naive | prime | batch | dapo | multi
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
-    timeout_s: float = 30.0
+    timeout_s: float = 30.0  # seconds one scorer call may take (the sample scores 0, counted as a timeout)
     num_processes: int = 2
+    step_timeout_s: float | None = 600.0  # seconds the scoring of one step may take; unscored samples get 0
+    # and count as timeouts; null: no bound
+    max_error_rate: float = 0.5  # more than this share of a step's samples failing (errors + timeouts) ...
+    max_error_steps: int = 3  # ... this many steps in a row stops the run, naming the scorer and its traceback
 
 
 @dataclass
@@ -186,6 +190,9 @@ class TrainerSection:
     save_hf_at_end: bool = True
     plot_at_end: bool = True
     collective_timeout_s: float = 600.0  # a step waiting longer on a dead rank fails, naming it
+    worker_call_timeout_s: float | None = 3600.0  # a worker-group call running longer fails the run, naming the
+    # role, ranks and method, with every worker's Python stack in <run dir>/stacks; null: wait forever
+    worker_call_timeout_s_by_role: dict[str, float] = field(default_factory=dict)  # actor_rollout | critic | rm
     seed: int = 1
     rollout_data_dir: str | None = None  # set: each step's scored rollouts dumped to <dir>/<step>.jsonl
     validation_data_dir: str | None = None  # set: each validation's scored samples dumped to <dir>/<step>.jsonl

@@ -15,6 +15,8 @@ from scaletrain.trainer.config import PPOConfig, TrainerSection, files_of
 from scaletrain.trainer.rollout_checks import validate_rollout, validate_rollout_model
 from scaletrain.utils.typed_config import ConfigError
 
+WORKER_ROLES = ("actor_rollout", "critic", "rm")  # the PPO trainer's worker groups (ppo_trainer.init_workers)
+
 
 def check_config(cfg: PPOConfig) -> PPOConfig:
     """Checks across keys of a resolved config (``plan.resolve_config``); raises ConfigError naming the key.
@@ -91,6 +93,7 @@ def _validate_trainer(cfg: PPOConfig) -> None:
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
     _validate_generation_outputs(trainer)
+    _validate_deadlines(cfg)
     if trainer.critic_warmup < 0:
         raise ConfigError(f"trainer.critic_warmup must be >= 0, got {trainer.critic_warmup}")
     if trainer.critic_warmup and not cfg.use_critic:
@@ -98,6 +101,26 @@ def _validate_trainer(cfg: PPOConfig) -> None:
             f"trainer.critic_warmup={trainer.critic_warmup} warms up a critic, but this run has none "
             f"(algorithm.adv_estimator={cfg.algorithm.adv_estimator}, critic.enable={cfg.critic.enable})"
         )
+
+
+def _validate_deadlines(cfg: PPOConfig) -> None:
+    """Worker-call deadlines (per role) and the reward's step budget and error limits."""
+    trainer, rm = cfg.trainer, cfg.reward_model
+    timeouts = {"trainer.worker_call_timeout_s": trainer.worker_call_timeout_s}
+    timeouts["reward_model.step_timeout_s"] = rm.step_timeout_s
+    for role, value in trainer.worker_call_timeout_s_by_role.items():
+        if role not in WORKER_ROLES:
+            raise ConfigError(
+                f"trainer.worker_call_timeout_s_by_role: unknown role '{role}'; the roles are {', '.join(WORKER_ROLES)}"
+            )
+        timeouts[f"trainer.worker_call_timeout_s_by_role.{role}"] = value
+    for key, value in timeouts.items():
+        if value is not None and not value > 0:
+            raise ConfigError(f"{key} must be > 0 seconds (or null: no deadline), got {value}")
+    if not 0.0 <= rm.max_error_rate <= 1.0:
+        raise ConfigError(f"reward_model.max_error_rate must be in [0, 1], got {rm.max_error_rate}")
+    if rm.max_error_steps < 1:
+        raise ConfigError(f"reward_model.max_error_steps must be >= 1, got {rm.max_error_steps}")
 
 
 def _validate_names(cfg: PPOConfig) -> None:

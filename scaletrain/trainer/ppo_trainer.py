@@ -9,6 +9,7 @@ knows nothing about FSDP / DeepSpeed / Megatron: it calls the typed roles of rol
 from __future__ import annotations
 
 import logging
+import os
 from functools import partial
 
 import numpy as np
@@ -29,6 +30,7 @@ from scaletrain.trainer.metrics import data_metrics, device_peak_flops, throughp
 from scaletrain.trainer.overlong import mask_overlong_responses
 from scaletrain.trainer.plan import RunPlan
 from scaletrain.trainer.remax import greedy_baseline
+from scaletrain.trainer.reward_guard import RewardGuard
 from scaletrain.trainer.rm_reward import RewardWithRM
 from scaletrain.trainer.roles import ActorRolloutRefRole, CriticRole, RewardModelRole
 from scaletrain.trainer.rollout_correction import apply_rollout_correction
@@ -66,7 +68,11 @@ class RayPPOTrainer:
             to_dict(cfg.custom_reward_function),
             timeout_s=rm.timeout_s,
             num_processes=rm.num_processes,
+            step_timeout_s=rm.step_timeout_s,
             **rm.reward_kwargs,
+        )
+        self.reward_guard = RewardGuard(
+            rm.max_error_rate, rm.max_error_steps, self.reward_fn.pool.fn_repr, lambda: self.reward_fn.last_error
         )
         self.checkpoints = CheckpointManager(plan.run_dir, cfg.trainer.max_ckpt_to_keep)
         self.global_step = 0
@@ -92,8 +98,15 @@ class RayPPOTrainer:
         if rm_cfg is not None:  # the reward model: one more colocated role on the same processes
             roles["rm"] = RayClassWithInitArgs(RewardModelWorker, rm_cfg)
         self.pool = RayResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes, use_gpu=self.device == "cuda")
-        colocated = RayWorkerGroup(self.pool, create_colocated_worker_cls(roles), name_prefix="colocated")
-        groups = colocated.spawn(prefix_set=list(roles))
+        tc = cfg.trainer
+        colocated = RayWorkerGroup(
+            self.pool,
+            create_colocated_worker_cls(roles),
+            name_prefix="colocated",
+            call_timeout_s=tc.worker_call_timeout_s,
+            stack_dump_dir=os.path.join(self.plan.run_dir, "stacks"),  # where a stuck call's stacks go
+        )
+        groups = colocated.spawn(prefix_set=list(roles), call_timeouts=tc.worker_call_timeout_s_by_role)
         self.actor = ActorRolloutRefRole(groups["actor_rollout"])
         self.critic = CriticRole(groups["critic"]) if "critic" in groups else None
         if self.critic is not None:
@@ -209,6 +222,7 @@ class RayPPOTrainer:
         with timer("reward", timings):
             reward = self.train_reward_fn(batch, return_dict=True)
             batch.batch["token_level_scores"] = reward["reward_tensor"]
+        self.reward_guard.observe(step, reward["metrics"], len(batch))  # a scorer failing step after step stops
         return Scored(batch, reward, {**metrics, **reward["metrics"]})
 
     def train_step(self, batch: DataProto) -> dict[str, float]:

@@ -7,7 +7,14 @@ import time
 
 import pytest
 
-from scaletrain.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, WorkerDiedError, WorkerError
+from scaletrain.controller import (
+    RayClassWithInitArgs,
+    RayResourcePool,
+    RayWorkerGroup,
+    WorkerDiedError,
+    WorkerError,
+    WorkerTimeoutError,
+)
 from tests.controller.workers import BrokenInit, EchoWorker, started_group
 
 pytestmark = pytest.mark.slow
@@ -37,10 +44,17 @@ def test_failure_is_reported_while_peers_still_run(group):
     assert time.monotonic() - start < 15
 
 
-def test_call_timeout_names_the_late_ranks(ray_cluster):
-    with started_group(ray_cluster, 2, EchoWorker, use_gpu=False, name_prefix="slow", call_timeout_s=1.0) as wg:
-        with pytest.raises(TimeoutError, match=r"sleep\(\) did not finish on ranks \[0, 1\]"):
+def test_call_timeout_names_the_late_ranks_and_dumps_their_stacks(ray_cluster, tmp_path):
+    dump = tmp_path / "stacks"
+    with started_group(
+        ray_cluster, 2, EchoWorker, use_gpu=False, name_prefix="slow", call_timeout_s=1.0, stack_dump_dir=str(dump)
+    ) as wg:
+        with pytest.raises(WorkerTimeoutError, match=r"sleep\(\) did not finish on ranks \[0, 1\]") as info:
             wg.sleep(20)
+        assert str(dump) in str(info.value) and info.value.ranks == [0, 1]
+        for rank, worker in enumerate(wg.worker_infos):
+            text = (dump / f"slow-rank{rank}-pid{worker['pid']}.txt").read_text()
+            assert "in sleep" in text and "workers.py" in text, text  # the frame the worker is stuck in
 
 
 def test_killed_worker_fails_pending_call_naming_it(ray_cluster):

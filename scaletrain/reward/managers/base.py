@@ -5,8 +5,9 @@ A manager turns a rollout batch into token-level scores:
 1. read the rows (``read_rows``): decode the valid prompt and response tokens, check the schema
    (``data_source``, ``reward_model.ground_truth``; a bad row raises ValueError naming the row and key),
 2. score them in worker processes (``score_rows``; per sample by default, the ``batch`` manager overrides it),
-   with a timeout per call: a scorer that raises or overruns gives 0 for that sample and is counted in
-   ``reward/errors`` / ``reward/timeouts``; the first few failures are logged,
+   with a timeout per call and (``step_timeout_s``) one for the whole call: a scorer that raises or overruns gives
+   0 for that sample and is counted in ``reward/errors`` / ``reward/timeouts`` (``reward/failed_fraction``: their
+   share); the first few failures are logged, the last one is kept (``last_error``),
 3. let the subclass adjust the scores (``adjust_scores``; e.g. DAPO's overlong penalty),
 4. place each row's score on its last valid response token of a (B, R) float tensor.
 
@@ -106,6 +107,8 @@ class RewardManager:
         eos_token_id: int or list of ints counted as EOS (default: the tokenizer's eos_token_id).
         mp_context: worker start method ("forkserver" default, "spawn").
         start_timeout_s: seconds a worker may take to start.
+        step_timeout_s: seconds one call of the manager may spend scoring (None: no bound); samples not scored
+            by then get 0 and count as timeouts.
     """
 
     def __init__(
@@ -118,6 +121,7 @@ class RewardManager:
         eos_token_id: int | list[int] | None = None,
         mp_context: str | None = None,
         start_timeout_s: float = 120.0,
+        step_timeout_s: float | None = None,
     ):
         self.tokenizer = tokenizer
         self.compute_score = compute_score if compute_score is not None else self.default_scorer()
@@ -127,6 +131,8 @@ class RewardManager:
         if not self.eos_token_ids:
             logger.warning("reward manager: no EOS token id known; every response counts as not ended with EOS")
         self.pool = ScoringPool(self.compute_score, num_processes, timeout_s, mp_context, start_timeout_s)
+        self.step_timeout_s = step_timeout_s
+        self.last_error: str | None = None  # the most recent failure's traceback (or timeout reason)
         self.failures_logged = 0  # full failure logs so far (the first LOG_FIRST_N_FAILURES), then counts only
         self.last_logged_error: str | None = None
 
@@ -159,6 +165,7 @@ class RewardManager:
         metrics = {
             "reward/errors": counts[ERROR],
             "reward/timeouts": counts[TIMEOUT],
+            "reward/failed_fraction": (counts[ERROR] + counts[TIMEOUT]) / len(rows) if len(rows) else 0.0,
             "reward/worker_restarts": self.pool.restarts,
             "reward/score_mean": sum(final) / len(final) if final else 0.0,
             "reward/seconds": time.perf_counter() - start,
@@ -173,7 +180,7 @@ class RewardManager:
             ((rows.data_sources[i], rows.response_strs[i], rows.ground_truths[i], rows.extra_infos[i]), {})
             for i in range(len(rows))
         ]
-        return self.pool.map(calls)
+        return self.pool.map(calls, self.step_timeout_s)
 
     def adjust_scores(self, rows: Rows, scores: list[float], extra_info: dict[str, list]) -> list[float]:
         """Final per-row scores from the scorers' ones; may add per-row lists to ``extra_info``."""
@@ -248,6 +255,7 @@ class RewardManager:
                     status, error = ERROR, str(e)
             counts[status] += 1
             if status != OK:
+                self.last_error = error
                 self.log_failure(i, rows, status, error)
             scores.append(score)
             extras.append(extra)

@@ -36,7 +36,7 @@ class BatchRewardManager(RewardManager):
             (list(rows.data_sources), list(rows.response_strs), list(rows.ground_truths), list(rows.extra_infos)),
             {},
         )
-        (outcome,) = self.pool.map([call])
+        (outcome,) = self.pool.map([call], self.step_timeout_s)
         if outcome.status != OK:
             return [outcome] * len(rows)
         values = outcome.value
