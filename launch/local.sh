@@ -19,7 +19,12 @@
 
 set -euo pipefail
 
-export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+# Ray's token authentication with a fresh random token per job (unless RAY_AUTH_TOKEN is exported), handed to every
+# node through the environment, never on a command line: only processes holding it join or submit work.
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token} RAY_AUTH_TOKEN=${RAY_AUTH_TOKEN:-$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')}
+[[ "$RAY_AUTH_MODE" == disabled ]] && echo "$(basename "$0"): WARNING: RAY_AUTH_MODE=disabled: anyone who reaches" \
+  "the Ray ports can run code as $(id -un)" >&2
 
 PYTHON=${PYTHON:-python}
 RAY_PORT=${RAY_PORT:-6379}

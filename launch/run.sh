@@ -19,7 +19,14 @@
 #   SLURM_CMD_TIMEOUT_S     limit for each short slurm client call     default: 60
 #   ENTRY                   Python module the driver runs (gets the same overrides), e.g. benchmarks.e2e_step
 #                                                                      default: scaletrain.trainer.main_ppo
+#   REQUEUE                 1: requeue the job after a preemption checkpoint   default: 1
 # Exit status: the trainer's. Ray is stopped on every node on exit, error, scancel or Ctrl-C.
+#
+# Preemption and time limits: SLURM sends this script SIGUSR1 600 s before the time limit (--signal below; also
+# `scancel --signal=USR1 --batch JOB`), and a SIGTERM from the scheduler counts the same. The signal is passed on to
+# the trainer, which finishes its step, writes a checkpoint and exits 0; the job then requeues itself (--requeue;
+# REQUEUE=0 to stop instead), and the requeued job resumes from that checkpoint (trainer.resume_mode=auto). The
+# lead time must cover the rest of a step plus a checkpoint save: raise the @600 for long steps.
 #
 #SBATCH --job-name=scaletrain
 #SBATCH --partition=gpu
@@ -30,10 +37,18 @@
 #SBATCH --exclusive
 #SBATCH --time=24:00:00
 #SBATCH --output=scaletrain-%j.out
+#SBATCH --signal=B:USR1@600
+#SBATCH --requeue
+#SBATCH --open-mode=append
 
 set -euo pipefail
 
-export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+# Ray's token authentication with a fresh random token per job (unless RAY_AUTH_TOKEN is exported), handed to every
+# node through the environment, never on a command line: only processes holding it join or submit work.
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token} RAY_AUTH_TOKEN=${RAY_AUTH_TOKEN:-$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')}
+[[ "$RAY_AUTH_MODE" == disabled ]] && echo "$(basename "$0"): WARNING: RAY_AUTH_MODE=disabled: anyone who reaches" \
+  "the Ray ports can run code as $(id -un)" >&2
 
 if [[ -z "${SLURM_JOB_ID:-}" || -z "${SLURM_JOB_NODELIST:-}" ]]; then
   echo "run.sh: not inside a SLURM allocation (submit with sbatch, or run under salloc); on one machine use launch/local.sh" >&2
@@ -47,6 +62,7 @@ RAY_WAIT_S=${RAY_WAIT_S:-300}
 RAY_NUM_CPUS=${RAY_NUM_CPUS:-${SLURM_CPUS_ON_NODE:-}}
 SLURM_CMD_TIMEOUT_S=${SLURM_CMD_TIMEOUT_S:-60}
 ENTRY=${ENTRY:-scaletrain.trainer.main_ppo}
+REQUEUE=${REQUEUE:-1}
 read -r -a CONTAINER_CMD <<< "${CONTAINER:-}"
 if [[ -z "${GPUS_PER_NODE:-}" ]]; then
   if [[ -n "${SLURM_GPUS_ON_NODE:-}" ]]; then
@@ -74,6 +90,8 @@ RAY_ARGS=(--block --disable-usage-stats --object-store-memory="$RAY_OBJECT_STORE
 [[ -n "$RAY_NUM_CPUS" ]] && RAY_ARGS+=(--num-cpus="$RAY_NUM_CPUS")
 
 SRUN_PIDS=()
+DRIVER_PID=""
+PREEMPTED=""
 # shellcheck disable=SC2317  # called through the EXIT trap
 cleanup() {
   local status=$?
@@ -93,6 +111,10 @@ cleanup() {
   done
   (( ${#SRUN_PIDS[@]} )) && { kill -TERM "${SRUN_PIDS[@]}" 2> /dev/null || true; }
   wait || true
+  if [[ -n "$PREEMPTED" && $status == 0 && $REQUEUE == 1 ]]; then
+    echo "run.sh: requeueing job $SLURM_JOB_ID: it resumes from the checkpoint just written" >&2
+    timeout "$SLURM_CMD_TIMEOUT_S" scontrol requeue "$SLURM_JOB_ID" || echo "run.sh: scontrol requeue failed" >&2
+  fi
   exit "$status"
 }
 trap cleanup EXIT
@@ -135,11 +157,26 @@ if (( alive < NNODES )); then
 fi
 echo "run.sh: Ray cluster up, $alive node(s)"
 
+# shellcheck disable=SC2317  # called through the USR1 / TERM traps
+pass_stop_on() {  # SLURM's warning signal or a TERM: the trainer checkpoints after its step and exits 0
+  PREEMPTED=$1
+  echo "run.sh: got SIG$1: asking the trainer to checkpoint and stop" >&2
+  kill -"$1" "$DRIVER_PID" 2> /dev/null || true  # srun passes it on to the driver
+}
+
 # the driver runs on the head node (it needs a local raylet), also when this script runs on a salloc login node
 set +e
 srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" "${CONTAINER_CMD[@]}" "$PYTHON" -m "$ENTRY" \
-  trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$GPUS_PER_NODE" ray_init.address="$ADDRESS" "$@"
-rc=$?
+  trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$GPUS_PER_NODE" ray_init.address="$ADDRESS" "$@" &
+DRIVER_PID=$!
+trap 'pass_stop_on USR1' USR1
+trap 'pass_stop_on TERM' TERM
+while true; do
+  wait "$DRIVER_PID"
+  rc=$?
+  kill -0 "$DRIVER_PID" 2> /dev/null || break  # wait also returns when a trap ran: the driver may still be running
+done
+trap 'exit 143' TERM
 set -e
 echo "run.sh: trainer exited with $rc"
 exit "$rc"

@@ -20,7 +20,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from scaletrain.controller.resource_pool import RayResourcePool
-from scaletrain.controller.stacks import collect_stacks
+from scaletrain.controller.stacks import collect_stacks, in_collective
 from scaletrain.controller.worker_group import (
     WorkerDiedError,
     WorkerError,
@@ -204,7 +204,9 @@ class RayWorkerGroup(WorkerGroup):
                 stacks = collect_stacks(self.name, self._infos, self.stack_dump_dir)
             except Exception as err:  # the timeout is the error to report; a failed dump only a warning
                 logger.warning("worker group '%s': could not collect the workers' stacks: %s", self.name, err)
-        raise WorkerTimeoutError(self.name, late, f"{remote_name}", timeout_s, stacks)
+        method = remote_name.removeprefix(self._control_prefix)  # a colocated role's method under its own name
+        waiting = [int(info["rank"]) for info, path in zip(self._infos, stacks) if in_collective(open(path).read())]
+        raise WorkerTimeoutError(self.name, late, method, timeout_s, stacks, [r for r in late if r in waiting])
 
     def _dead_peer(self, pending: list[Any], rank_of: dict, remote_name: str) -> WorkerDiedError | None:
         """A WorkerDiedError for a rank whose process died, if one shows within ``death_grace_s``."""

@@ -71,6 +71,13 @@ def _read_stack(pid: int, wait_s: float) -> str:
         return f.read()
 
 
+def in_collective(stack: str) -> bool:
+    """Whether the thread that took the signal (the one running the call) waits in a torch.distributed collective,
+    i.e. is held up by a peer rather than stuck itself."""
+    current = stack.split("Current thread", 1)[-1].split("\n\n", 1)[0]
+    return "torch/distributed/" in current
+
+
 def collect_stacks(group: str, infos: list[dict], dump_dir: str, wait_s: float = 5.0) -> list[str]:
     """Each worker's stack, written under ``dump_dir``; returns the files written."""
     import ray

@@ -42,11 +42,23 @@ class WorkerDiedError(WorkerError):
 class WorkerTimeoutError(TimeoutError):
     """A group call did not finish on some ranks within the group's deadline (the workers are alive but stuck)."""
 
-    def __init__(self, role: str, ranks: list[int], method: str, timeout_s: float, stacks: list[str]):
+    def __init__(
+        self,
+        role: str,
+        ranks: list[int],
+        method: str,
+        timeout_s: float,
+        stacks: list[str],
+        in_collective: list[int] = (),
+    ):
         self.role, self.ranks, self.method, self.stacks = role, ranks, method, stacks
+        stuck = [r for r in ranks if r not in in_collective]
+        self.stuck = stuck or ranks  # the ranks holding the others up (all of them when none waits on a peer)
+        why = f" (ranks {list(in_collective)} wait in a collective for the others)" if in_collective and stuck else ""
         where = f"; every worker's Python stack is in {os.path.dirname(stacks[0])}" if stacks else ""
         super().__init__(
-            f"worker group '{role}': {method}() did not finish on ranks {ranks} within {timeout_s:g}s{where}"
+            f"worker group '{role}': {method}() did not finish on ranks {ranks} within {timeout_s:g}s: stuck on "
+            f"ranks {self.stuck}{why}{where}"
         )
 
 

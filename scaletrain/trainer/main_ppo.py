@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from scaletrain.trainer.config import PPOConfig, load_ppo_config
 from scaletrain.trainer.config_checks import check_config
 from scaletrain.trainer.plan import resolve_config
+from scaletrain.trainer.run_identity import claim_run_dir
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,9 @@ def init_ray(cfg: PPOConfig) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray's token authentication stays as it is: a private cluster started here makes its own token (Ray >= 2.59:
+    # its ports listen on every interface, so without one anyone reaching them could run code as this user); a
+    # cluster joined by ray_init.address uses the token in the environment (launch/run.sh makes one per job).
     kwargs: dict[str, Any] = {"include_dashboard": False, **ray_init_kwargs()}
     if cfg.ray_init.address:
         kwargs["address"] = cfg.ray_init.address
@@ -60,6 +63,7 @@ def run_ppo(raw: dict[str, Any], explicit: Iterable[str] = ()) -> dict[str, Any]
     if applied:
         logger.info("embedded default: configs/recipe/embedded.yaml sets %s", ", ".join(applied))
     cfg = check_config(resolve_config(load_ppo_config(raw)))  # everything checkable, once, before heavy work
+    claim_run_dir(cfg)  # resumes only its own run; a fresh run moves an earlier one's outputs aside
     init_ray(cfg)
     return train(resolve_embedded_default(cfg))  # may run the embedded SFT warm-up on this Ray cluster
 
@@ -95,6 +99,14 @@ def main(config: DictConfig) -> None:
     summary = run_ppo(OmegaConf.to_container(config, resolve=True), explicit)
     logger.info("summary: %s", summary, extra=FILE_ONLY)  # the console gets the table
     print_summary(summary)
+    if "preempted" in summary:  # exit 0: the job did what it was asked before the stop; a rerun resumes
+        stop = summary["preempted"]
+        logger.warning(
+            "preempted by %s after step %d: checkpoint %s; run the same command again to resume from it",
+            stop["signal"],
+            stop["step"],
+            stop["checkpoint"],
+        )
 
 
 def verl_overrides(argv: list[str]) -> list[str]:

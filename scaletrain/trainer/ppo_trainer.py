@@ -29,6 +29,7 @@ from scaletrain.trainer.generations import ScoredSamples, dump_batch, dump_jsonl
 from scaletrain.trainer.metrics import data_metrics, device_peak_flops, throughput_metrics, timer, timing_metrics
 from scaletrain.trainer.overlong import mask_overlong_responses
 from scaletrain.trainer.plan import RunPlan
+from scaletrain.trainer.preemption import PreemptionWatch
 from scaletrain.trainer.remax import greedy_baseline
 from scaletrain.trainer.reward_guard import RewardGuard
 from scaletrain.trainer.rm_reward import RewardWithRM
@@ -79,6 +80,7 @@ class RayPPOTrainer:
         self.device = cfg.trainer.device
         self.initial_val_metrics: dict[str, float] = {}  # validation before the first step
         self.agent_manager = None  # the multi-turn rollout path (init_workers)
+        self.preempted: dict | None = None  # set when a signal ended fit() early: {signal, step}
         self.train_reward_fn = self.reward_fn  # the rollouts' reward: with the RM's score once it is up
         self.eos_ids = (
             eos_token_ids(tokenizer, cfg.actor_rollout_ref.model.path)  # what ends a response
@@ -169,29 +171,33 @@ class RayPPOTrainer:
 
     # ---------------------------------------------------------------------------------------------------- fit
     def fit(self, tracking: Tracking) -> dict[str, float]:
-        """Train for ``total_steps``; returns the last validation metrics."""
+        """Train for ``total_steps``; returns the last validation metrics. SIGTERM / SIGUSR1 end it after the
+        current step with a checkpoint (``self.preempted`` then says where; preemption.py)."""
         cfg = self.cfg
         self._resume()
-        val_metrics: dict[str, float] = {}
-        if cfg.trainer.val_before_train and self.global_step == 0:
-            val_metrics = self.initial_val_metrics = self.validate(tracking)
-            tracking.log(val_metrics, step=0)
-        if self.global_step >= self.total_steps:
-            logger.info("the run already reached step %d of %d; nothing to train", self.global_step, self.total_steps)
-            return self.validate()
-        while self.global_step < self.total_steps:
-            for batch in self.loader:
-                self.global_step += 1
-                metrics = self.train_step(batch)
-                last = self.global_step >= self.total_steps
-                if self._due(cfg.trainer.test_freq, last):
-                    val_metrics = self.validate(tracking)
-                    metrics.update(val_metrics)
-                if self._due(cfg.trainer.save_freq, last):
-                    self.save_checkpoint()
-                tracking.log(metrics, step=self.global_step)
-                if last:
-                    break
+        with PreemptionWatch() as watch:
+            val_metrics: dict[str, float] = {}
+            if cfg.trainer.val_before_train and self.global_step == 0:
+                val_metrics = self.initial_val_metrics = self.validate(tracking)
+                tracking.log(val_metrics, step=0)
+            if self.global_step >= self.total_steps:
+                logger.info("step %d of %d reached already: nothing to train", self.global_step, self.total_steps)
+                return self.validate()
+            while self.global_step < self.total_steps and not watch.requested:
+                for batch in self.loader:
+                    self.global_step += 1
+                    metrics = self.train_step(batch)
+                    last = self.global_step >= self.total_steps
+                    if self._due(cfg.trainer.test_freq, last):
+                        val_metrics = self.validate(tracking)
+                        metrics.update(val_metrics)
+                    if self._due(cfg.trainer.save_freq, last) or watch.requested:
+                        self.save_checkpoint()
+                    tracking.log(metrics, step=self.global_step)
+                    if last or watch.requested:
+                        break
+            if watch.requested and self.global_step < self.total_steps:
+                self.preempted = {"signal": watch.signal_name, "step": self.global_step}
         return val_metrics
 
     def _due(self, freq: int, last: bool) -> bool:

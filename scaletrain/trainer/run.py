@@ -61,7 +61,9 @@ def train(cfg: PPOConfig) -> dict[str, Any]:
             val_metrics = trainer.fit(tracking)
         summary: dict[str, Any] = {"steps": trainer.global_step, "run_dir": run_dir, **val_metrics}
         summary.update({f"{k}@start": v for k, v in trainer.initial_val_metrics.items() if k.endswith("/acc")})
-        if cfg.trainer.save_hf_at_end:
+        if trainer.preempted:  # the run goes on later from its checkpoint: no final export yet
+            summary["preempted"] = {**trainer.preempted, "checkpoint": trainer.checkpoints.latest()}
+        elif cfg.trainer.save_hf_at_end:
             summary["hf_checkpoint"] = trainer.save_hf(os.path.join(run_dir, "hf"))
         if cfg.trainer.plot_at_end and "jsonl" in cfg.trainer.logger:
             from scaletrain.plot import plot_run

@@ -56,6 +56,8 @@ class SFTTrainerSection:
     stop_at_val_acc: float | None = 0.15  # stop once greedy val accuracy >= this; null: never
     save_hf_at_end: bool = True
     seed: int = 1
+    worker_call_timeout_s: float | None = 3600.0  # a worker call running longer fails, with every worker's stack
+    # in <output dir>/stacks (as trainer.worker_call_timeout_s of the PPO trainer); null: wait forever
     verbose: bool = False  # the console shows libraries' INFO logs too (run.log always has them: console.py)
 
 
@@ -145,6 +147,7 @@ def _check_values(cfg: SFTConfig) -> None:
         "trainer.total_epochs": trainer.total_epochs,
         "trainer.total_steps": trainer.total_steps or 1,
         "optim.lr": cfg.optim.lr,
+        "trainer.worker_call_timeout_s": 1 if trainer.worker_call_timeout_s is None else trainer.worker_call_timeout_s,
     }
     check_positive(positive)
     if data.train_batch_size % cfg.world_size:

@@ -221,7 +221,13 @@ def run_sft(config: SFTConfig | Mapping[str, Any]) -> dict[str, Any]:
     pool = RayResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes, use_gpu=use_gpu, name_prefix="sft")
     wg = None
     try:
-        wg = RayWorkerGroup(pool, RayClassWithInitArgs(SFTWorker, worker_config(cfg, len(train))), name_prefix="sft")
+        wg = RayWorkerGroup(
+            pool,
+            RayClassWithInitArgs(SFTWorker, worker_config(cfg, len(train))),
+            name_prefix="sft",
+            call_timeout_s=cfg.trainer.worker_call_timeout_s,
+            stack_dump_dir=os.path.join(cfg.output_dir, "stacks"),
+        )
         wg.init_model()
         trainer, t = SFTTrainer(cfg, wg, tokenizer, train, val, prompts), cfg.trainer
         with Tracking(

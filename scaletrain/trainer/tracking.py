@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.utils.registry import Registry
+from scaletrain.utils.secrets import redact_secrets
 
 logger = logging.getLogger(__name__)
 
@@ -163,13 +164,14 @@ def to_float_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 def _plain_config(config: Mapping | None) -> dict:
+    """The config as the backends get it: a plain dict, secret-looking values redacted (utils/secrets.py)."""
     if config is None:
         return {}
     if type(config).__module__.startswith("omegaconf"):
         from omegaconf import OmegaConf
 
-        return OmegaConf.to_container(config, resolve=True)
-    return dict(config)
+        config = OmegaConf.to_container(config, resolve=True)
+    return redact_secrets(dict(config))
 
 
 def require_module(module: str, package: str, backend: str) -> Any:

@@ -1,0 +1,54 @@
+"""Preemption (layer 4): SIGTERM or SIGUSR1 to the driver ends the run cleanly at the next step boundary.
+
+A cluster that is about to stop a job warns it first (SLURM: ``--signal=B:USR1@<seconds>``, forwarded to the
+driver by launch/run.sh; a scheduler's or a user's SIGTERM). ``PreemptionWatch`` notes the signal; ``fit()`` finishes
+the step in progress, writes a checkpoint and returns, and the command exits 0 saying where the checkpoint is, so
+the same command (or the requeued job) resumes from it. A second signal while that checkpoint is written is not
+waited for: the default action (termination) applies, and the previous checkpoint stays the latest complete one
+(checkpoint.py). The warning's lead time must cover the rest of a step plus a checkpoint save.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+
+logger = logging.getLogger(__name__)
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class PreemptionWatch:
+    """``with PreemptionWatch() as watch: ... if watch.requested: ...``; a no-op outside the main thread."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested:  # a second signal: stop now, as the signal's default does
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
+        self.signal_name = signal.Signals(signum).name
+        logger.warning(
+            "received %s: finishing the current step, then a checkpoint and exit (a second signal stops at once)",
+            self.signal_name,
+        )
+
+    def __enter__(self) -> PreemptionWatch:
+        if threading.current_thread() is threading.main_thread():
+            for signum in PREEMPTION_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()

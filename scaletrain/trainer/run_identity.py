@@ -1,0 +1,184 @@
+"""One run, one directory (layer 4): the run directory records which run it holds, and a run never mixes with
+another one's checkpoints or metrics.
+
+``claim_run_dir(cfg)`` runs once before Ray starts, with the resolved config:
+
+- The settings that determine a run's results (``RESULT_KEYS``: model, data, algorithm, seeds, batch sizes, the
+  optimizer, the layout the checkpoints are sharded for) are written to ``<run dir>/run_config.json`` with their
+  fingerprint. What only changes how a run executes (micro-batches, timeouts, logging, the number of steps, so a run
+  can be extended) is not part of it.
+- ``trainer.resume_mode=auto`` with a checkpoint in the directory resumes only a run with the same settings;
+  otherwise it fails naming the keys that differ (a new ``trainer.experiment_name`` gets a directory of its own).
+- A run that starts fresh in a directory holding an earlier run's outputs (``resume_mode=disable``, or a restart
+  before the first checkpoint) first moves them to ``<run dir>/previous/<time>/``: nothing is deleted, keep-N
+  pruning never touches them, and ``metrics.jsonl`` holds one run, each step once.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from typing import Any
+
+from scaletrain.trainer.checkpoint import CheckpointManager
+from scaletrain.trainer.config import PPOConfig
+from scaletrain.utils.secrets import redact_secrets
+from scaletrain.utils.typed_config import ConfigError, leaf_fields, to_dict
+
+logger = logging.getLogger(__name__)
+
+RUN_CONFIG = "run_config.json"
+PREVIOUS = "previous"
+# what a run writes into its directory (checkpoint.py, tracking.py, plot.py, the HF export, stacks); anything else
+# there is not ours and stays in place. The run log is not moved: it is already open for this run (console.py).
+RUN_OUTPUTS = (
+    "global_step_*",
+    ".global_step_*",
+    "latest_checkpointed_iteration.txt*",
+    "metrics.jsonl",
+    "val_generations.jsonl",
+    "tensorboard",
+    "mlruns",
+    "plots",
+    "hf",
+    "hf.*",
+    ".hf*",
+    "stacks",
+    RUN_CONFIG,
+)
+RESULT_KEYS = (
+    "actor_rollout_ref.model.*",
+    "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "actor_rollout_ref.actor.ppo_epochs",
+    "actor_rollout_ref.actor.shuffle",
+    "actor_rollout_ref.actor.data_loader_seed",
+    "actor_rollout_ref.actor.clip_ratio*",
+    "actor_rollout_ref.actor.loss_agg_mode",
+    "actor_rollout_ref.actor.policy_loss.*",
+    "actor_rollout_ref.actor.entropy_coeff",
+    "actor_rollout_ref.actor.*kl_loss*",
+    "actor_rollout_ref.actor.optim.*",
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
+    "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size",
+    "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.rollout.temperature",
+    "actor_rollout_ref.rollout.top_p",
+    "actor_rollout_ref.rollout.top_k",
+    "actor_rollout_ref.rollout.seed",
+    "actor_rollout_ref.rollout.response_length",
+    "data.train_files",
+    "data.train_batch_size",
+    "data.max_prompt_length",
+    "data.max_response_length",
+    "data.shuffle",
+    "data.seed",
+    "data.max_samples",
+    "data.prompt_key",
+    "algorithm.*",
+    "critic.enable",
+    "critic.model.path",
+    "critic.ppo_mini_batch_size",
+    "critic.ppo_epochs",
+    "critic.optim.*",
+    "reward_model.enable",
+    "reward_model.model.path",
+    "reward_model.reward_manager",
+    "reward_model.reward_kwargs",
+    "custom_reward_function.*",
+    "backend.name",
+    "trainer.seed",
+    "trainer.n_gpus_per_node",
+    "trainer.nnodes",
+)
+
+
+def result_settings(cfg: PPOConfig) -> dict[str, Any]:
+    """The values of ``RESULT_KEYS`` in ``cfg``, as JSON-able values, by dotted key."""
+    plain = to_dict(cfg)
+    out: dict[str, Any] = {}
+    for key, _, _ in leaf_fields(type(cfg)):
+        if any(fnmatch.fnmatchcase(key, pattern) for pattern in RESULT_KEYS):
+            value: Any = plain
+            for part in key.split("."):
+                value = value[part]
+            out[key] = json.loads(json.dumps(value, default=str))  # tuples -> lists, as read back from the file
+    return redact_secrets(out)  # the file is not a place for an API key
+
+
+def fingerprint(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    keys = sorted(set(stored) | set(current))
+    missing = object()
+    return [
+        f"{key}: {stored.get(key, '(not set)')!r} there, {current.get(key, '(not set)')!r} now"
+        for key in keys
+        if stored.get(key, missing) != current.get(key, missing)
+    ]
+
+
+def _read_settings(run_dir: str) -> dict[str, Any] | None:
+    path = os.path.join(run_dir, RUN_CONFIG)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)["settings"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(
+            f"{path} is unreadable ({err}); move it away or choose another trainer.default_local_dir"
+        ) from err
+
+
+def _move_previous_outputs(run_dir: str) -> str | None:
+    """Moves an earlier run's outputs to ``previous/<time>/``; returns where, or None when there were none."""
+    names = os.listdir(run_dir) if os.path.isdir(run_dir) else []
+    names = [n for n in names if any(fnmatch.fnmatchcase(n, pattern) for pattern in RUN_OUTPUTS)]
+    if not names:
+        return None
+    target = os.path.join(run_dir, PREVIOUS, time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+    suffix, base = 1, target
+    while os.path.exists(target):
+        target, suffix = f"{base}-{suffix}", suffix + 1
+    os.makedirs(target)
+    for name in names:
+        shutil.move(os.path.join(run_dir, name), os.path.join(target, name))
+    return target
+
+
+def claim_run_dir(cfg: PPOConfig) -> None:
+    """Checks that a resumed run continues its own run, clears the way for a fresh one, and records this run's
+    settings (see the module docstring). Raises ConfigError naming the differing keys."""
+    tr = cfg.trainer
+    run_dir = os.path.abspath(tr.default_local_dir)
+    current, stored = result_settings(cfg), _read_settings(run_dir)
+    latest = CheckpointManager(run_dir).latest()
+    resuming = tr.resume_mode == "resume_path" or (tr.resume_mode == "auto" and latest is not None)
+    if resuming and tr.resume_mode == "auto":
+        if stored is None:
+            logger.warning("%s has no %s (an older run): resuming without checking its settings", run_dir, RUN_CONFIG)
+        elif stored != current:
+            differ = "\n  ".join(_differences(stored, current))
+            raise ConfigError(
+                f"trainer.resume_mode=auto: {run_dir} holds a run with other settings, so it is not resumed:\n"
+                f"  {differ}\nUse another trainer.experiment_name (or trainer.default_local_dir) for a new run, or "
+                "trainer.resume_mode=disable to start over there (its outputs are moved to previous/)"
+            )
+    if not resuming:
+        moved = _move_previous_outputs(run_dir)
+        if moved:
+            logger.warning("starting fresh in %s: the earlier run's outputs were moved to %s", run_dir, moved)
+    if not resuming or stored is None:
+        os.makedirs(run_dir, exist_ok=True)
+        record = {"fingerprint": fingerprint(current), "settings": current}
+        tmp = os.path.join(run_dir, f".{RUN_CONFIG}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=1, sort_keys=True)
+        os.replace(tmp, os.path.join(run_dir, RUN_CONFIG))

@@ -1,0 +1,49 @@
+"""No one gets in: the Ray cluster the trainer starts requires Ray's auth token, so a process without it (anyone who
+reaches its ports) cannot connect and run code (before: the trainer turned authentication off)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.trainer.test_ppo_resume import ROOT
+
+pytestmark = pytest.mark.slow
+
+DRIVER = textwrap.dedent(
+    """
+    import os, subprocess, sys
+    import ray
+    from scaletrain.trainer.config import PPOConfig
+    from scaletrain.trainer.main_ppo import init_ray
+
+    cfg = PPOConfig()
+    cfg.trainer.default_local_dir = sys.argv[1]
+    cfg.trainer.device = "cpu"
+    init_ray(cfg)
+    print("auth mode", os.environ.get("RAY_AUTH_MODE"), flush=True)
+    gcs = ray.get_runtime_context().gcs_address
+    intruder = dict(os.environ, RAY_AUTH_MODE="disabled", HOME=sys.argv[1])  # no token file, no token variable
+    intruder.pop("RAY_AUTH_TOKEN", None)
+    code = f"import ray; ray.init(address='{gcs}', logging_level='ERROR'); print('INTRUDER CONNECTED')"
+    out = subprocess.run([sys.executable, "-c", code], env=intruder, capture_output=True, text=True, timeout=120)
+    print("intruder exit", out.returncode, flush=True)
+    print(out.stdout[-500:], out.stderr[-1500:], flush=True)
+    print("own task", ray.get(ray.remote(lambda: 41 + 1).remote()), flush=True)
+    ray.shutdown()
+    """
+)
+
+
+def test_a_process_without_the_token_cannot_join_the_trainers_cluster(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_AUTH_MODE", None)  # as in a user's shell
+    out = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "own task 42" in out.stdout, "the trainer's own processes hold the token"
+    assert "INTRUDER CONNECTED" not in out.stdout
+    assert "intruder exit 1" in out.stdout and "token" in out.stdout.lower()

@@ -1,0 +1,163 @@
+"""Faults injected through the real stack, as a user meets them on the command line (main_ppo in a subprocess:
+Ray, 2 FSDP ranks, the HF rollout, the scoring processes). Each test names the fault it injects; the README's
+"Reliability" table points here.
+
+The runs leave RAY_AUTH_MODE unset, as a user's environment does: they train with Ray's token authentication on.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.faults.hang_model import hanging_model
+from tests.trainer.test_ppo_resume import ROOT, command, metrics
+
+pytestmark = pytest.mark.slow
+
+FAULT_FNS = Path(__file__).parent / "reward_fns.py"
+SECRET = "sk-live-fault-suite-0042"
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from scaletrain.data import build_embedded_default
+
+    return build_embedded_default(cache_dir=str(tmp_path_factory.mktemp("cache")), n_train=400, n_val=16, n_test=16)
+
+
+def user_env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_AUTH_MODE", None)  # the test session disables it for its own cluster; a user's shell does not
+    return env
+
+
+def overridden(task, run_dir, steps, *overrides):
+    keys = {o.split("=")[0] for o in overrides}
+    return [arg for arg in command(task, run_dir, steps) if arg.split("=")[0] not in keys] + list(overrides)
+
+
+def run(args, timeout=400):
+    return subprocess.run(args, env=user_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def reward(name, *kwargs):
+    return [f"custom_reward_function.path={FAULT_FNS}", f"custom_reward_function.name={name}", *kwargs]
+
+
+def test_reward_raising_on_every_sample_stops_the_run_naming_it(task, tmp_path):
+    """Fault: a custom reward function that raises on every sample (before: 3 steps on all-zero rewards)."""
+    run_dir = tmp_path / "raises"
+    out = run(
+        overridden(
+            task,
+            run_dir,
+            6,
+            *reward("raises_always"),
+            "reward_model.max_error_steps=2",
+            "trainer.val_before_train=false",
+        )
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert f"the reward function CustomRewardFn('{FAULT_FNS}', 'raises_always') failed on more than 50%" in text
+    assert "2 steps in a row (up to step 2: 100%, 100%)" in text and "ValueError: scorer bug: cannot parse" in text
+    assert (run_dir / "latest_checkpointed_iteration.txt").read_text() == "1"  # step 1's checkpoint is kept
+    assert sorted(metrics(run_dir)) == [1]  # step 2 was not trained on its zero rewards
+
+    # One run, one directory: auto-resuming that directory with other settings fails before Ray, naming them
+    other = run(overridden(task, run_dir, 6, *reward("raises_always"), "trainer.seed=9"), timeout=120)
+    assert other.returncode != 0
+    assert f"{run_dir} holds a run with other settings" in other.stderr
+    assert "trainer.seed: 1 there, 9 now" in other.stderr
+    assert "Started a local Ray instance" not in other.stdout + other.stderr
+
+
+def test_reward_hanging_on_half_the_samples_is_bounded_per_step(task, tmp_path):
+    """Fault: a reward function hanging on about half of the samples (before: no step finished in 10 minutes).
+    Also: the secret in its reward kwargs reaches no logger."""
+    run_dir = tmp_path / "hangs"
+    start = time.monotonic()
+    out = run(
+        overridden(
+            task,
+            run_dir,
+            2,
+            *reward("hangs_on_odd_answers", f"+custom_reward_function.reward_kwargs.api_key={SECRET}"),
+            "reward_model.step_timeout_s=4",
+            "reward_model.max_error_rate=1.0",
+            "trainer.val_before_train=false",
+            "trainer.logger=[console,jsonl,tensorboard]",
+        )
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert time.monotonic() - start < 240
+    rows = metrics(run_dir)
+    for step in (1, 2):
+        assert rows[step]["reward/timeouts"] > 0 and rows[step]["reward/seconds"] < 10, rows[step]
+    assert "not scored within the step's scoring budget of 4s" in out.stdout + out.stderr
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), f"the secret is in {path}"
+    assert "***redacted***" in (run_dir / "run_config.json").read_text()
+
+
+def test_stuck_worker_times_out_naming_it_with_every_stack(task, tmp_path):
+    """Fault: a worker alive but stuck outside a collective (user model code sleeping on rank 1; before: the
+    driver waited forever)."""
+    model = hanging_model(task["model"], tmp_path / "hanging-model")
+    run_dir = tmp_path / "stuck"
+    out = run(
+        overridden(
+            task,
+            run_dir,
+            2,
+            f"actor_rollout_ref.model.path={model}",
+            "actor_rollout_ref.model.trust_remote_code=true",
+            "trainer.worker_call_timeout_s=25",
+            "trainer.val_before_train=false",
+        )
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert "WorkerTimeoutError: worker group 'actor_rollout': compute_log_prob() did not finish on ranks [0, 1]" in text
+    assert "stuck on ranks [1] (ranks [0] wait in a collective for the others)" in text
+    stacks = {p.name: p.read_text() for p in (run_dir / "stacks").iterdir()}
+    assert len(stacks) == 2, stacks.keys()
+    (stuck,) = [t for name, t in stacks.items() if "-rank1-" in name]
+    (peer,) = [t for name, t in stacks.items() if "-rank0-" in name]
+    assert "modeling_hang.py" in stuck and "in forward" in stuck  # where rank 1 is stuck
+    assert "in compute_log_prob" in peer  # rank 0 waits in the same call (its collective)
+
+
+def test_sigterm_checkpoints_after_the_step_and_exits_0_then_resumes(task, tmp_path):
+    """Fault: the cluster preempts the job (SIGTERM to the driver; SLURM's warning signal is SIGUSR1)."""
+    run_dir = tmp_path / "preempted"
+    once = ("trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=false")  # saves at the end only
+    args = overridden(task, run_dir, 8, *once)
+    proc = subprocess.Popen(args, env=user_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip():
+            assert proc.poll() is None and time.monotonic() < deadline, "no step within 300 s"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, output[-3000:]
+    stopped = int((run_dir / "latest_checkpointed_iteration.txt").read_text())
+    assert 1 <= stopped < 8
+    assert f"preempted by SIGTERM after step {stopped}: checkpoint {run_dir / f'global_step_{stopped}'}" in output
+    assert not (run_dir / "hf").exists()  # the run is not finished: no final export
+    resumed = run(args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {run_dir / f'global_step_{stopped}'} at step {stopped}" in resumed.stdout + resumed.stderr
+    rows = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    assert rows == list(range(1, 9)), "each step once, none lost"
