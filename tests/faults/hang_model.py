@@ -5,7 +5,7 @@ import json
 import shutil
 from pathlib import Path
 
-MODELING = '''
+MODELING = """
 import os
 import time
 
@@ -18,7 +18,7 @@ class HangingQwen2ForCausalLM(Qwen2ForCausalLM):
         if os.environ.get("RANK") == "1" and not torch.is_grad_enabled():  # the first log-prob pass
             time.sleep(3600)
         return super().forward(*args, **kwargs)
-'''
+"""
 
 
 def hanging_model(model_dir: str, out: Path) -> Path:
