@@ -11,9 +11,13 @@ user turns are appended as chat-template-rendered ids with mask 0 and log-prob 0
 ``max_parallel_calls`` are dropped (counted); tool answers longer than ``max_tool_response_length`` characters
 are truncated (``left`` keeps the start, ``right`` the end, ``middle`` both ends). A tool that raises, times out
 (``tool_timeout_s``) or is unknown answers the model with an error text (counted in ``tool_errors``); the tool's
-``release`` always runs. Per-row inputs: ``raw_prompt`` (messages), ``extra_info.tool_selection`` (names of the
-tools this row may use; all when absent), ``extra_info.tools_kwargs`` ({tool: {"create_kwargs": {...}}}),
-``extra_info.interaction_kwargs`` ({"name": ..., **kwargs for start_interaction}).
+``release`` always runs, bounded by the tool's ``config.release_timeout_s`` (a timeout or failure is logged and
+counted in ``tool_release_timeouts`` / ``tool_release_errors``). A ``create`` that outlasts the tool's
+``config.create_timeout_s`` answers with an error text, counts ``tool_create_timeouts`` (and ``tool_errors``) and
+ends the trajectory after that tool turn. Per-row inputs: ``raw_prompt`` (messages), ``extra_info.tool_selection``
+(names of the tools this row may use; all when absent), ``extra_info.tools_kwargs``
+({tool: {"create_kwargs": {...}}}), ``extra_info.interaction_kwargs`` ({"name": ..., **kwargs for
+start_interaction}).
 """
 
 from __future__ import annotations
@@ -25,7 +29,13 @@ from typing import Any
 
 from scaletrain.agent.base import AgentData, AgentLoopBase, AgentLoopOutput, AgentState, register_agent_loop
 from scaletrain.agent.tool_parser import FunctionCall, ToolParser
-from scaletrain.agent.tools.base import BaseTool, ToolResponse
+from scaletrain.agent.tools.base import (
+    BaseTool,
+    ToolLifecycleTimeout,
+    ToolResponse,
+    create_with_timeout,
+    release_with_timeout,
+)
 from scaletrain.utils.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
@@ -197,7 +207,7 @@ class ToolAgentLoop(AgentLoopBase):
         data.tool_calls = []
         results = await asyncio.gather(*(self._call_tool(call, data) for call in calls))
         messages = []
-        for response, reward in results:
+        for response, reward, _ in results:
             text = truncate_text(
                 response.text or "", self.config.max_tool_response_length, self.config.tool_response_truncate_side
             )
@@ -207,44 +217,77 @@ class ToolAgentLoop(AgentLoopBase):
         data.user_turns += 1
         if not self._append(data, self.render_turn(messages)) or self._turn_limit_reached(data):
             return AgentState.TERMINATED
+        if any(fatal for _, _, fatal in results):
+            return AgentState.TERMINATED
         return AgentState.GENERATING
 
-    async def _call_tool(self, call: FunctionCall, data: AgentData) -> tuple[ToolResponse, float]:
+    async def _call_tool(self, call: FunctionCall, data: AgentData) -> tuple[ToolResponse, float, bool]:
+        """(answer to the model, reward, fatal); fatal: the tool could not be created in time, the trajectory ends."""
         data.count("tool_calls")
         tool = data.active_tools.get(call.name)
         if tool is None:
             data.count("tool_errors")
-            return ToolResponse(text=f"Error: unknown tool '{call.name}'"), 0.0
+            return ToolResponse(text=f"Error: unknown tool '{call.name}'"), 0.0, False
         data.count(f"tool_calls/{call.name}")
         try:
             args = json.loads(call.arguments)
         except json.JSONDecodeError as exc:
             data.count("tool_errors")
-            return ToolResponse(text=f"Error: arguments of '{call.name}' are not JSON: {exc}"), 0.0
-        instance_id = None
+            return ToolResponse(text=f"Error: arguments of '{call.name}' are not JSON: {exc}"), 0.0, False
         try:
             create_kwargs = (data.tools_kwargs.get(call.name) or {}).get("create_kwargs") or {}
-            instance_id, _ = await tool.create(**create_kwargs)
+            instance_id, _ = await create_with_timeout(tool, **create_kwargs)
+        except ToolLifecycleTimeout as exc:
+            # a tool that cannot even be created (its service hangs) would stall every further call the same way
+            data.count("tool_errors")
+            data.count("tool_create_timeouts")
+            logger.warning("trajectory %s ends: %s", data.request_id, exc)
+            return ToolResponse(text=f"Error: {exc}; the conversation ends here"), 0.0, True
+        except Exception as exc:
+            data.count("tool_errors")
+            logger.debug("tool %s: create failed: %s", call.name, exc, exc_info=True)
+            text = f"Error when executing tool '{call.name}': {type(exc).__name__}: {exc}"
+            return ToolResponse(text=text), 0.0, False
+        try:
+            response, reward = await self._execute_tool(tool, call.name, instance_id, args, data)
+        finally:
+            await self._release_tool(tool, instance_id, data)
+        return response, reward, False
+
+    async def _execute_tool(
+        self, tool: BaseTool, name: str, instance_id: str, args: dict, data: AgentData
+    ) -> tuple[ToolResponse, float]:
+        try:
             response, reward, metrics = await asyncio.wait_for(
                 tool.execute(instance_id, args, agent_data=data), self.config.tool_timeout_s
             )
-            if (metrics or {}).get("error"):
+            metrics = metrics or {}
+            if metrics.get("error"):
                 data.count("tool_errors")
+            for key, value in metrics.items():  # a tool's own counters (e.g. code_runner/no_network_isolation)
+                if key != "error" and isinstance(value, (int, float)):
+                    data.count(key, float(value))
             return response, float(reward)
         except asyncio.TimeoutError:
             data.count("tool_errors")
             data.count("tool_timeouts")
-            return ToolResponse(text=f"Error: tool '{call.name}' timed out after {self.config.tool_timeout_s} s"), 0.0
+            return ToolResponse(text=f"Error: tool '{name}' timed out after {self.config.tool_timeout_s} s"), 0.0
         except Exception as exc:
             data.count("tool_errors")
-            logger.debug("tool %s failed: %s", call.name, exc, exc_info=True)
-            return ToolResponse(text=f"Error when executing tool '{call.name}': {type(exc).__name__}: {exc}"), 0.0
-        finally:
-            if instance_id is not None:
-                try:
-                    await tool.release(instance_id)
-                except Exception as exc:
-                    logger.warning("tool %s: release(%s) failed: %s", call.name, instance_id, exc)
+            logger.debug("tool %s failed: %s", name, exc, exc_info=True)
+            return ToolResponse(text=f"Error when executing tool '{name}': {type(exc).__name__}: {exc}"), 0.0
+
+    async def _release_tool(self, tool: BaseTool, instance_id: str, data: AgentData) -> None:
+        """Release (bounded by the tool's release_timeout_s); a failure is logged and counted, never raised: the
+        answer is already there."""
+        try:
+            await release_with_timeout(tool, instance_id)
+        except ToolLifecycleTimeout as exc:
+            data.count("tool_release_timeouts")
+            logger.warning("trajectory %s: %s", data.request_id, exc)
+        except Exception as exc:
+            data.count("tool_release_errors")
+            logger.warning("tool %s: release(%s) failed: %s", tool.name, instance_id, exc)
 
     async def _handle_interacting(self, data: AgentData, instance: str) -> AgentState:
         done, response, reward, _ = await data.interaction.generate_response(

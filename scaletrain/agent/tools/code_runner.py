@@ -1,88 +1,353 @@
-"""``code_runner``: runs Python code in a fresh interpreter subprocess with time, memory and output limits.
+"""``code_runner``: runs Python code in a fresh interpreter subprocess with time, memory, output, process and
+file-size limits, at most ``max_concurrency`` at once per tool.
 
-Isolation (best effort, Linux): the child runs ``python -I`` (no user site, no env-driven imports) in an empty
-temporary directory with ``RLIMIT_AS`` (``memory_mb``), ``RLIMIT_CPU`` and a wall-clock ``timeout``; it is
-moved into fresh user + network namespaces when the kernel allows unprivileged ones (no network interface at
-all), and in any case the code runs after a prelude that makes every socket creation raise. stdout + stderr
-(truncated to ``max_output_chars``) come back to the model; a timeout or a crash comes back as text.
+The child runs ``python -I`` (no user site, no env-driven imports) in an empty temporary directory, in its own
+session, with ``RLIMIT_AS`` (``memory_mb``), ``RLIMIT_CPU``, ``RLIMIT_FSIZE`` (``max_file_mb``: a bigger write
+fails with ``OSError: File too large``), no core dumps and a wall-clock ``timeout``. Its output (stdout + stderr)
+is streamed and kept up to ``max_output_chars``: a program that prints more is stopped there ("...(truncated)"),
+so the driver's memory stays bounded whatever the child prints.
+
+Processes: ``max_processes`` bounds the child and everything it forks. Root ignores ``RLIMIT_NPROC``, even in a
+fresh user namespace (its kernel uid stays 0), so where a cgroup ``pids`` controller is writable (v1 ``pids``
+hierarchy, or v2 with ``pids`` in our cgroup's ``subtree_control``) each run gets its own cgroup with ``pids.max``
+= ``max_processes``, which binds root too; at the end every process in it is killed (also those that left the
+process group with ``setsid``) and the cgroup removed. Otherwise ``RLIMIT_NPROC`` = ``max_processes`` is set,
+which binds a non-root driver only (and counts all the user's processes and threads). A run with neither
+reports the metric ``code_runner/no_process_limit`` = 1.0 (warning logged once).
+
+Network: the child enters a fresh network namespace (plain as root; user + network namespaces otherwise, when
+the kernel allows unprivileged ones), i.e. no interface but a down ``lo``, and in any case the code runs after a
+prelude that makes every socket creation raise. Whether the namespace was obtained is reported by the child
+itself, before it execs, through a pipe the code cannot reach; when it was not: ``require_network_isolation``
+false (default) -> metric ``code_runner/no_network_isolation`` = 1.0 and a warning logged once, true -> the code
+is not run (error text + metric). A timeout, a crash or a limit comes back to the model as text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
+import contextlib
 import ctypes
+import errno
+import functools
+import logging
 import os
 import resource
+import signal
 import sys
 import tempfile
+import uuid
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from scaletrain.agent.tools.base import BaseTool, ToolResponse, register_tool
 
+logger = logging.getLogger(__name__)
+
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+# tried in order: a plain network namespace (needs CAP_SYS_ADMIN, e.g. root), then user + network namespaces
+# (unprivileged). Module-level so that a test can make every attempt fail.
+UNSHARE_ATTEMPTS = (CLONE_NEWNET, CLONE_NEWUSER | CLONE_NEWNET)
 PRELUDE = (
     "import socket as _s\n"
     "def _no_net(*a, **k):\n    raise OSError('network access is disabled in code_runner')\n"
     "_s.socket = _no_net; _s.create_connection = _no_net; _s.socketpair = _no_net\n"
     "del _s, _no_net\n"
 )
+READ_CHUNK = 1 << 16
+DRAIN_S = 2.0  # after a kill, how long the rest of the output pipe may take to reach EOF
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child should not dlopen between fork and exec
+_WARNED: set[str] = set()
+# run_python's limits and their defaults (also the tool's config keys)
+LIMITS: dict[str, Any] = dict(
+    timeout=5.0, memory_mb=512, max_output_chars=2000, max_processes=64, max_file_mb=16, require_network_isolation=False
+)
 
 
-def _limit(memory_mb: int, cpu_s: int):
+@dataclass
+class RunResult:
+    text: str
+    ok: bool  # False on timeout, non-zero exit, output over the cap, a refused or failed start
+    network_isolated: bool | None = None  # None: the child never got that far
+    process_limit: str | None = None  # "cgroup", "rlimit" (non-root) or "none"; None: the child never started
+
+
+# ------------------------------------------------------------------------------------------- process limits
+def _read(path: str) -> str:
+    """The file's text; "" when it cannot be read (a cgroup file of a kernel without that feature)."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _cgroup_candidates() -> list[str]:
+    """Our own pids-controlled cgroup directory for each mounted hierarchy that has the controller."""
+    mounts = [line.split() for line in _read("/proc/self/mounts").splitlines()]
+    own = [line.split(":", 2) for line in _read("/proc/self/cgroup").splitlines()]
+    v1 = [m[1] for m in mounts if len(m) > 3 and m[2] == "cgroup" and "pids" in m[3].split(",")]
+    v2 = [m[1] for m in mounts if len(m) > 3 and m[2] == "cgroup2"]
+    found = []
+    for _, controllers, path in (entry for entry in own if len(entry) == 3):
+        if "pids" in controllers.split(","):
+            found += [mount + path for mount in v1]
+        elif controllers == "":
+            found += [mount + path for mount in v2]
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def pids_cgroup_parent() -> str | None:
+    """A cgroup directory under which a per-run ``pids`` cgroup can be made, or None. In v2 the controller must
+    already be delegated (``subtree_control``): enabling it ourselves would clash with the rule that a cgroup
+    with controllers for its children holds no processes (we are in it)."""
+    for path in _cgroup_candidates():
+        control = os.path.join(path, "cgroup.subtree_control")  # exists in v2 only
+        if os.access(path, os.W_OK) and (not os.path.exists(control) or "pids" in _read(control).split()):
+            return path
+    return None
+
+
+class RunCgroup:
+    """A per-run ``pids`` cgroup: at most ``max_processes`` tasks in it (root included); ``close`` kills them all."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.procs = os.path.join(path, "cgroup.procs")
+
+    @classmethod
+    def make(cls, max_processes: int) -> RunCgroup | None:
+        parent = pids_cgroup_parent()
+        if parent is None:
+            return None
+        path = os.path.join(parent, f"scaletrain-code-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        try:
+            os.mkdir(path)
+            with open(os.path.join(path, "pids.max"), "w") as f:
+                f.write(str(max_processes))
+        except OSError as exc:
+            logger.debug("code_runner: cannot make the pids cgroup %s: %s", path, exc)
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+            return None
+        return cls(path)
+
+    def kill_all(self) -> None:
+        for pid in (int(line) for line in _read(self.procs).split()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    async def close(self) -> None:
+        """Kill every process in the cgroup (again and again: a fork bomb forks while it is killed) and remove
+        it; a cgroup that will not go is logged and left."""
+        for _ in range(200):
+            self.kill_all()
+            try:
+                os.rmdir(self.path)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    break
+            await asyncio.sleep(0.01)
+        logger.warning("code_runner: could not remove the cgroup %s (processes left in it?)", self.path)
+
+
+# -------------------------------------------------------------------------------------------------- child
+def _child_setup(limits: dict[int, tuple[int, int]], cgroup_procs: str | None, status_fd: int, require_isolation: bool):
+    """preexec_fn: runs in the child between fork and exec. Reports "net=<errno> cg=<0|1>" on ``status_fd``
+    (closed at exec, so the code cannot write there)."""
+
     def apply() -> None:
         os.setsid()
-        try:  # fresh user + network namespace: no interfaces, not even loopback up
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.unshare(CLONE_NEWUSER | CLONE_NEWNET)
-        except Exception:
-            pass
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+        joined = 0
+        if cgroup_procs is not None:  # before anything else: every later fork is counted
+            with contextlib.suppress(OSError):
+                with open(cgroup_procs, "w") as f:
+                    f.write(str(os.getpid()))
+                joined = 1
+        err = errno.EINVAL
+        for flags in UNSHARE_ATTEMPTS:
+            if _LIBC.unshare(flags) == 0:
+                err = 0
+                break
+            err = ctypes.get_errno()
+        os.write(status_fd, f"net={err} cg={joined}".encode())
+        if err and require_isolation:
+            raise OSError(err, "network isolation unavailable")
+        for limit, soft_hard in limits.items():
+            resource.setrlimit(limit, soft_hard)
 
     return apply
 
 
-async def run_python(
-    code: str, *, timeout: float = 5.0, memory_mb: int = 512, max_output_chars: int = 2000
-) -> tuple[str, bool]:
-    """(output text, ok). ``ok`` is False on timeout, non-zero exit or a failed start."""
+class CappedOutput:
+    """Decodes a byte stream keeping at most ``max_chars`` characters (memory bounded by that plus a chunk)."""
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars, self.size, self.truncated = max_chars, 0, False
+        self.parts: list[str] = []
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    async def read_from(self, stream: asyncio.StreamReader) -> None:
+        """Until EOF, or until more than ``max_chars`` came (``truncated``: the reading stops there)."""
+        while True:
+            chunk = await stream.read(READ_CHUNK)
+            text = self._decoder.decode(chunk, final=not chunk)
+            self.parts.append(text[: self.max_chars - self.size])
+            self.size += len(self.parts[-1])
+            if len(text) > len(self.parts[-1]):
+                self.truncated = True
+                return
+            if not chunk:
+                return
+
+    def text(self) -> str:
+        return "".join(self.parts) + ("...(truncated)" if self.truncated else "")
+
+
+async def _stop(proc: asyncio.subprocess.Process, cgroup: RunCgroup | None) -> int:
+    """Kill the child's process group (and cgroup) and return its exit status. The rest of the pipe is drained:
+    asyncio's ``wait()`` waits for the pipe's EOF too; bounded, since a process that escaped both may hold it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if cgroup is not None:
+        cgroup.kill_all()
+
+    async def drain_and_wait() -> None:
+        while await proc.stdout.read(READ_CHUNK):
+            pass
+        await proc.wait()
+
+    try:
+        await asyncio.wait_for(drain_and_wait(), DRAIN_S)
+    except asyncio.TimeoutError:
+        logger.warning("code_runner: pid %d's output pipe is still open %s s after the kill", proc.pid, DRAIN_S)
+    return -signal.SIGKILL if proc.returncode is None else proc.returncode
+
+
+def _read_status(fd: int) -> tuple[int | None, bool]:
+    """(unshare errno or None when the child did not report, joined the cgroup) from the status pipe."""
+    try:
+        words = dict(w.split("=", 1) for w in os.read(fd, 64).decode().split() if "=" in w)
+    except (BlockingIOError, ValueError):
+        return None, False
+    finally:
+        os.close(fd)
+    net = words.get("net")
+    return (int(net) if net and net.isdigit() else None), words.get("cg") == "1"
+
+
+def _exit_text(returncode: int) -> str:
+    if -returncode in signal.valid_signals():
+        return f"Error: killed by signal {signal.Signals(-returncode).name}"
+    return f"Error: exit code {returncode}"
+
+
+def _rlimits(opts: dict[str, Any]) -> dict[int, tuple[int, int]]:
+    cpu_s = max(1, int(opts["timeout"]) + 1)
+    return {
+        resource.RLIMIT_AS: (opts["memory_mb"] << 20,) * 2,
+        resource.RLIMIT_CPU: (cpu_s, cpu_s + 1),  # SIGXCPU at the soft limit, SIGKILL one second later
+        resource.RLIMIT_NPROC: (opts["max_processes"],) * 2,
+        resource.RLIMIT_FSIZE: (opts["max_file_mb"] << 20,) * 2,
+        resource.RLIMIT_CORE: (0, 0),
+    }
+
+
+async def _start(path: str, workdir: str, cgroup: RunCgroup | None, opts: dict[str, Any]):
+    """(process or None, unshare errno or None, joined the cgroup, error text when it did not start)."""
+    status_r, status_w = os.pipe()
+    os.set_blocking(status_r, False)
+    require = opts["require_network_isolation"]
+    preexec = _child_setup(_rlimits(opts), cgroup.procs if cgroup else None, status_w, require)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-I",
+            path,
+            cwd=workdir,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+            preexec_fn=preexec,
+        )
+    except Exception as exc:
+        os.close(status_w)
+        net_err, _ = _read_status(status_r)
+        error = f"Error: could not start the interpreter: {type(exc).__name__}: {exc}"
+        if net_err and require:
+            error = f"Error: code_runner could not isolate the network ({os.strerror(net_err)}) and "
+            error += "require_network_isolation is set: the code was not run"
+        return None, net_err, False, error
+    os.close(status_w)  # the child's copy closed at exec: the status is complete
+    return (proc, *_read_status(status_r), "")
+
+
+async def _run(path: str, workdir: str, cgroup: RunCgroup | None, opts: dict[str, Any]) -> RunResult:
+    proc, net_err, joined, error = await _start(path, workdir, cgroup, opts)
+    isolated = None if net_err is None else net_err == 0
+    if proc is None:
+        return RunResult(error, False, network_isolated=isolated)
+    limit = "cgroup" if joined else ("rlimit" if os.geteuid() != 0 else "none")
+    out, timed_out = CappedOutput(opts["max_output_chars"]), False
+
+    async def collect() -> None:
+        await out.read_from(proc.stdout)
+        if not out.truncated:
+            await proc.wait()
+
+    try:
+        await asyncio.wait_for(collect(), opts["timeout"])
+    except asyncio.TimeoutError:
+        timed_out = True
+    except asyncio.CancelledError:  # the caller gave up (e.g. the agent's tool_timeout_s): so does the child
+        await _stop(proc, cgroup)  # milliseconds once killed (at most DRAIN_S)
+        raise
+    returncode = await _stop(proc, cgroup) if timed_out or out.truncated else proc.returncode
+    text = out.text()
+    if out.truncated:
+        text += f"\nError: the output exceeded {opts['max_output_chars']} characters; the program was stopped"
+    elif timed_out:
+        text += f"\nError: timed out after {opts['timeout']} s"
+    elif returncode != 0:
+        text += "\n" + _exit_text(returncode)
+    ok = not (timed_out or out.truncated or returncode)
+    return RunResult(text if ok else text.strip(), ok, isolated, limit)
+
+
+async def run_python(code: str, **limits: Any) -> RunResult:
+    """Run ``code`` in a limited child interpreter; ``limits``: keys of ``LIMITS`` (see the module docstring)."""
+    unknown = set(limits) - set(LIMITS)
+    if unknown:
+        raise TypeError(f"run_python: unknown limits {sorted(unknown)}; known: {', '.join(LIMITS)}")
+    opts = {**LIMITS, **limits}
     with tempfile.TemporaryDirectory(prefix="scaletrain-code-") as workdir:
         path = os.path.join(workdir, "main.py")
         with open(path, "w") as f:
             f.write(PRELUDE + code)
+        cgroup = RunCgroup.make(opts["max_processes"])
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-I",
-                path,
-                cwd=workdir,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-                preexec_fn=_limit(memory_mb, max(1, int(timeout) + 1)),
-            )
-        except Exception as exc:
-            return f"Error: could not start the interpreter: {exc}", False
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(), timeout)
-        except asyncio.TimeoutError:
-            try:
-                os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
-            await proc.wait()
-            return f"Error: timed out after {timeout} s", False
-        text = out.decode("utf-8", errors="replace")
-        if len(text) > max_output_chars:
-            text = text[:max_output_chars] + "...(truncated)"
-        if proc.returncode != 0:
-            return f"{text}\nError: exit code {proc.returncode}".strip(), False
-        return text, True
+            return await _run(path, workdir, cgroup, opts)
+        finally:
+            if cgroup is not None:
+                await cgroup.close()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(message)
 
 
 @register_tool("code_runner")
 class CodeRunnerTool(BaseTool):
+    """Config: ``timeout`` (s, 5), ``memory_mb`` (512), ``max_output_chars`` (2000), ``max_concurrency`` (4),
+    ``max_processes`` (64), ``max_file_mb`` (16), ``require_network_isolation`` (false)."""
+
     default_schema = {
         "type": "function",
         "function": {
@@ -92,14 +357,41 @@ class CodeRunnerTool(BaseTool):
         },
     }
 
+    def __init__(self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None) -> None:
+        super().__init__(config, tool_schema)
+        self.options = {key: self._setting(key, default) for key, default in LIMITS.items()}
+        self.max_concurrency = self._setting("max_concurrency", 4)
+        # an asyncio.Semaphore belongs to the loop it is first used on; a tool may serve several loops in turn
+        self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _setting(self, key: str, default: Any) -> Any:
+        """``config[key]`` as the type of ``default``; numbers must be positive."""
+        value, kind = self.config.get(key, default), type(default)
+        if kind is bool:
+            return bool(value)
+        try:
+            number = kind(value)
+        except (TypeError, ValueError):
+            number = 0
+        if not number > 0:
+            raise ValueError(f"code_runner: config {key} must be a positive {kind.__name__}, got {value!r}")
+        return number
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        # (a Semaphore binds to a loop on first use, not when made: the spare one made here is harmless)
+        return self._semaphores.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(self.max_concurrency))
+
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
         code = parameters.get("code")
         if not isinstance(code, str):
             return ToolResponse(text="Error: 'code' must be a string"), 0.0, {"error": 1.0}
-        text, ok = await run_python(
-            code,
-            timeout=float(self.config.get("timeout", 5.0)),
-            memory_mb=int(self.config.get("memory_mb", 512)),
-            max_output_chars=int(self.config.get("max_output_chars", 2000)),
-        )
-        return ToolResponse(text=text), 0.0, ({} if ok else {"error": 1.0})
+        async with self._semaphore():
+            result = await run_python(code, **self.options)
+        metrics = {} if result.ok else {"error": 1.0}
+        if result.network_isolated is False:
+            metrics["code_runner/no_network_isolation"] = 1.0
+            _warn_once("net", "code_runner: no network namespace could be made; only the socket prelude blocks it")
+        if result.process_limit == "none":
+            metrics["code_runner/no_process_limit"] = 1.0
+            _warn_once("nproc", "code_runner: running as root without a writable pids cgroup: no process limit")
+        return ToolResponse(text=result.text), 0.0, metrics
