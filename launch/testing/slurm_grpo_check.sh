@@ -9,7 +9,7 @@
 #
 #   launch/testing/slurm_grpo_check.sh            # run by `make test-slurm` (tests/slurm/test_slurm_cluster.py)
 #
-# Environment: PYTHON (default .venv/bin/python), JOB_TIMEOUT_S (default 420), KEEP_STATE=1 keeps the state dir
+# Environment: PYTHON (default .venv/bin/python), JOB_TIMEOUT_S (default 450), KEEP_STATE=1 keeps the state dir
 # (configs, daemon and job logs) for debugging. Needs root (network/UTS/mount/PID namespaces).
 # Exit status: 0 passed; 1 an assertion failed; 3 SLURM could not be installed (no network/apt: the caller skips);
 # other: the cluster could not be stood up.
@@ -18,7 +18,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
 [[ $PYTHON == /* ]] || PYTHON=$(command -v "$PYTHON")  # absolute: job steps start elsewhere
-JOB_TIMEOUT_S=${JOB_TIMEOUT_S:-420}
+JOB_TIMEOUT_S=${JOB_TIMEOUT_S:-450}  # the requeued job waits ~150 s for SLURM to start it again
 CLUSTER=$ROOT/launch/testing/slurm_cluster.sh
 STEPS=4
 

@@ -161,3 +161,28 @@ def test_sigterm_checkpoints_after_the_step_and_exits_0_then_resumes(task, tmp_p
     assert f"resumed from {run_dir / f'global_step_{stopped}'} at step {stopped}" in resumed.stdout + resumed.stderr
     rows = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     assert rows == list(range(1, 9)), "each step once, none lost"
+
+
+def test_restart_before_the_first_checkpoint_logs_each_step_once(task, tmp_path):
+    """Fault: the run dies after validation, before any checkpoint, and is restarted (before: metrics.jsonl got a
+    second step-0 row, and the two runs mixed)."""
+    run_dir = tmp_path / "restarted"
+    args = overridden(task, run_dir, 2, "trainer.save_freq=-1", "trainer.test_freq=-1")
+    proc = subprocess.Popen(
+        args, env=user_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip():
+            assert proc.poll() is None and time.monotonic() < deadline, "no validation row within 300 s"
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and all it started: no checkpoint, no clean-up
+        proc.wait()
+    assert not list(run_dir.glob("global_step_*"))
+    again = run(args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    assert steps == [0, 1, 2], steps
+    (previous,) = (run_dir / "previous").iterdir()
+    assert [json.loads(line)["step"] for line in (previous / "metrics.jsonl").read_text().splitlines()] == [0]

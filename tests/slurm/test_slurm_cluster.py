@@ -2,7 +2,9 @@
 
 The cluster (network/UTS/mount/PID namespaces, munge, slurmctld, two slurmd, fake GPUs) and the checks live in
 launch/testing/ (slurm_cluster.sh, slurm_grpo_check.sh): a short GRPO run on the embedded default, one rank on
-each node, must exit 0, run its workers on both nodes and write a checkpoint; everything is torn down after.
+each node, is preempted after its first step as SLURM's time-limit warning does (SIGUSR1), checkpoints, requeues
+itself and resumes; it must exit 0, run its workers on both nodes with Ray's token authentication on and write the
+last checkpoint; everything is torn down after.
 
 Skipped, with the reason, unless SCALETRAIN_SLURM_TEST=1 (set by `make test-slurm`; plain `make test` deselects
 the `slurm` marker via setup.cfg), when the machine cannot create namespaces (not root, unprivileged container),
