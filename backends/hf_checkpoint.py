@@ -1,21 +1,38 @@
-"""Writing a Hugging Face checkpoint from streamed weight buckets (any engine with ``export_weights``).
+"""Checkpoint files on disk: durable, atomic directory writes, safe loading, and the Hugging Face export.
 
-``write_hf_checkpoint`` consumes an iterator of buckets of (HF name, full tensor) on every rank (the gathers
-behind it are collective) and, on the writing rank, saves each bucket as one safetensors shard as it arrives, so
-no rank ever holds more than one bucket. It then writes the shard index (when there are several shards), the
-config (``use_cache`` back on, ``architectures`` set), the generation config, and copies the tokenizer files found
-next to the source model, so ``from_pretrained`` (transformers, vLLM) loads the directory directly.
+Durable writes: the export is published with ``scaletrain/utils/durable.py`` (fsync'd, then renamed), as the run
+checkpoints are (scaletrain/trainer/checkpoint.py).
+
+Safe loading: ``load_rank_file`` reads the engines' per-rank files with ``torch.load(weights_only=True)``
+(tensors, containers, numbers, strings: nothing a file could use to run code), plus plain NumPy arrays, which
+checkpoints written before the RNG-state formats were unified hold.
+
+The HF export: ``write_hf_checkpoint`` consumes an iterator of buckets of (HF name, full tensor) on every rank
+(the gathers behind it are collective) and, on the writing rank, saves each bucket as one safetensors shard as it
+arrives, so no rank ever holds more than one bucket. It then writes the shard index (when there are several
+shards), the config (``use_cache`` back on, ``architectures`` set), the generation config, and copies the
+tokenizer files found next to the source model, so ``from_pretrained`` (transformers, vLLM) loads the directory
+directly. Everything goes to ``<path>.incomplete`` first and is renamed to ``path`` when complete, so ``path`` is
+never a half-written export and a failed export leaves the previous one in place.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
+import pickle
+import re
 import shutil
 from collections.abc import Iterable
 
+import numpy as np
 import torch
+
+from scaletrain.utils.durable import fsync_tree, replace_dir, restore_aside
+
+logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -29,7 +46,36 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 
+# What an uint32 NumPy array (the NumPy RNG key of the earlier engine format) needs beyond weights_only's defaults.
+# These rebuild an array from its dtype and raw bytes; an object array's items still go through the restricted
+# unpickler, so nothing here lets a file name arbitrary code.
+_NUMPY_ARRAY_GLOBALS = [
+    (getattr(np, "_core", None) or np.core).multiarray._reconstruct,
+    np.ndarray,
+    np.dtype,
+    np.dtypes.UInt32DType,
+]
 
+
+# ------------------------------------------------------------------------------------------------ safe loading
+def load_rank_file(path: str, map_location=None):
+    """``torch.load(path, weights_only=True)``, also accepting plain NumPy arrays; a file holding other Python
+    objects is refused with an error naming the file and the object."""
+    try:
+        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch names the refused object in a few phrasings
+        what = f"the object {found.group(1)}" if found else "Python objects"
+        raise RuntimeError(
+            f"{path}: refusing to load {what}: checkpoints are loaded with torch.load(weights_only=True), which "
+            "accepts only tensors, containers, numbers, strings and NumPy arrays. The file was written by an older "
+            "version or another program; if you trust it, load it with torch.load(weights_only=False) and save its "
+            "content again as tensors and lists"
+        ) from e
+
+
+# ------------------------------------------------------------------------------------------------ the HF export
 def copy_tokenizer_files(src_dir: str, dst_dir: str) -> list[str]:
     """Copy the tokenizer files present in ``src_dir``; returns their names."""
     copied = []
@@ -43,20 +89,32 @@ def copy_tokenizer_files(src_dir: str, dst_dir: str) -> list[str]:
 
 def save_engine_hf(engine, path: str, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
     """A training engine's ``save_hf``: its full tensors in ``buckets`` (consumed on every rank: the gathers are
-    collective) written by rank 0 with the engine's HF config, architecture, generation config and source tokenizer;
-    then a barrier, so no rank returns before the files exist."""
+    collective) written by rank 0 with the engine's HF config, architecture, generation config and source tokenizer.
+    Rank 0 then tells every rank whether the export succeeded, so no rank returns before the files exist and a
+    failure on rank 0 (disk full) raises on every rank instead of leaving the others waiting."""
     import torch.distributed as dist
 
-    write_hf_checkpoint(
-        path,
-        buckets,
-        engine.hf_config,
-        engine.architecture,
-        is_writer=dist.get_rank() == 0,
-        generation_config=engine.generation_config,
-        tokenizer_dir=engine.model_config.path,
-    )
-    dist.barrier()
+    is_writer = dist.get_rank() == 0
+    outcome: list[str | None] = [None]
+    try:
+        write_hf_checkpoint(
+            path,
+            buckets,
+            engine.hf_config,
+            engine.architecture,
+            is_writer=is_writer,
+            generation_config=engine.generation_config,
+            tokenizer_dir=engine.model_config.path,
+        )
+    except Exception as e:
+        if not is_writer:
+            raise
+        outcome[0] = str(e)
+        dist.broadcast_object_list(outcome, src=0)
+        raise
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise RuntimeError(f"rank 0 failed to write the HF export: {outcome[0]}")
 
 
 def write_hf_checkpoint(
@@ -68,27 +126,65 @@ def write_hf_checkpoint(
     generation_config=None,
     tokenizer_dir: str | None = None,
 ) -> None:
-    """Save ``buckets`` as safetensors shards (one per bucket) plus config/tokenizer under ``path``."""
+    """Save ``buckets`` as safetensors shards (one per bucket) plus config/tokenizer under ``path``, atomically: in
+    ``<path>.incomplete``, fsync'd, then renamed over ``path`` (see ``replace_dir``). On failure the partial
+    directory is removed and an error naming ``path`` is raised; the previous export at ``path`` stays intact."""
+    if not is_writer:
+        for _ in buckets:  # every rank iterates: the gathers are collective
+            pass
+        return
+    path = os.path.normpath(path)  # "out/hf/" must not put the temporary directory inside the export
+    tmp, aside = f"{path}.incomplete", f"{path}.replaced"
+    restore_aside(path, aside)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        shard_names, weight_map, total_bytes = _write_shards(tmp, buckets)
+        _write_index_and_config(tmp, shard_names, weight_map, total_bytes, config, architecture)
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, tmp)
+        fsync_tree(tmp)
+        replace_dir(tmp, path, aside)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, Exception):
+            raise
+        previous = f"the previous export {path} is intact" if os.path.isdir(path) else f"nothing was written at {path}"
+        raise RuntimeError(f"HF export to {path} failed: {type(e).__name__}: {e}; {previous}") from e
+    logger.info("wrote HF checkpoint %s (%d shards, %d bytes)", path, len(shard_names), total_bytes)
+
+
+def _write_shards(dirpath: str, buckets) -> tuple[list[str], dict[str, str], int]:
+    """One safetensors shard per bucket. After a failed write the remaining buckets are still drawn (and dropped),
+    because on the other ranks the same iteration runs collective gathers that would wait for this rank."""
     from safetensors.torch import save_file
 
-    if is_writer:
-        os.makedirs(path, exist_ok=True)
     shard_names: list[str] = []
     weight_map: dict[str, str] = {}
     total_bytes = 0
-    for bucket in buckets:  # every rank iterates: the gathers are collective
-        if not is_writer:
+    error: Exception | None = None
+    for bucket in buckets:
+        if error is not None:
             continue
         name = f"shard-{len(shard_names):05d}.safetensors"
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in bucket}
-        save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
+        try:
+            save_file(tensors, os.path.join(dirpath, name), metadata={"format": "pt"})
+        except Exception as e:
+            error = e
+            continue
         shard_names.append(name)
         for k, v in tensors.items():
             weight_map[k] = name
             total_bytes += v.numel() * v.element_size()
-    if not is_writer:
-        return
+    if error is not None:
+        raise error
+    return shard_names, weight_map, total_bytes
 
+
+def _write_index_and_config(dirpath, shard_names, weight_map, total_bytes, config, architecture: str) -> None:
     # final names in the usual HF pattern
     n = len(shard_names)
     final = (
@@ -97,17 +193,12 @@ def write_hf_checkpoint(
         else {old: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, old in enumerate(shard_names)}
     )
     for old, new in final.items():
-        os.replace(os.path.join(path, old), os.path.join(path, new))
+        os.replace(os.path.join(dirpath, old), os.path.join(dirpath, new))
     if n > 1:
         index = {"metadata": {"total_size": total_bytes}, "weight_map": {k: final[v] for k, v in weight_map.items()}}
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        with open(os.path.join(dirpath, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
-
     config = copy.deepcopy(config)
     config.use_cache = True
     config.architectures = [architecture]
-    config.save_pretrained(path)
-    if generation_config is not None:
-        generation_config.save_pretrained(path)
-    if tokenizer_dir is not None:
-        copy_tokenizer_files(tokenizer_dir, path)
+    config.save_pretrained(dirpath)

@@ -21,6 +21,7 @@ config (top-level keys; "zero_optimization" merged key by key).
 Checkpoints: DeepSpeed's own ``save_checkpoint`` / ``load_checkpoint`` (partitioned model + optimizer + LR
 scheduler, tag "state") plus one ``extra_rank{R}.pt`` per rank with the RNG states and the step counter. A
 forward-only engine (no optimizer: DeepSpeed cannot checkpoint it) saves each rank's parameter partitions instead.
+The extra and partition files load with ``torch.load(weights_only=True)``; DeepSpeed reads its own files itself.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch.distributed as dist
 
 from backends.base import Buckets, bucketed, register_backend
 from backends.config import EngineConfig, ModelConfig, OptimConfig
+from backends.hf_checkpoint import load_rank_file
 from backends.hf_engine import HFTrainEngine
 from backends.optim import build_lr_scheduler, build_optimizer
 from scaletrain.utils.net import free_port
@@ -170,7 +172,7 @@ class DeepSpeedEngine(HFTrainEngine):
         if not os.path.isfile(extra_file):
             raise FileNotFoundError(f"{extra_file} not found: was the checkpoint written with a different world size?")
         if self.optim_config is None:
-            saved = torch.load(self._partitions_file(path), weights_only=True)
+            saved = load_rank_file(self._partitions_file(path))
             with torch.no_grad():
                 for name, part in self._partitions().items():
                     part.copy_(saved[name])
@@ -180,7 +182,7 @@ class DeepSpeedEngine(HFTrainEngine):
             )
             if load_path is None:
                 raise FileNotFoundError(f"no DeepSpeed checkpoint '{CKPT_TAG}' under {path}")
-        extra = torch.load(extra_file, weights_only=False)
+        extra = load_rank_file(extra_file)  # weights_only: no pickled code
         set_rng_state(extra["rng"])
         self.global_step = int(extra["global_step"])
         dist.barrier()

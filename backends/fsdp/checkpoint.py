@@ -4,7 +4,8 @@ Layout under the checkpoint directory:
   dcp/                    model + optimizer state, sharded: each rank writes its own shards (DCP format), so a
                           checkpoint never passes through one rank's memory
   extra_rank{R}.pt        per rank: LR scheduler state, the engine's step counter, and the RNG states (torch CPU,
-                          CUDA, Python, NumPy), so a resumed run draws the same random numbers
+                          CUDA, Python, NumPy), so a resumed run draws the same random numbers; plain tensors,
+                          lists and numbers only, loaded with ``torch.load(weights_only=True)``
 Resuming reproduces the run bit for bit on the same world size. A forward-only engine (no optimizer, no
 scheduler) saves and loads the model alone.
 """
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from backends.hf_checkpoint import load_rank_file
 from scaletrain.utils.seeding import rng_state, set_rng_state
 
 
@@ -57,7 +59,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    extra = torch.load(extra_file, weights_only=False)
+    extra = load_rank_file(extra_file)
     scheduler_state = extra.pop("scheduler")
     if scheduler is not None and scheduler_state is not None:
         scheduler.load_state_dict(scheduler_state)

@@ -13,8 +13,9 @@ on the last PP stage and broadcast to the other stages (small: (B, R) tensors an
 returns the same; the controller keeps TP rank 0 of the last stage (``collects_output``).
 
 Weights are read from the HF checkpoint on every rank (each keeps its shards; backends/megatron/hf_mapping.py).
-Checkpoints: one ``rank{R}.pt`` per rank (parameters, inner optimizer state, step, RNG): exact resume with the same
-layout. CPU: backends/megatron/cpu_shim.py is applied before megatron-core is first used.
+Checkpoints: one ``rank{R}.pt`` per rank (parameters, inner optimizer state, step, RNG; tensors, lists and numbers
+only, loaded with ``torch.load(weights_only=True)``): exact resume with the same layout.
+CPU: backends/megatron/cpu_shim.py is applied before megatron-core is first used.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, register_b
 from backends.batching import restore_order
 from backends.config import EngineConfig, ModelConfig, OptimConfig, resolve_precision
 from backends.dist import init_distributed, local_device
-from backends.hf_checkpoint import save_engine_hf
+from backends.hf_checkpoint import load_rank_file, save_engine_hf
 from backends.hf_model import build_model, check_outputs, torch_dtype
 from backends.megatron.export import export_groups, gather_hf_buckets
 from backends.megatron.hf_mapping import layout_from_hf
@@ -334,7 +335,7 @@ class MegatronEngine(TrainEngine):
         dist.barrier()
 
     def load(self, path: str) -> None:
-        state = torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"), weights_only=False)
+        state = load_rank_file(os.path.join(path, f"rank{dist.get_rank()}.pt"))  # weights_only: no pickled code
         with torch.no_grad():
             for name, p in self.module.named_parameters():
                 p.copy_(state["params"][name])

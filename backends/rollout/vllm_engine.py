@@ -110,7 +110,7 @@ class VLLMRolloutEngine(RolloutEngine):
             device = "cpu" if current_platform.is_cpu() else "cuda"
             kwargs = llm_arguments(config, device, self.sleep_supported)
             kwargs.update(llm_kwargs)
-            with launcher_env(device) if tp > 1 else contextlib.nullcontext():
+            with launcher_env(device, tp) if tp > 1 else contextlib.nullcontext():
                 self.llm = vllm.LLM(**kwargs)
         except Exception as error:
             # vLLM's config errors carry pydantic objects Ray cannot pickle: the driver would see a pickling

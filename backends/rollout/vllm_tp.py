@@ -23,6 +23,7 @@ generation equals TP=1's (log-probs within 1e-6).
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -34,14 +35,29 @@ from backends.rollout.vllm_extension import LM_HEAD
 from scaletrain.utils.seeding import derive_seed
 
 VOCAB_PADDING = 64  # vLLM's VocabParallelEmbedding pads the vocabulary to a multiple of this
+SHM_DIR = "/dev/shm"
+
+
+def _unlink_cpu_shm(tp: int) -> None:
+    """Removes this rank's vLLM CPU shared-memory segment names (``*-[<group ranks>]-cpushm_<rank in group>``)."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", "0"))
+    first = rank - rank % tp
+    group = "-".join(str(r) for r in range(first, first + tp))
+    for path in glob.glob(os.path.join(SHM_DIR, "*" + glob.escape(f"-[{group}]-cpushm_{rank % tp}"))):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 @contextlib.contextmanager
-def launcher_env(device: str) -> Iterator[None]:
+def launcher_env(device: str, tp: int) -> Iterator[None]:
     """RANK / LOCAL_RANK as the external launcher reads them, for the duration of the engine's construction.
 
     vLLM reads both from the environment (a KeyError without them, even with a process group in place). On CUDA a
-    Ray actor sees only its own GPU, so the local rank vLLM binds its device to is 0 there.
+    Ray actor sees only its own GPU, so the local rank vLLM binds its device to is 0 there. On CPU the engine's
+    ranks share memory through named segments in /dev/shm whose names depend only on the layout (external
+    launcher: no instance id); a killed engine leaves them behind and the next engine of the same layout then
+    fails ("create shm in SHMManager failed. errno: 17"), so they are removed before the build and, once every
+    rank has mapped them, after it (the mappings stay valid).
     """
     saved = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK")}
     if torch.distributed.is_initialized():
@@ -51,7 +67,11 @@ def launcher_env(device: str) -> Iterator[None]:
     if device == "cuda" and torch.cuda.device_count() == 1:
         os.environ["LOCAL_RANK"] = "0"
     try:
+        if device == "cpu":
+            _unlink_cpu_shm(tp)  # left by an engine killed before it could remove them: vLLM would refuse
         yield
+        if device == "cpu":
+            _unlink_cpu_shm(tp)  # every rank has joined (vLLM's barrier): the names are no longer needed
     finally:
         for key, value in saved.items():
             if value is None:

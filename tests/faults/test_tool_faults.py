@@ -16,20 +16,10 @@ from scaletrain.agent.tools import code_runner
 from scaletrain.agent.tools.calculator import CalculatorTool, evaluate
 from scaletrain.agent.tools.code_runner import CodeRunnerTool, pids_cgroup_parent
 from tests.agent.helpers import ScriptedServer, config, make_agent_tokenizer
+from tests.agent.test_parser_tools import execute
 
 TOK = make_agent_tokenizer()
 NO_NET = "code_runner/no_network_isolation"
-
-
-def execute(tool, **params):
-    async def go():
-        instance, _ = await tool.create()
-        try:
-            return await tool.execute(instance, params)
-        finally:
-            await tool.release(instance)
-
-    return asyncio.run(go())
 
 
 def timed(fn, *args, **kwargs):
