@@ -198,15 +198,16 @@ class RayWorkerGroup(WorkerGroup):
 
     def _timed_out(self, remote_name: str, late: list[int], timeout_s: float) -> None:
         """Writes every worker's stack (the stuck ones and the peers they may be waiting for), then raises."""
-        stacks: list[str] = []
+        stacks: list[tuple[str, str]] = []  # (file, text) per worker
         if self.stack_dump_dir:
             try:
                 stacks = collect_stacks(self.name, self._infos, self.stack_dump_dir)
             except Exception as err:  # the timeout is the error to report; a failed dump only a warning
                 logger.warning("worker group '%s': could not collect the workers' stacks: %s", self.name, err)
         method = remote_name.removeprefix(self._control_prefix)  # a colocated role's method under its own name
-        waiting = [int(info["rank"]) for info, path in zip(self._infos, stacks) if in_collective(open(path).read())]
-        raise WorkerTimeoutError(self.name, late, method, timeout_s, stacks, [r for r in late if r in waiting])
+        waiting = {int(info["rank"]) for info, (_, text) in zip(self._infos, stacks) if in_collective(text)}
+        paths = [path for path, _ in stacks]
+        raise WorkerTimeoutError(self.name, late, method, timeout_s, paths, [r for r in late if r in waiting])
 
     def _dead_peer(self, pending: list[Any], rank_of: dict, remote_name: str) -> WorkerDiedError | None:
         """A WorkerDiedError for a rank whose process died, if one shows within ``death_grace_s``."""

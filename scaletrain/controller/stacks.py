@@ -78,8 +78,8 @@ def in_collective(stack: str) -> bool:
     return "torch/distributed/" in current
 
 
-def collect_stacks(group: str, infos: list[dict], dump_dir: str, wait_s: float = 5.0) -> list[str]:
-    """Each worker's stack, written under ``dump_dir``; returns the files written."""
+def collect_stacks(group: str, infos: list[dict], dump_dir: str, wait_s: float = 5.0) -> list[tuple[str, str]]:
+    """Each worker's stack, written under ``dump_dir``; returns (file written, stack text) per worker, in order."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -90,7 +90,7 @@ def collect_stacks(group: str, infos: list[dict], dump_dir: str, wait_s: float =
         node = info.get("node_id")
         strategy = NodeAffinitySchedulingStrategy(node, soft=False) if node else "DEFAULT"
         refs.append(read.options(scheduling_strategy=strategy).remote(info["pid"], wait_s))
-    paths = []
+    written = []
     for info, ref in zip(infos, refs):
         try:
             text = ray.get(ref, timeout=wait_s + 30)
@@ -100,5 +100,5 @@ def collect_stacks(group: str, infos: list[dict], dump_dir: str, wait_s: float =
         with open(path, "w") as f:
             f.write(f"# worker group '{group}' rank {info.get('rank')} pid {info.get('pid')} on {info.get('host')}\n")
             f.write(text)
-        paths.append(path)
-    return paths
+        written.append((path, text))
+    return written

@@ -49,7 +49,7 @@ class WorkerTimeoutError(TimeoutError):
         method: str,
         timeout_s: float,
         stacks: list[str],
-        in_collective: list[int] = (),
+        in_collective: tuple[int, ...] | list[int] = (),
     ):
         self.role, self.ranks, self.method, self.stacks = role, ranks, method, stacks
         stuck = [r for r in ranks if r not in in_collective]

@@ -106,8 +106,10 @@ def _validate_trainer(cfg: PPOConfig) -> None:
 def _validate_deadlines(cfg: PPOConfig) -> None:
     """Worker-call deadlines (per role) and the reward's step budget and error limits."""
     trainer, rm = cfg.trainer, cfg.reward_model
-    timeouts = {"trainer.worker_call_timeout_s": trainer.worker_call_timeout_s}
-    timeouts["reward_model.step_timeout_s"] = rm.step_timeout_s
+    timeouts = {
+        "trainer.worker_call_timeout_s": trainer.worker_call_timeout_s,
+        "reward_model.step_timeout_s": rm.step_timeout_s,
+    }
     for role, value in trainer.worker_call_timeout_s_by_role.items():
         if role not in WORKER_ROLES:
             raise ConfigError(

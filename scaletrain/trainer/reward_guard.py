@@ -34,12 +34,12 @@ class RewardGuard:
             return
         if step != self.step:
             if self.step is not None:
-                rate = self.failed / self.total if self.total else 0.0
-                self.bad_rates = self.bad_rates + [rate] if rate > self.max_error_rate else []
+                done = self._rate()
+                self.bad_rates = self.bad_rates + [done] if done > self.max_error_rate else []
             self.step, self.failed, self.total = step, 0, 0
         self.failed += int(metrics["reward/errors"] + metrics.get("reward/timeouts", 0))
         self.total += samples
-        rate = self.failed / self.total if self.total else 0.0
+        rate = self._rate()
         if rate > self.max_error_rate and len(self.bad_rates) + 1 >= self.max_error_steps:
             rates = ", ".join(f"{100 * r:.0f}%" for r in [*self.bad_rates, rate][-self.max_error_steps :])
             raise RewardFailureError(
@@ -48,3 +48,7 @@ class RewardGuard:
                 "on those rewards (reward_model.max_error_rate / max_error_steps). The checkpoints written so far are "
                 f"kept. Its last error:\n{self.last_error() or '(none recorded)'}"
             )
+
+    def _rate(self) -> float:
+        """The share of this step's samples that failed so far."""
+        return self.failed / self.total if self.total else 0.0

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.faults.hang_model import hanging_model
-from tests.trainer.test_ppo_resume import ROOT, command, metrics
+from tests.trainer.test_ppo_resume import ROOT, metrics
+from tests.trainer.test_ppo_resume import overridden as base_overridden
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +38,7 @@ def user_env():
 
 
 def overridden(task, run_dir, steps, *overrides):
-    keys = {o.split("=")[0] for o in overrides}
-    return [arg for arg in command(task, run_dir, steps) if arg.split("=")[0] not in keys] + list(overrides)
+    return base_overridden(task, run_dir, steps, overrides)
 
 
 def run(args, timeout=400):

@@ -54,12 +54,16 @@ def env():
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
 
 
-def run_overridden(task, run_dir, steps, overrides):
-    """``command(task, run_dir, steps)`` with ``overrides`` replacing its own values of the same keys, run to the end
-    (asserting exit 0); returns the completed process."""
+def overridden(task, run_dir, steps, overrides):
+    """``command(task, run_dir, steps)`` with ``overrides`` replacing its own values of the same keys."""
     keys = {o.split("=")[0] for o in overrides}
-    base = [arg for arg in command(task, run_dir, steps) if arg.split("=")[0] not in keys]
-    out = subprocess.run(base + list(overrides), env=env(), timeout=400, cwd=ROOT, capture_output=True, text=True)
+    return [arg for arg in command(task, run_dir, steps) if arg.split("=")[0] not in keys] + list(overrides)
+
+
+def run_overridden(task, run_dir, steps, overrides):
+    """``overridden(...)`` run to the end (asserting exit 0); returns the completed process."""
+    args = overridden(task, run_dir, steps, overrides)
+    out = subprocess.run(args, env=env(), timeout=400, cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
