@@ -55,6 +55,7 @@ class TokenOutput:
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: str = "stop"  # stop: ended with an EOS token | length: hit max_new_tokens
+    weight_version: int | None = None  # the weight pushes the engine had received (split placement), if known
 
 
 @dataclass

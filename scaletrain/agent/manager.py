@@ -7,7 +7,8 @@ prompt adjacent), runs the registered loop named by the row's ``agent_name`` (de
 layout (backends/rollout/base.py): ``prompts`` (left-padded to ``prompt_length``; a longer rendered prompt fails
 naming the row), ``responses`` / ``response_mask`` / ``rollout_log_probs`` (``response_length`` columns; the mask
 is 1 on model tokens only), ``input_ids`` / ``attention_mask`` (1 on every real token, tool and user tokens
-included) / ``position_ids``, and the non-tensor fields ``num_turns``, ``turn_scores``, ``tool_rewards``.
+included) / ``position_ids``, and the non-tensor fields ``num_turns``, ``turn_scores``, ``tool_rewards`` (and
+``rollout_version``, the oldest weight version in each trajectory, where the engines report it).
 ``meta_info["metrics"]`` holds ``num_turns/*`` and ``agent/*`` (tool calls, tool errors and timeouts, malformed
 calls, generate batches).
 """
@@ -87,6 +88,9 @@ class AgentLoopManager:
         start = time.perf_counter()
         outputs = asyncio.run(self._run_all(rows, sampling))
         out = self._assemble(outputs)
+        versions = self.server_manager.pop_versions([row["request_id"] for row in rows])
+        if all(v is not None for v in versions):  # split placement: the oldest weights in each trajectory
+            out.non_tensor_batch["rollout_version"] = np.array(versions, dtype=np.int64)
         out.meta_info["metrics"] = self._metrics(outputs, time.perf_counter() - start)
         return out
 
@@ -188,4 +192,6 @@ class AgentLoopManager:
         metrics["agent/generate_batches"] = float(stats["batches"])
         metrics["agent/mean_batch_size"] = stats["requests"] / max(1, stats["batches"])
         metrics["agent/wall_s"] = wall_s
+        if self.server_manager.segment_tokens:
+            metrics["async/partial_rollouts"] = float(stats["partial_rollouts"])
         return metrics

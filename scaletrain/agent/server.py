@@ -10,6 +10,10 @@ Routing is sticky: a trajectory's ``request_id`` is bound to one DP rank (the le
 and keeps it until ``release(request_id)``, so every turn of a trajectory lands on the same engine (its prefix
 cache).
 
+Partial rollout (``segment_tokens``): a long request is generated a segment at a time, so a weight push waiting
+between two of the engines' calls goes before the rest (see ``_generate_in_segments``); each request's weight
+versions are kept for the manager (``pop_versions``).
+
 Backends: ``WorkerGroupBackend`` (the ActorRolloutRefWorker group's ``generate_tokens`` through its typed role,
 one Ray call per batch covering every rank) and ``LocalEngineBackend`` (RolloutEngine objects in this process:
 tests, benchmarks).
@@ -27,6 +31,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
+from scaletrain.utils.seeding import derive_seed
 
 if TYPE_CHECKING:  # agent loops run without the role workers (LocalEngineBackend)
     from scaletrain.trainer.roles import ActorRolloutRefRole
@@ -72,8 +77,11 @@ def to_sampling(params: dict[str, Any]) -> SamplingConfig:
 
 
 class AsyncServerManager:
-    def __init__(self, backend: EngineBackend, max_wait_ms: float = 5.0) -> None:
+    def __init__(self, backend: EngineBackend, max_wait_ms: float = 5.0, segment_tokens: int | None = None) -> None:
+        """``segment_tokens``: partial rollout's granularity (null: each request in one call)."""
         self.backend = backend
+        self.segment_tokens = segment_tokens
+        self.versions: dict[str, list[int | None]] = {}  # request id -> the weight version of each call
         self.max_wait_s = max_wait_ms / 1000.0
         self.routes: dict[str, int] = {}
         self.loads = [0] * backend.dp_size
@@ -85,7 +93,7 @@ class AsyncServerManager:
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        self.stats = {"batches": 0, "requests": 0, "generate_s": 0.0, "tokens": 0}
+        self.stats = {"batches": 0, "requests": 0, "generate_s": 0.0, "tokens": 0, "partial_rollouts": 0}
 
     # ------------------------------------------------------------------------------------- trajectories
     def acquire(self, request_id: str) -> int:
@@ -109,12 +117,53 @@ class AsyncServerManager:
         rank = self.acquire(request_id)
         if not prompt_ids:
             raise ValueError(f"request {request_id}: empty prompt")
-        request = TokenRequest(list(prompt_ids), to_sampling(sampling_params))
+        sampling = to_sampling(sampling_params)
+        if self.segment_tokens and sampling.max_new_tokens > self.segment_tokens:
+            out = await self._generate_in_segments(rank, list(prompt_ids), sampling)
+        else:
+            out = await self._submit(rank, TokenRequest(list(prompt_ids), sampling))
+        self.versions.setdefault(request_id, []).append(out.weight_version)
+        return out
+
+    async def _submit(self, rank: int, request: TokenRequest) -> TokenOutput:
         future = asyncio.get_running_loop().create_future()
         self.pending.append((rank, request, future))
         self._ensure_worker()
         self._poke()
         return await future
+
+    async def _generate_in_segments(self, rank: int, prompt_ids: list[int], sampling: SamplingConfig) -> TokenOutput:
+        """Partial rollout: ``segment_tokens`` at a time, each segment continuing from the tokens so far. A
+        weight push between two segments goes first, and the rest is generated with the new weights; the tokens
+        and log-probs already generated are kept. The output's weight_version is the oldest that contributed."""
+        tokens: list[int] = []
+        log_probs: list[float] = []
+        versions: list[int | None] = []
+        reason = "length"
+        while len(tokens) < sampling.max_new_tokens:
+            want = min(self.segment_tokens, sampling.max_new_tokens - len(tokens))
+            seed = sampling.seed if sampling.seed is None or not versions else derive_seed(sampling.seed, len(versions))
+            part = await self._submit(
+                rank, TokenRequest(prompt_ids + tokens, replace(sampling, max_new_tokens=want, seed=seed))
+            )
+            tokens += part.token_ids
+            log_probs += part.log_probs
+            versions.append(part.weight_version)
+            reason = part.finish_reason
+            if reason == "stop" or len(part.token_ids) < want:
+                break
+        known = [v for v in versions if v is not None]
+        if known and min(known) != max(known):
+            self.stats["partial_rollouts"] += 1
+        return TokenOutput(tokens, log_probs, reason, min(known) if known else None)
+
+    def pop_versions(self, request_ids: list[str]) -> list[int | None]:
+        """Per trajectory, the oldest weight version among its generation calls (None where unknown)."""
+        out = []
+        for rid in request_ids:
+            known = [v for v in self.versions.pop(rid, []) if v is not None]
+            out.append(min(known) if known else None)
+        return out
 
     def _poke(self) -> None:
         if self._wakeup is not None:

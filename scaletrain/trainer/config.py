@@ -64,6 +64,8 @@ class RewardModelModelConfig(RoleModelConfig):
 
 @dataclass
 class ActorRolloutRefSection:
+    hybrid_engine: bool = True  # true: rollout engines share the training ranks (colocated); false: they run on
+    # their own pool (rollout.nnodes x rollout.n_gpus_per_node), fed by a weight push (split placement)
     model: HFModelConfig = field(default_factory=HFModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutWorkerConfig = field(default_factory=RolloutWorkerConfig)
@@ -192,7 +194,8 @@ class TrainerSection:
     collective_timeout_s: float = 600.0  # a step waiting longer on a dead rank fails, naming it
     worker_call_timeout_s: float | None = 3600.0  # a worker-group call running longer fails the run, naming the
     # role, ranks and method, with every worker's Python stack in <run dir>/stacks; null: wait forever
-    worker_call_timeout_s_by_role: dict[str, float] = field(default_factory=dict)  # actor_rollout | critic | rm
+    worker_call_timeout_s_by_role: dict[str, float] = field(default_factory=dict)  # actor_rollout | critic | rm |
+    # rollout (split placement)
     seed: int = 1
     rollout_data_dir: str | None = None  # set: each step's scored rollouts dumped to <dir>/<step>.jsonl
     validation_data_dir: str | None = None  # set: each validation's scored samples dumped to <dir>/<step>.jsonl
@@ -200,6 +203,24 @@ class TrainerSection:
     critic_warmup: int = 0  # the first N steps update only the critic (actor and rollout unchanged)
     balance_batch: bool = False  # reorder rows so each DP rank gets a similar number of tokens
     verbose: bool = False  # the console shows libraries' INFO logs too (run.log always has them: console.py)
+
+
+@dataclass
+class AsyncTrainingConfig:
+    """``async_training``: overlapping rollout with training on split placement (scaletrain/trainer/rollout_sources.py).
+
+    The weight version of a sample is the number of weight pushes the rollout engines had received when its
+    generation started; its staleness, when trained, is the number of pushes since."""
+
+    mode: str = "sync"  # sync | one_step_off (step k+1's rollout runs while step k trains) | fully_async (a
+    # rollouter streams batches into a bounded queue); both need actor_rollout_ref.hybrid_engine=false
+    staleness_threshold: float = 0.0  # fully_async: the rollouter runs at most this many weight versions ahead;
+    # a sample lags at most ceil(staleness_threshold) versions (0: each batch from the newest weights)
+    trigger_parameter_sync_step: int = 1  # fully_async: trainer steps between weight pushes
+    partial_rollout: bool = False  # fully_async: a push interrupts generations between segments; they resume
+    # with the new weights, keeping their tokens and log-probs (needs the agent-loop path, rollout.mode=async)
+    partial_rollout_segment_tokens: int | None = None  # tokens generated between push points; null: a quarter
+    # of the response length
 
 
 @dataclass
@@ -219,6 +240,7 @@ class PPOConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     trainer: TrainerSection = field(default_factory=TrainerSection)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
 
     @property

@@ -11,11 +11,13 @@ from __future__ import annotations
 import os
 
 from scaletrain.models.prepare import check_causal_lm
+from scaletrain.trainer.async_checks import rollout_world_size, validate_async_training
 from scaletrain.trainer.config import PPOConfig, TrainerSection, files_of
 from scaletrain.trainer.rollout_checks import validate_rollout, validate_rollout_model
 from scaletrain.utils.typed_config import ConfigError
 
-WORKER_ROLES = ("actor_rollout", "critic", "rm")  # the PPO trainer's worker groups (ppo_trainer.init_workers)
+WORKER_ROLES = ("actor_rollout", "critic", "rm", "rollout")  # the PPO trainer's worker groups (init_workers;
+# rollout: the split placement's pool)
 
 
 def check_config(cfg: PPOConfig) -> PPOConfig:
@@ -29,7 +31,8 @@ def check_config(cfg: PPOConfig) -> PPOConfig:
     _validate_names(cfg)
     _validate_batch_sizes(cfg)
     _validate_algorithm(cfg)
-    validate_rollout(cfg.actor_rollout_ref.rollout, cfg.world_size, cfg.trainer.device)
+    validate_async_training(cfg)
+    validate_rollout(cfg.actor_rollout_ref.rollout, rollout_world_size(cfg), cfg.trainer.device)
     validate_roles(cfg)
     validate_rollout_correction(cfg)
     validate_filter_groups(cfg)

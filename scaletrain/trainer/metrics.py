@@ -81,6 +81,15 @@ def throughput_metrics(
     return metrics
 
 
+def count_params(path: str) -> int:
+    """Parameters of the HF causal LM at ``path`` (built on the meta device: no memory, no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return sum(p.numel() for p in model.parameters())
+
+
 def timing_metrics(timings: dict[str, float]) -> dict[str, float]:
     return {f"timing_s/{name}": seconds for name, seconds in timings.items()}
 

@@ -66,8 +66,11 @@ def resolve_config(cfg: PPOConfig) -> PPOConfig:
     backend = cfg.backend
     if backend.name == "megatron":  # the colocated roles share one layout: the actor's over backend.extra
         backend = replace(backend, extra={**backend.extra, "megatron": actor.megatron.merged(backend.extra)})
+    if cfg.async_training.mode == "fully_async" and data.train_batch_size == 0:  # verl's fully-async scripts
+        data = replace(data, train_batch_size=actor.ppo_mini_batch_size)  # a step: one mini-batch of groups
     return replace(
         cfg,
+        data=data,
         actor_rollout_ref=replace(arr, rollout=rollout, ref=log_prob_pass(arr.ref)),
         critic=critic,
         backend=backend,
@@ -93,6 +96,8 @@ class RunPlan:
     run_dir: str
     resume_path: str | None  # the checkpoint this run continues from (trainer.resume_mode)
     resume_step: int | None  # the first step the resumed run trains; None when starting fresh
+    rollout_world_size: int = 0  # split placement: the rollout pool's ranks (0: colocated)
+    rollout_batches: int = 0  # batches the rollout engines generate for training in all (the fully_async bound)
 
 
 def plan_run(cfg: PPOConfig, train_rows: int, latest_checkpoint: str | None) -> RunPlan:
@@ -100,6 +105,11 @@ def plan_run(cfg: PPOConfig, train_rows: int, latest_checkpoint: str | None) -> 
     data, actor, critic, tr = cfg.data, cfg.actor_rollout_ref.actor, cfg.critic, cfg.trainer
     steps_per_epoch = train_rows // data.train_batch_size
     total = tr.total_training_steps or steps_per_epoch * tr.total_epochs
+    rollout_batches = total
+    if cfg.async_training.mode == "fully_async" and cfg.actor_rollout_ref.rollout.total_rollout_steps:
+        rollout_batches = cfg.actor_rollout_ref.rollout.total_rollout_steps // data.train_batch_size
+        total = min(total, rollout_batches) if tr.total_training_steps else rollout_batches
+    rc = cfg.actor_rollout_ref.rollout
     resume = (
         None
         if tr.resume_mode == "disable"
@@ -123,6 +133,8 @@ def plan_run(cfg: PPOConfig, train_rows: int, latest_checkpoint: str | None) -> 
         run_dir=os.path.abspath(tr.default_local_dir),
         resume_path=resume,
         resume_step=resume_step,
+        rollout_world_size=0 if cfg.actor_rollout_ref.hybrid_engine else rc.nnodes * rc.n_gpus_per_node,
+        rollout_batches=rollout_batches,
     )
 
 
@@ -138,7 +150,9 @@ def log_plan(cfg: PPOConfig, plan: RunPlan) -> None:
         plan.world_size,
         cfg.trainer.device,
         cfg.backend.name,
-        arr.rollout.name,
+        arr.rollout.name
+        + (f" on its own {plan.rollout_world_size} ranks" if plan.rollout_world_size else " colocated")
+        + f", {cfg.async_training.mode}",
         plan.actor_optim_steps,
         plan.critic_optim_steps,
         "on" if plan.use_ref else "off",

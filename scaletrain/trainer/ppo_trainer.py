@@ -1,7 +1,8 @@
 """The single controller (layer 4): ``RayPPOTrainer.fit()`` drives the worker groups step by step.
 
-Per step: generate -> reward -> old log-prob -> ref log-prob -> values ->
-advantages -> critic update -> actor update -> weight sync -> validation -> checkpoint -> log. The trainer
+Per step: generate -> reward (or the batch a background rollout made: async_training, rollout_sources.py) ->
+old log-prob -> ref log-prob -> values -> advantages -> critic update -> actor update -> weight sync (in place,
+or a push to split placement's rollout pool: weight_sync.py) -> validation -> checkpoint -> log. The trainer
 knows nothing about FSDP / DeepSpeed / Megatron: it calls the typed roles of roles.py (``self.actor``,
 ``self.critic``), each method one call into a role's worker group.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from functools import partial
+import threading
 
 import numpy as np
 
@@ -25,8 +26,16 @@ from scaletrain.trainer.balance import actor_dp_size, balance_batch
 from scaletrain.trainer.checkpoint import CheckpointManager
 from scaletrain.trainer.config import PPOConfig
 from scaletrain.trainer.dynamic_sampling import Scored, collect_groups
+from scaletrain.trainer.fully_async import FullyAsyncRollouts
 from scaletrain.trainer.generations import ScoredSamples, dump_batch, dump_jsonl, pick_samples
-from scaletrain.trainer.metrics import data_metrics, device_peak_flops, throughput_metrics, timer, timing_metrics
+from scaletrain.trainer.metrics import (
+    count_params,
+    data_metrics,
+    device_peak_flops,
+    throughput_metrics,
+    timer,
+    timing_metrics,
+)
 from scaletrain.trainer.overlong import mask_overlong_responses
 from scaletrain.trainer.plan import RunPlan
 from scaletrain.trainer.preemption import PreemptionWatch
@@ -35,8 +44,11 @@ from scaletrain.trainer.reward_guard import RewardGuard
 from scaletrain.trainer.rm_reward import RewardWithRM
 from scaletrain.trainer.roles import ActorRolloutRefRole, CriticRole, RewardModelRole
 from scaletrain.trainer.rollout_correction import apply_rollout_correction
+from scaletrain.trainer.rollout_sources import OneStepOffRollouts, SyncRollouts
+from scaletrain.trainer.split_placement import spawn_rollout_pool
 from scaletrain.trainer.tracking import Tracking
 from scaletrain.trainer.val_metrics import validation_metrics
+from scaletrain.trainer.weight_sync import WeightSync
 from scaletrain.trainer.worker_configs import ppo_worker_configs
 from scaletrain.utils.seeding import derive_seed
 from scaletrain.utils.typed_config import to_dict
@@ -81,6 +93,10 @@ class RayPPOTrainer:
         self.initial_val_metrics: dict[str, float] = {}  # validation before the first step
         self.agent_manager = None  # the multi-turn rollout path (init_workers)
         self.preempted: dict | None = None  # set when a signal ended fit() early: {signal, step}
+        self.rollouts = None  # where fit()'s batches come from (rollout_sources.py)
+        self.reward_lock = threading.Lock()  # the reward functions are called from the rollout thread too
+        self.agent_lock = threading.Lock()
+        self.n_devices = cfg.world_size + (0 if cfg.actor_rollout_ref.hybrid_engine else plan.rollout_world_size)
         self.train_reward_fn = self.reward_fn  # the rollouts' reward: with the RM's score once it is up
         self.eos_ids = (
             eos_token_ids(tokenizer, cfg.actor_rollout_ref.model.path)  # what ends a response
@@ -90,17 +106,18 @@ class RayPPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ workers
     def init_workers(self) -> None:
-        """One process per device holding every role (colocated), spawned as one worker group per role."""
-        cfg = self.cfg
+        """One process per device holding the training roles (colocated), spawned as one worker group per role;
+        the rollout engines on those processes too (``hybrid_engine``), or on their own pool (split placement)."""
+        cfg, tc = self.cfg, self.cfg.trainer
+        split = not cfg.actor_rollout_ref.hybrid_engine
         actor_cfg, critic_cfg, rm_cfg = ppo_worker_configs(cfg, self.plan)
-        role = "actor_rollout_ref" if self.use_ref else "actor_rollout"
+        role = "actor" + ("" if split else "_rollout") + ("_ref" if self.use_ref else "")
         roles = {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, actor_cfg, role)}
         if critic_cfg is not None:
             roles["critic"] = RayClassWithInitArgs(CriticWorker, critic_cfg)
         if rm_cfg is not None:  # the reward model: one more colocated role on the same processes
             roles["rm"] = RayClassWithInitArgs(RewardModelWorker, rm_cfg)
-        self.pool = RayResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes, use_gpu=self.device == "cuda")
-        tc = cfg.trainer
+        self.pool = RayResourcePool([tc.n_gpus_per_node] * tc.nnodes, use_gpu=self.device == "cuda")
         colocated = RayWorkerGroup(
             self.pool,
             create_colocated_worker_cls(roles),
@@ -114,6 +131,9 @@ class RayPPOTrainer:
         if self.critic is not None:
             self.critic.init_model()
         self.actor.init_model()
+        split_rollout = spawn_rollout_pool(cfg, self.plan, actor_cfg, self.actor) if split else None
+        self.rollout = split_rollout or self.actor  # what generates: the split pool, or the actor's own engines
+        self.weight_sync = WeightSync(self.actor, split_rollout)
         if rm_cfg is not None:
             reward_model = RewardModelRole(groups["rm"])
             reward_model.init_model()
@@ -121,7 +141,7 @@ class RayPPOTrainer:
             self.train_reward_fn = RewardWithRM(reward_model, rule_fn)
         if cfg.actor_rollout_ref.rollout.use_agent_loop:
             self.agent_manager = self._build_agent_manager()
-        self.actor_params = self._count_params(actor_cfg.model.path)
+        self.actor_params = count_params(actor_cfg.model.path)
         self.peak_flops = device_peak_flops(self.device)
 
     def _build_agent_manager(self):
@@ -129,7 +149,9 @@ class RayPPOTrainer:
         from scaletrain.agent.server import AsyncServerManager, WorkerGroupBackend
 
         rc = self.cfg.actor_rollout_ref.rollout
-        server = AsyncServerManager(WorkerGroupBackend(self.actor), rc.multi_turn.max_batch_wait_ms)
+        at = self.cfg.async_training
+        segment = (at.partial_rollout_segment_tokens or max(1, rc.response_length // 4)) if at.partial_rollout else None
+        server = AsyncServerManager(WorkerGroupBackend(self.rollout), rc.multi_turn.max_batch_wait_ms, segment)
         return AgentLoopManager(
             rc.multi_turn, server, self.tokenizer, prompt_length=rc.prompt_length, response_length=rc.response_length
         )
@@ -138,14 +160,10 @@ class RayPPOTrainer:
         """Rollout of one batch: the sync path (one batched generate) or the agent loops (multi_turn.enable /
         mode=async); returns (B * n rows, rollout metrics)."""
         if self.agent_manager is None:
-            return self.actor.generate(gen_batch), {}
+            return self.rollout.generate(gen_batch), {}
         rc = self.cfg.actor_rollout_ref.rollout
-        sampling = {
-            "temperature": rc.temperature,
-            "top_p": rc.top_p,
-            "top_k": rc.top_k,
-            "seed": gen_batch.meta_info.get("seed"),
-        }
+        sampling = {"temperature": rc.temperature, "top_p": rc.top_p, "top_k": rc.top_k}
+        sampling["seed"] = gen_batch.meta_info.get("seed")
         n = rc.n
         if gen_batch.meta_info.get("validate"):
             val_sampling = rc.val_sampling()
@@ -156,63 +174,69 @@ class RayPPOTrainer:
         sampling.update({k: meta[k] for k in ("temperature", "top_p", "top_k") if k in meta})
         n = meta.get("n", n)
         rows = DataProto.from_dict(non_tensors=dict(batch.non_tensor_batch))
-        out = self.agent_manager.generate_sequences(rows, sampling, n=n, tag=tag)
-        metrics = out.meta_info.pop("metrics", {})
-        return out, metrics
-
-    @staticmethod
-    def _count_params(path: str) -> int:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-        return sum(p.numel() for p in model.parameters())
+        with self.agent_lock:  # one event loop at a time drives the batcher (the rollout thread, validation)
+            out = self.agent_manager.generate_sequences(rows, sampling, n=n, tag=tag)
+        return out, out.meta_info.pop("metrics", {})
 
     # ---------------------------------------------------------------------------------------------------- fit
     def fit(self, tracking: Tracking) -> dict[str, float]:
-        """Train for ``total_steps``; returns the last validation metrics. SIGTERM / SIGUSR1 end it after the
+        """Train for ``total_steps``; returns the last validation metrics. Each step's batch comes from the
+        rollout source of ``async_training.mode`` (rollout_sources.py). SIGTERM / SIGUSR1 end it after the
         current step with a checkpoint (``self.preempted`` then says where; preemption.py)."""
         cfg = self.cfg
         self._resume()
+        val_metrics: dict[str, float] = {}
+        if cfg.trainer.val_before_train and self.global_step == 0:
+            val_metrics = self.initial_val_metrics = self.validate(tracking)
+            tracking.log(val_metrics, step=0)
+        if self.global_step >= self.total_steps:
+            logger.info("step %d of %d reached already: nothing to train", self.global_step, self.total_steps)
+            return self.validate()
+        self.rollouts = self._rollout_source()
         with PreemptionWatch() as watch:
-            val_metrics: dict[str, float] = {}
-            if cfg.trainer.val_before_train and self.global_step == 0:
-                val_metrics = self.initial_val_metrics = self.validate(tracking)
-                tracking.log(val_metrics, step=0)
-            if self.global_step >= self.total_steps:
-                logger.info("step %d of %d reached already: nothing to train", self.global_step, self.total_steps)
-                return self.validate()
-            while self.global_step < self.total_steps and not watch.requested:
-                for batch in self.loader:
-                    self.global_step += 1
-                    metrics = self.train_step(batch)
+            try:
+                while self.global_step < self.total_steps and not watch.requested:
+                    metrics = self.train_step()
+                    if metrics is None:  # fully_async: the rollouter generated all it was allowed to
+                        break
                     last = self.global_step >= self.total_steps
                     if self._due(cfg.trainer.test_freq, last):
+                        metrics.update(self.rollouts.before_validation(last))
                         val_metrics = self.validate(tracking)
                         metrics.update(val_metrics)
                     if self._due(cfg.trainer.save_freq, last) or watch.requested:
                         self.save_checkpoint()
                     tracking.log(metrics, step=self.global_step)
-                    if last or watch.requested:
-                        break
+            finally:
+                self.rollouts.close()
             if watch.requested and self.global_step < self.total_steps:
                 self.preempted = {"signal": watch.signal_name, "step": self.global_step}
         return val_metrics
 
+    def _rollout_source(self):
+        mode = self.cfg.async_training.mode
+        if mode == "one_step_off":
+            return OneStepOffRollouts(self)
+        if mode == "fully_async":
+            left = self.total_steps - self.global_step
+            return FullyAsyncRollouts(self, min(left, self.plan.rollout_batches - self.global_step))
+        return SyncRollouts(self)
+
     def _due(self, freq: int, last: bool) -> bool:
         return last or (freq > 0 and self.global_step % freq == 0)
 
-    def _rollout(self, batch: DataProto, gen_index: int, timings: dict[str, float]) -> Scored:
-        """n samples per prompt of ``batch`` (plus ReMax's greedy baseline), scored. ``gen_index`` > 0: a later
-        generation batch of the same step (dynamic sampling), with its own uids and seed."""
-        cfg, step = self.cfg, self.global_step
+    def rollout_batch(self, batch: DataProto, step: int, gen_index: int, timings: dict[str, float]) -> Scored:
+        """n samples per prompt of ``batch`` (plus ReMax's greedy baseline), scored, for training step ``step``.
+        ``gen_index`` > 0: a later generation batch of the same step (dynamic sampling), with its own uids and
+        seed. Runs in the rollout thread in the async modes."""
+        cfg = self.cfg
         suffix = f"-{gen_index}" if gen_index else ""
         batch.non_tensor_batch["uid"] = np.array([f"{step}{suffix}-{i}" for i in range(len(batch))], dtype=object)
         gen_batch = batch.pop(batch_keys=GEN_KEYS)
         gen_batch.meta_info["seed"] = derive_seed(cfg.trainer.seed, step, gen_index)
         with timer("gen", timings):
             gen_out, metrics = self._generate(batch, gen_batch, tag=f"step{step}{suffix}")
+        version = gen_out.meta_info.pop("weight_version", self.weight_sync.version)
         baseline = None
         if cfg.algorithm.adv_estimator == "remax":
             with timer("gen_max", timings):
@@ -222,31 +246,43 @@ class RayPPOTrainer:
                 metrics.update(baseline_metrics)
         n = cfg.actor_rollout_ref.rollout.n
         batch = batch.repeat(n, interleave=True).union(gen_out)
+        if "rollout_version" not in batch.non_tensor_batch:  # the agent loops report it per trajectory
+            batch.non_tensor_batch["rollout_version"] = np.full(len(batch), version, dtype=np.int64)
         batch.meta_info["temperature"] = cfg.actor_rollout_ref.rollout.temperature
         if baseline is not None:
             batch.batch["reward_baselines"] = baseline.repeat_interleave(n)
-        with timer("reward", timings):
+        with timer("reward", timings), self.reward_lock:
             reward = self.train_reward_fn(batch, return_dict=True)
             batch.batch["token_level_scores"] = reward["reward_tensor"]
         self.reward_guard.observe(step, reward["metrics"], len(batch))  # a scorer failing step after step stops
         return Scored(batch, reward, {**metrics, **reward["metrics"]})
 
-    def train_step(self, batch: DataProto) -> dict[str, float]:
-        cfg, metrics, timings = self.cfg, {}, {}
+    def collect_rollout(self, batch: DataProto, step: int, timings: dict[str, float]) -> Scored:
+        """The sync path's batch for ``step``: ``batch`` generated and scored, with DAPO's dynamic sampling
+        drawing more prompts (from the loader: resumable) until enough groups vary."""
+        cfg = self.cfg
+        if not cfg.algorithm.filter_groups.enable:
+            return self.rollout_batch(batch, step, 0, timings)
+        scored, sampling_metrics = collect_groups(
+            batch,
+            lambda b, i: self.rollout_batch(b, step, i, timings),
+            lambda: next(iter(self.loader)),
+            cfg.algorithm.filter_groups,
+            cfg.data.train_batch_size,
+        )
+        scored.metrics.update(sampling_metrics)
+        return scored
+
+    def train_step(self) -> dict[str, float] | None:
+        """One step: the rollout source's next batch, then old / ref log-probs, values, advantages, the critic and
+        actor updates, and the weights to the rollout engines (when the source says so). None: no batch left."""
+        cfg, timings = self.cfg, {}
         with timer("step", timings):
-            if cfg.algorithm.filter_groups.enable:  # DAPO dynamic sampling: more prompts until enough groups vary
-                scored, sampling_metrics = collect_groups(  # extra prompts advance the loader: resumable
-                    batch,
-                    partial(self._rollout, timings=timings),
-                    lambda: next(iter(self.loader)),
-                    cfg.algorithm.filter_groups,
-                    cfg.data.train_batch_size,
-                )
-                metrics.update(sampling_metrics)
-            else:
-                scored = self._rollout(batch, 0, timings)
-            batch, reward = scored.batch, scored.reward
-            metrics.update(scored.metrics)
+            scored = self.rollouts.next(self.global_step + 1, timings)
+            if scored is None:
+                return None
+            self.global_step += 1
+            batch, reward, metrics = scored.batch, scored.reward, dict(scored.metrics)
             if cfg.trainer.rollout_data_dir:
                 with timer("dump_rollouts", timings):
                     dump_batch(cfg.trainer.rollout_data_dir, self.global_step, batch, reward, self.tokenizer)
@@ -277,16 +313,17 @@ class RayPPOTrainer:
             if self.critic is not None:
                 with timer("update_critic", timings):
                     metrics.update(self.critic.update(batch))
-            if self.global_step > cfg.trainer.critic_warmup:  # during the warm-up only the critic learns
+            actor_updated = self.global_step > cfg.trainer.critic_warmup  # during the warm-up only the critic learns
+            if actor_updated:
                 with timer("update_actor", timings):
                     metrics.update(self.actor.update(batch))
-                with timer("sync_weights", timings):
-                    self.actor.sync_weights()
+            metrics.update(self.rollouts.after_update(timings, actor_updated))  # the weights to the engines, when due
 
         metrics.update(data_metrics(batch))
         metrics.update(timing_metrics(timings))
-        metrics.update(throughput_metrics(batch, timings, self.cfg.world_size, self.actor_params, self.peak_flops))
-        metrics["training/epoch"] = float(self.loader.epoch)
+        metrics.update(throughput_metrics(batch, timings, self.n_devices, self.actor_params, self.peak_flops))
+        metrics["training/epoch"] = float(self.rollouts.data_state()["epoch"])  # the trained batch's (the
+        # rollout thread may be drawing from the loader meanwhile)
         return metrics
 
     # ----------------------------------------------------------------------------------------------- validate
@@ -307,7 +344,9 @@ class RayPPOTrainer:
             gen_batch.meta_info.update(validate=True, seed=0)
             out, _ = self._generate(batch, gen_batch, tag=f"val{start}")
             batch = batch.repeat(len(out) // len(batch), interleave=True).union(out)
-            samples.add(batch, self.reward_fn(batch, return_dict=True), self.tokenizer if decode else None)
+            with self.reward_lock:  # the rollout thread may be scoring too
+                scores = self.reward_fn(batch, return_dict=True)
+            samples.add(batch, scores, self.tokenizer if decode else None)
             lengths += batch.batch["response_mask"].sum(-1).float().tolist()
         scores: dict[str, list[float]] = {}
         for source, score in zip(samples.data_sources, samples.scores):
@@ -330,7 +369,8 @@ class RayPPOTrainer:
             if self.critic is not None:
                 self.critic.save_checkpoint(path)
 
-        state = {"dataloader": self.loader.state_dict(), "kl_coef": self.kl_ctrl.value}
+        data = self.rollouts.data_state() if self.rollouts else self.loader.state_dict()  # after the last trained batch
+        state = {"dataloader": data, "kl_coef": self.kl_ctrl.value, "weight_version": self.weight_sync.version}
         return self.checkpoints.save(self.global_step, save_workers, state)
 
     def _resume(self) -> None:
@@ -345,6 +385,9 @@ class RayPPOTrainer:
         self.loader.load_state_dict(state["dataloader"])
         self.kl_ctrl.value = state["kl_coef"]
         self.global_step = int(state["global_step"])
+        self.weight_sync.version = int(state.get("weight_version", self.global_step))
+        if self.weight_sync.rollout is not None:  # split placement: the resumed weights go to the rollout pool
+            self.weight_sync.push()
         logger.info("resumed from %s at step %d", path, self.global_step)
 
     def save_hf(self, path: str) -> str:

@@ -13,8 +13,11 @@ the verl-style controller (scaletrain/controller): dispatch modes, colocation, r
 
 from __future__ import annotations
 
+import threading
+
 from backends.rollout.base import TokenOutput, TokenRequest
 from scaletrain.controller import ROLLOUT_MESH, WorkerGroup
+from scaletrain.controller.weight_transport import WeightBuckets
 from scaletrain.protocol import DataProto
 from scaletrain.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker, reduce_metrics
 from scaletrain.workers.sft import SFTWorker
@@ -57,6 +60,10 @@ class ActorRolloutRefRole:
         """The actor's weights into the rollout engine."""
         self.group.call(ActorRolloutRefWorker.sync_rollout_weights)
 
+    def export_weights(self, version: int) -> WeightBuckets:
+        """Split placement: the actor's weights as object-store buckets (rank 0's references)."""
+        return self.group.call(ActorRolloutRefWorker.export_weights, version)[0]
+
     def save_checkpoint(self, path: str) -> None:
         self.group.call(ActorRolloutRefWorker.save_checkpoint, path)
 
@@ -65,6 +72,63 @@ class ActorRolloutRefRole:
 
     def save_hf(self, path: str) -> None:
         self.group.call(ActorRolloutRefWorker.save_hf, path)
+
+
+class RolloutRole:
+    """Split placement: the rollout engines on their own pool (rollout-only ActorRolloutRefWorkers). One call at
+    a time: every rank of a generation call runs the same weights although the rollouter and the trainer call
+    from different threads, and a waiting weight push goes before the next generation call (a partial rollout's
+    next segment included). ``version`` counts the pushes received; each output says which version made it
+    (``meta_info["weight_version"]``, ``TokenOutput.weight_version``)."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self.group = group
+        self.turn = threading.Condition()
+        self.busy = False
+        self.pushes_waiting = 0
+        self.version = 0
+
+    def _call(self, method, *args, new_version: int | None = None):
+        """(the group call's result, the weight version it ran with); ``new_version``: a push, which goes first."""
+        push = new_version is not None
+        with self.turn:
+            self.pushes_waiting += push
+            while self.busy or (self.pushes_waiting and not push):
+                self.turn.wait()
+            self.busy = True
+        try:
+            out = self.group.call(method, *args)
+            if push:
+                self.version = new_version
+            return out, self.version
+        finally:
+            with self.turn:
+                self.busy = False
+                self.pushes_waiting -= push
+                self.turn.notify_all()
+
+    def init_model(self) -> None:
+        self.group.call(ActorRolloutRefWorker.init_model)
+
+    def generate(self, prompts: DataProto) -> DataProto:
+        out, version = self._call(ActorRolloutRefWorker.generate_sequences, prompts)
+        out.meta_info["weight_version"] = version
+        return out
+
+    def generate_tokens(self, per_rank: list[list[TokenRequest]]) -> list[list[TokenOutput]]:
+        outputs, version = self._call(ActorRolloutRefWorker.generate_tokens, per_rank)
+        for rank_outputs in outputs:
+            for out in rank_outputs:
+                out.weight_version = version
+        return outputs
+
+    def rollout_dp_size(self) -> int:
+        return self.group.mesh_places(ROLLOUT_MESH)[0].dp_size
+
+    def receive_weights(self, weights: WeightBuckets) -> int:
+        """The pushed weights into every engine, before the next generation call; returns the bytes each read."""
+        per_rank, _ = self._call(ActorRolloutRefWorker.receive_weights, weights, new_version=weights.version)
+        return per_rank[0]
 
 
 class CriticRole:

@@ -22,6 +22,7 @@ from backends.base import TrainEngine, get_backend
 from backends.dist import MICRO_BATCHING
 from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
 from scaletrain.controller import Dispatch, Worker, register
+from scaletrain.controller.weight_transport import WeightBuckets, put_buckets, read_buckets
 from scaletrain.protocol import DataProto
 from scaletrain.utils.seeding import derive_seed
 from scaletrain.workers.colocated_rollout import ColocatedRollout
@@ -55,6 +56,7 @@ class ActorRolloutRefWorker(Worker):
         self.ref: TrainEngine | None = None
         self.rollout: ColocatedRollout | None = None
         self.tokenizer = None
+        self.weight_version = 0  # split placement: the pushes this rollout engine received
 
     # ------------------------------------------------------------------------------------------------- build
     @register(Dispatch.ONE_TO_ALL)
@@ -91,10 +93,8 @@ class ActorRolloutRefWorker(Worker):
             trust_remote_code=cfg.model.trust_remote_code,
             offload_trainer=rc.offload_train_during_rollout,
         )
-        if rc.load_format == "dummy":  # random weights: the actor's replace them before any generation
-            if self.actor is None:
-                raise ValueError(f"rollout.load_format=dummy needs the actor in the same worker (role '{self.role}')")
-            self.rollout.push_weights()
+        if rc.load_format == "dummy" and self.actor is not None:  # random weights: the actor's replace them
+            self.rollout.push_weights()  # (a rollout-only worker gets them pushed by the trainer before it generates)
         self.rollout.release()
 
     def _need(self, part: str):
@@ -147,6 +147,25 @@ class ActorRolloutRefWorker(Worker):
         self._need("rollout").push_weights()
 
     @register(Dispatch.ONE_TO_ALL)
+    def export_weights(self, version: int) -> WeightBuckets | None:
+        """Split placement: the actor's weights into the object store, in buckets of ``rollout.weight_bucket_bytes``
+        (every rank gathers; rank 0 puts and returns the references, the others None)."""
+        buckets = self._training("actor").export_weights(self.config.rollout.weight_bucket_bytes)
+        if self.rank == 0:
+            return put_buckets(buckets, version)
+        for _ in buckets:  # the gathers are collective
+            pass
+        return None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def receive_weights(self, weights: WeightBuckets) -> int:
+        """Split placement: another worker group's buckets into this rank's rollout engine (its own TP shards);
+        returns the bytes read."""
+        self._need("rollout").load_weights(read_buckets(weights))
+        self.weight_version = weights.version
+        return weights.nbytes
+
+    @register(Dispatch.ONE_TO_ALL)
     def rollout_status(self) -> dict:
         """The rollout engine's lifecycle state, the moves taken so far and the bytes this rank received in the
         last weight sync (for checks and debugging)."""
@@ -155,6 +174,7 @@ class ActorRolloutRefWorker(Worker):
             "state": rollout.lifecycle.state.value,
             "history": list(rollout.lifecycle.history),
             "last_update_bytes": getattr(rollout.engine, "last_update_bytes", None),
+            "weight_version": self.weight_version,
         }
 
     # ------------------------------------------------------------------------------------------- log-probs

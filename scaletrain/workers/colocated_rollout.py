@@ -8,14 +8,18 @@ needs the other one:
 - training mode (``release``): the engine sleeps when ``free_cache_engine`` is set, and the trainer's memory is
   brought back. Every training-side worker call (log-probs, update, checkpoints) enters it first.
 
-Weights are pushed into an awake engine (``push_weights``): weights woken, the trainer's buckets streamed in while
-the trainer is still on the device, then the trainer offloaded and the KV cache woken (rollout mode). The engine
-therefore stays awake across a whole rollout phase (every agent-loop flush, validation) and sleeps only when
-training needs the memory. The engine's own state machine (``backends/rollout/lifecycle.py``) refuses any other
-order.
+Weights are pushed into an awake engine (``push_weights``; ``load_weights`` for another process's buckets):
+weights woken, the trainer's buckets streamed in while the trainer is still on the device, then the trainer
+offloaded and the KV cache woken (rollout mode). The engine therefore stays awake across a whole rollout phase
+(every agent-loop flush, validation) and sleeps only when training needs the memory. The engine's own state
+machine (``backends/rollout/lifecycle.py``) refuses any other order.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
 
 from backends.base import TrainEngine
 from backends.rollout.base import RolloutEngine, SamplingConfig, TokenOutput, TokenRequest
@@ -67,9 +71,14 @@ class ColocatedRollout:
         if self.trainer_offloaded:
             self.trainer.onload()
             self.trainer_offloaded = False
+        self.load_weights(self.trainer.export_weights(self.bucket_bytes))
+
+    def load_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
+        """HF-named buckets (this process's trainer, or another's: split placement) into the woken engine weights,
+        then rollout mode."""
         self.lifecycle.ensure_weights()
         self.lifecycle.require("update_weights")
-        self.engine.update_weights(self.trainer.export_weights(self.bucket_bytes))
+        self.engine.update_weights(buckets)
         self.serve()
 
     # ------------------------------------------------------------------------------------------ generate

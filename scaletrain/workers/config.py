@@ -154,6 +154,10 @@ class RolloutWorkerConfig(RolloutEngineSettings):
     prompt_length: int | None = None  # null: data.max_prompt_length (the trainer's resolve fills it)
     response_length: int | None = None  # null: data.max_response_length
     tensor_model_parallel_size: int = 1
+    nnodes: int = 1  # split placement (actor_rollout_ref.hybrid_engine=false): nodes of the rollout pool
+    n_gpus_per_node: int = 1  # ... and its ranks per node (the trainer pool is trainer.nnodes x n_gpus_per_node)
+    total_rollout_steps: int | None = None  # async_training.mode=fully_async: prompts the rollouter generates in
+    # all; null: as many as total_training_steps trains on
     log_prob_micro_batch_size_per_gpu: int = 8  # rows per micro-batch of the old-log-prob pass
     log_prob_use_dynamic_bsz: bool | None = None  # by tokens instead (max_token_len); null: actor.use_dynamic_bsz
     log_prob_max_token_len_per_gpu: int | None = None  # null: actor.ppo_max_token_len_per_gpu

@@ -1,6 +1,8 @@
 """DAPO dynamic sampling (group filtering + refill from the loader), overlong filtering and ReMax's greedy baseline:
 the driver-side logic, without Ray (the CLI runs are in test_dapo_remax_run.py)."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -209,6 +211,7 @@ def test_the_agent_loop_path_honours_the_greedy_overrides():
 
     trainer = RayPPOTrainer.__new__(RayPPOTrainer)  # only _generate's inputs: the config and the agent manager
     trainer.cfg, trainer.agent_manager = load_ppo_config(composed("actor_rollout_ref.rollout.n=4")), Manager()
+    trainer.agent_lock = threading.Lock()
     prompts = DataProto.from_dict(non_tensors={"uid": ["u0", "u1"]})
     out, _ = trainer._generate(prompts, DataProto(meta_info={"seed": 5, "n": 1, "temperature": 0.0}), "t")
     assert trainer.agent_manager.call == ({"temperature": 0.0, "top_p": 1.0, "top_k": -1, "seed": 5}, 1)

@@ -1,0 +1,44 @@
+"""Split placement's rollout pool (layer 4): rollout-only workers on their own resources.
+
+With ``actor_rollout_ref.hybrid_engine=false`` the training roles keep the trainer's pool and the rollout engines
+get ``rollout.nnodes`` x ``rollout.n_gpus_per_node`` ranks of their own: one ActorRolloutRefWorker per rank with
+the role ``rollout`` (its engine only), driven through ``RolloutRole`` (roles.py); weights reach it by a push
+(weight_sync.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from scaletrain.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from scaletrain.trainer.roles import ActorRolloutRefRole, RolloutRole
+from scaletrain.trainer.weight_sync import WeightSync
+from scaletrain.workers import ActorRolloutRefWorker
+
+if TYPE_CHECKING:
+    from scaletrain.trainer.config import PPOConfig
+    from scaletrain.trainer.plan import RunPlan
+    from scaletrain.workers.config import ActorRolloutRefConfig
+
+
+def spawn_rollout_pool(
+    cfg: PPOConfig, plan: RunPlan, actor_cfg: ActorRolloutRefConfig, actor: ActorRolloutRefRole
+) -> RolloutRole:
+    """The rollout pool's workers, their engines built (``rollout.load_format=dummy``: the actor's weights pushed
+    once, as version 0)."""
+    rc, tc = cfg.actor_rollout_ref.rollout, cfg.trainer
+    pool = RayResourcePool([rc.n_gpus_per_node] * rc.nnodes, use_gpu=tc.device == "cuda", name_prefix="rollout")
+    group = RayWorkerGroup(
+        pool,
+        RayClassWithInitArgs(ActorRolloutRefWorker, actor_cfg, "rollout"),
+        name_prefix="rollout",
+        call_timeout_s=tc.worker_call_timeout_s_by_role.get("rollout", tc.worker_call_timeout_s),
+        stack_dump_dir=os.path.join(plan.run_dir, "stacks"),  # where a stuck call's stacks go
+    )
+    rollout = RolloutRole(group)
+    rollout.init_model()
+    if rc.load_format == "dummy":  # random weights until the actor's arrive
+        WeightSync(actor, rollout).push()
+        rollout.version = 0
+    return rollout

@@ -1,0 +1,135 @@
+"""Split placement and asynchronous training end to end (subprocesses, real Ray, torch.distributed, HF / vLLM
+engines): one train rank and one rollout rank, weights pushed through the object store.
+
+- fully_async with staleness_threshold=0 and a push every step trains exactly what the synchronous trainer
+  trains, metric for metric.
+- one_step_off and fully_async (staleness 1, a push every 2 steps, partial rollout through the agent loops on
+  vLLM), each killed with SIGKILL after its step-2 checkpoint and resumed: every step trains the prompts the
+  synchronous run trained at that step (nothing skipped, nothing twice), no batch lags more weight versions
+  than allowed, and the push is measured.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.test_ppo_resume import (
+    COMPARED,
+    ROOT,
+    env,
+    metrics,
+    overridden,
+    run_overridden,
+    task,  # noqa: F401  (the module's task fixture)
+)
+
+pytestmark = pytest.mark.slow
+
+# one train rank, one rollout rank; a step trains one mini-batch (fully_async's step) in every mode
+SPLIT = [
+    "actor_rollout_ref.hybrid_engine=false",
+    "trainer.n_gpus_per_node=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    "data.train_batch_size=2",
+]
+
+
+def prompts_by_step(dump_dir: Path) -> dict[int, list[str]]:
+    """The prompts each step trained on, in order (trainer.rollout_data_dir's dumps)."""
+    out = {}
+    for path in sorted(dump_dir.glob("*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+        out[int(path.stem)] = [r["input"] for r in rows]
+    return out
+
+
+@pytest.fixture(scope="module")
+def sync_run(task, tmp_path_factory):  # noqa: F811
+    """The synchronous trainer on split placement: 4 steps, the reference for every mode."""
+    run = tmp_path_factory.mktemp("sync") / "run"
+    run_overridden(task, run, 4, [*SPLIT, f"trainer.rollout_data_dir={run / 'dump'}"])
+    return run
+
+
+def test_split_sync_pushes_weights_and_measures_them(sync_run):
+    rows = metrics(sync_run)
+    assert sorted(rows) == [0, 1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        assert rows[step]["async/weight_version"] == step  # one push after each update
+        assert rows[step]["perf/weight_push_bytes"] > 1e6 and rows[step]["perf/weight_push_gib_per_s"] > 0
+
+
+def test_fully_async_with_staleness_0_matches_sync(task, sync_run, tmp_path):  # noqa: F811
+    run = tmp_path / "fully_async"
+    run_overridden(task, run, 3, [*SPLIT, "async_training.mode=fully_async", "data.train_batch_size=0"])  # verl's 0
+    reference, got = metrics(sync_run), metrics(run)
+    for step in (1, 2, 3):
+        assert got[step]["async/staleness_max"] == 0
+        for key in COMPARED:
+            assert got[step][key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-7), (step, key)
+    assert got[2]["val/scaletrain/arithmetic/acc"] == reference[2]["val/scaletrain/arithmetic/acc"]
+
+
+def kill_after_checkpoint(args, run: Path, step: int) -> int:
+    """Start the run, SIGKILL its whole process group once the checkpoint pointer reaches ``step``; returns the
+    step the pointer names at the kill (the checkpoint a resume starts from)."""
+    proc = subprocess.Popen(
+        args, env=env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    pointer = run / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 300
+    try:
+        while not (pointer.exists() and int(pointer.read_text() or 0) >= step):
+            assert proc.poll() is None, "the run ended before it was killed"
+            assert time.monotonic() < deadline, f"no checkpoint {step} within 300 s"
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return int(pointer.read_text())
+
+
+MODES = {
+    "one_step_off": (["async_training.mode=one_step_off", "rollout=vllm"], 1),
+    "fully_async": (
+        [
+            "async_training.mode=fully_async",
+            "async_training.staleness_threshold=1",
+            "async_training.trigger_parameter_sync_step=2",
+            "async_training.partial_rollout=true",
+            "async_training.partial_rollout_segment_tokens=1",
+            "actor_rollout_ref.rollout.mode=async",
+            "rollout=vllm",
+            "data.train_batch_size=0",
+        ],
+        1,
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_kill_9_and_resume(mode, task, sync_run, tmp_path):  # noqa: F811
+    extra, max_staleness = MODES[mode]
+    run = tmp_path / mode
+    args = overridden(task, run, 4, [*SPLIT, *extra, f"trainer.rollout_data_dir={run / 'dump'}"])
+    caught = kill_after_checkpoint(args, run, 2)
+    assert caught < 4, "the run finished before it was killed"
+    resumed = subprocess.run(args, env=env(), timeout=400, cwd=ROOT, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {run / f'global_step_{caught}'}" in resumed.stdout + resumed.stderr
+    rows = metrics(run)
+    assert sorted(rows) == [0, 1, 2, 3, 4]
+    # each step trained the synchronous run's prompts of that step: the resume regenerated what was in flight
+    assert prompts_by_step(run / "dump") == prompts_by_step(sync_run / "dump")
+    staleness = {s: rows[s]["async/staleness_max"] for s in (1, 2, 3, 4)}
+    assert max(staleness.values()) <= max_staleness and staleness[1] == 0
+    assert staleness[caught + 1] == 0, staleness  # the first step after the resume: generated by resumed weights
+    if mode == "one_step_off":
+        assert all(staleness[s] == 1 for s in (2, 3, 4) if s != caught + 1), staleness
+    versions = [rows[s].get("async/weight_version") for s in (1, 2, 3, 4)]
+    assert versions[-1] is not None and versions[-1] >= 3, versions  # the counter continues after the resume
