@@ -96,22 +96,13 @@ class LongTailAgentLoop(SingleTurnAgentLoop):
 
     median = 12  # set by main() before the runs
 
+    def max_new_tokens(self, row: dict[str, Any]) -> int:
+        return draw_length(row["request_id"], self.median, self.response_length)
+
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
-        prompt_ids = list(row.get("raw_prompt_ids") or self.apply_chat_template(list(row["raw_prompt"])))
-        self.check_prompt(prompt_ids, row)
-        request_id = row["request_id"]
-        length = draw_length(request_id, self.median, self.response_length)
-        out = await self.server_manager.generate(request_id, prompt_ids, {**sampling_params, "max_new_tokens": length})
-        ids = list(out.token_ids)[:length]
-        LENGTHS[request_id] = (length, len(ids))
-        return AgentLoopOutput(
-            prompt_ids=prompt_ids,
-            response_ids=ids,
-            response_mask=[1] * len(ids),
-            response_logprobs=list(out.log_probs)[: len(ids)],
-            num_turns=2,
-            metrics={"assistant_turns": 1.0},
-        )
+        out = await super().run(sampling_params, **row)
+        LENGTHS[row["request_id"]] = (self.max_new_tokens(row), len(out.response_ids))
+        return out
 
 
 def build_long_model(root: Path) -> str:

@@ -9,14 +9,17 @@ from scaletrain.agent.base import AgentLoopBase, AgentLoopOutput, register_agent
 
 @register_agent_loop("single_turn_agent")
 class SingleTurnAgentLoop(AgentLoopBase):
+    def max_new_tokens(self, row: dict[str, Any]) -> int:
+        """The response's token budget (a subclass may draw one per trajectory)."""
+        return self.response_length
+
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         prompt_ids = list(row.get("raw_prompt_ids") or self.apply_chat_template(list(row["raw_prompt"])))
         self.check_prompt(prompt_ids, row)
         request_id = row["request_id"]
-        out = await self.server_manager.generate(
-            request_id, prompt_ids, {**sampling_params, "max_new_tokens": self.response_length}
-        )
-        ids = list(out.token_ids)[: self.response_length]
+        limit = self.max_new_tokens(row)
+        out = await self.server_manager.generate(request_id, prompt_ids, {**sampling_params, "max_new_tokens": limit})
+        ids = list(out.token_ids)[:limit]
         return AgentLoopOutput(
             prompt_ids=prompt_ids,
             response_ids=ids,

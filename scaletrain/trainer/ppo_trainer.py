@@ -95,7 +95,7 @@ class RayPPOTrainer:
         self.preempted: dict | None = None  # set when a signal ended fit() early: {signal, step}
         self.rollouts = None  # where fit()'s batches come from (rollout_sources.py)
         self.reward_lock = threading.Lock()  # the reward functions are called from the rollout thread too
-        self.agent_lock = threading.Lock()
+        self.agent_lock = threading.Lock()  # one batcher (AsyncServerManager) serves one event loop at a time
         self.n_devices = cfg.world_size + (0 if cfg.actor_rollout_ref.hybrid_engine else plan.rollout_world_size)
         self.train_reward_fn = self.reward_fn  # the rollouts' reward: with the RM's score once it is up
         self.eos_ids = (
