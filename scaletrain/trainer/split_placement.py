@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 from scaletrain.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from scaletrain.trainer.roles import ActorRolloutRefRole, RolloutRole
-from scaletrain.trainer.weight_sync import WeightSync
 from scaletrain.workers import ActorRolloutRefWorker
 
 if TYPE_CHECKING:
@@ -38,7 +37,6 @@ def spawn_rollout_pool(
     )
     rollout = RolloutRole(group)
     rollout.init_model()
-    if rc.load_format == "dummy":  # random weights until the actor's arrive
-        WeightSync(actor, rollout).push()
-        rollout.version = 0
+    if rc.load_format == "dummy":  # random weights until the actor's arrive: they are version 0
+        rollout.receive_weights(actor.export_weights(0))
     return rollout
