@@ -9,6 +9,9 @@ call the calculator (tests/agent/warmup.py, a few seconds of SFT). Rows:
   engine (token-level requests, batching): the async path's overhead.
 - ``agent tool_agent``: multi-turn trajectories (tool call, calculator, answer: 2 model turns each), all
   concurrent; and the same trajectories run one at a time (``sequential``), which is what concurrency buys.
+- ``agent tool_agent, vLLM AsyncLLM``: the same concurrent trajectories with every request sent at once to vLLM's
+  async engine (the rollout workers' default, ``rollout.async_engine``), which batches continuously, instead of
+  the driver-side batcher's flushes; its ratio is to the batcher's row (vllm only).
 Figures are trajectories per second (higher is better); ratio = ours / baseline.
 """
 
@@ -32,7 +35,7 @@ import torch  # noqa: E402
 from backends.rollout.base import RolloutConfig, SamplingConfig, get_rollout  # noqa: E402
 from benchmarks.common import emit_results  # noqa: E402
 from scaletrain.agent.manager import AgentLoopManager  # noqa: E402
-from scaletrain.agent.server import AsyncServerManager, LocalEngineBackend  # noqa: E402
+from scaletrain.agent.server import AsyncServerManager, LocalAsyncEngineBackend, LocalEngineBackend  # noqa: E402
 from scaletrain.protocol import DataProto  # noqa: E402
 from scaletrain.workers.config import MultiTurnConfig  # noqa: E402
 from tests.agent.helpers import make_agent_tokenizer  # noqa: E402
@@ -100,6 +103,21 @@ def agent_paths_s(manager: AgentLoopManager, questions: list[str], n: int, reps:
     return seconds, last["out"].meta_info["metrics"]
 
 
+def async_engine_tool_s(model_dir: str, tok, cfg: MultiTurnConfig, questions: list[str], n: int, reps: int) -> float:
+    """Median seconds of the concurrent tool_agent run on vLLM's AsyncLLM (each request submitted at once)."""
+    engine = get_rollout("vllm_async")(
+        RolloutConfig(model_path=model_dir, max_model_len=256, kv_cache_bytes=64 << 20), tok
+    )
+    torch.set_num_threads(1)
+    try:
+        server = AsyncServerManager(LocalAsyncEngineBackend([engine]))
+        manager = AgentLoopManager(cfg, server, tok, prompt_length=32, response_length=RESPONSE)
+        rows, params = rows_for(questions, "tool_agent"), {"temperature": 1.0, "seed": 0}
+        return median_s(lambda: manager.generate_sequences(rows, params, n), reps)
+    finally:
+        engine.close()
+
+
 def report(tps: dict[str, float], metrics: dict, header: str) -> None:
     """Print the table (trajectories/s per path, ratio to the sync baseline) and emit the results."""
     print(header)
@@ -115,6 +133,8 @@ def report(tps: dict[str, float], metrics: dict, header: str) -> None:
         ("agent tool_agent, concurrent (2 turns)", tps["tool"]),
         ("agent tool_agent, one at a time", tps["sequential"]),
     ]
+    if "async_tool" in tps:
+        table.append(("agent tool_agent, vLLM AsyncLLM", tps["async_tool"]))
     for name, value in table:
         print(f"{name:<42}{value:>10.1f}{value / tps['sync']:>21.2f}x")
     sync = "sync single-turn generate"
@@ -123,6 +143,8 @@ def report(tps: dict[str, float], metrics: dict, header: str) -> None:
         ("agent tool_agent concurrent traj/s", tps["tool"], tps["sync"], sync),
         ("agent tool_agent one-at-a-time traj/s", tps["sequential"], tps["tool"], "tool_agent concurrent"),
     ]
+    if "async_tool" in tps:
+        rows.append(("agent tool_agent AsyncLLM traj/s", tps["async_tool"], tps["tool"], "tool_agent batcher"))
     emit_results(
         [
             {"measure": m, "ours": ours, "baseline": base, "baseline_name": base_name, "unit": "traj/s"}
@@ -157,6 +179,8 @@ def main() -> None:
         cfg, AsyncServerManager(LocalEngineBackend([engine])), tok, prompt_length=32, response_length=RESPONSE
     )
     seconds, metrics = agent_paths_s(manager, questions, n, reps)
+    if args.engine == "vllm":
+        seconds["async_tool"] = async_engine_tool_s(model_dir, tok, cfg, questions, n, reps)
     tps = {path: trajectories / s for path, s in {"sync": sync_s, **seconds}.items()}
     header = (
         f"\n{prompts_n} prompts x n={n} = {trajectories} trajectories, {args.engine} engine, tiny tool-calling "

@@ -179,7 +179,14 @@ class RolloutEngine(ABC):
 
 
 # built-ins are imported on first use, so a run imports only the framework it needs
-ROLLOUTS = Registry("rollout engine", lazy={"hf": "backends.rollout.hf", "vllm": "backends.rollout.vllm_engine"})
+ROLLOUTS = Registry(
+    "rollout engine",
+    lazy={
+        "hf": "backends.rollout.hf",
+        "vllm": "backends.rollout.vllm_engine",
+        "vllm_async": "backends.rollout.vllm_async",
+    },
+)
 
 
 def register_rollout(name: str):

@@ -164,7 +164,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def generate(self, prompts: DataProto, sampling: SamplingConfig) -> DataProto:
         requests, params = self.requests(prompts, sampling)
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.run_requests(requests, params)
         samples = [s for out in outputs for s in sorted(out.outputs, key=lambda c: c.index)]
         n, max_new = sampling.n, sampling.max_new_tokens
         rows = len(prompts) * n
@@ -187,36 +187,40 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def generate_tokens(self, requests: list[TokenRequest]) -> list[TokenOutput]:
         """All requests in one ``LLM.generate`` call, each with its own SamplingParams (and seed)."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        prompts, params = [], []
-        for r in requests:
-            s = r.sampling
-            greedy = s.temperature < GREEDY_EPS
-            prompts.append(TokensPrompt(prompt_token_ids=list(r.prompt_ids)))
-            params.append(
-                SamplingParams(
-                    n=1,
-                    temperature=0.0 if greedy else float(s.temperature),
-                    top_p=1.0 if greedy else float(s.top_p),
-                    top_k=0 if greedy or s.top_k <= 0 else int(s.top_k),
-                    max_tokens=s.max_new_tokens,
-                    stop_token_ids=list(self.eos_ids),
-                    logprobs=0,
-                    detokenize=False,
-                    seed=None if greedy else self._request_seed(s.seed),
-                )
-            )
-        outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
-        eos = set(self.eos_ids)
-        result = []
-        for out in outputs:
-            sample = out.outputs[0]
-            tokens = list(sample.token_ids)
-            lps = [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
-            result.append(TokenOutput(tokens, lps, "stop" if tokens and tokens[-1] in eos else "length"))
-        return result
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        params = [self.token_params(r.sampling) for r in requests]
+        return [self.token_output(out) for out in self.run_requests(prompts, params)]
+
+    def run_requests(self, prompts: list, params: list) -> list:
+        """vLLM RequestOutputs of ``prompts``, in order (one ``LLM.generate`` call)."""
+        return self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+
+    def token_params(self, s: SamplingConfig, **extra):
+        """One agent-loop request's SamplingParams (one sample; its own seed unless greedy)."""
+        from vllm import SamplingParams
+
+        greedy = s.temperature < GREEDY_EPS
+        return SamplingParams(
+            n=1,
+            temperature=0.0 if greedy else float(s.temperature),
+            top_p=1.0 if greedy else float(s.top_p),
+            top_k=0 if greedy or s.top_k <= 0 else int(s.top_k),
+            max_tokens=s.max_new_tokens,
+            stop_token_ids=list(self.eos_ids),
+            logprobs=0,
+            detokenize=False,
+            seed=None if greedy else self._request_seed(s.seed),
+            **extra,
+        )
+
+    def token_output(self, out) -> TokenOutput:
+        """A vLLM RequestOutput (one sample) as the agent loops' TokenOutput."""
+        sample = out.outputs[0]
+        tokens = list(sample.token_ids)
+        lps = [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
+        return TokenOutput(tokens, lps, "stop" if tokens and tokens[-1] in self.eos_ids else "length")
 
     # ------------------------------------------------------------------------------------------ weights, memory
     def _request_seed(self, seed: int | None) -> int | None:
@@ -228,18 +232,25 @@ class VLLMRolloutEngine(RolloutEngine):
         tp = self.config.tensor_parallel_size
         if tp > 1:  # this rank's shards only, by reference (see vllm_tp.py)
             shards = shard_buckets(buckets, tp, self.tp_rank, self.hf_config)
-            self.last_update_bytes = self.llm.collective_rpc("scaletrain_reload_shards", args=(shards,))[0]
+            self.last_update_bytes = self.rpc("scaletrain_reload_shards", shards)[0]
         elif self.in_process:
             # One reload over a lazy stream of the buckets: vLLM processes each layer once its tensors arrived.
-            self.llm.collective_rpc("scaletrain_reload_weights", args=(_as_lists(buckets),))
+            self.rpc("scaletrain_reload_weights", _as_lists(buckets))
         else:
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
             folder = tempfile.mkdtemp(prefix="scaletrain-weights-", dir=shm)
             try:
                 paths = _write_buckets(buckets, folder)
-                self.llm.collective_rpc("scaletrain_reload_weights", args=(paths,))
+                self.rpc("scaletrain_reload_weights", paths)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
+        self.reset_prefix_cache()
+
+    def rpc(self, method: str, *args) -> list:
+        """``method`` of the worker extension (vllm_extension.py) on every vLLM worker; one result per worker."""
+        return self.llm.collective_rpc(method, args=args)
+
+    def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:

@@ -129,3 +129,25 @@ class WeightSyncExtension:
     def scaletrain_weight_names(self) -> list[str]:
         """Names of the vLLM model's parameters (vLLM layout, e.g. fused ``qkv_proj``); for checks and debugging."""
         return [name for name, _ in self.model_runner.get_model().named_parameters()]
+
+    def scaletrain_watch_parent(self, parent_pid: int) -> None:
+        """Exit this process once ``parent_pid`` is gone (the async engine's core process: it outlives a killed
+        rollout worker otherwise, holding its memory). A daemon thread checks every second."""
+        import threading
+        import time
+
+        first_parent = os.getppid()  # the watched process, or (a worker of vLLM's own) the engine core
+
+        def alive() -> bool:
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                return False
+            return os.getppid() == first_parent  # re-parented: the parent died (its pid may be reused)
+
+        def watch() -> None:
+            while alive():
+                time.sleep(1.0)
+            os._exit(0)
+
+        threading.Thread(target=watch, name="scaletrain-parent-watch", daemon=True).start()

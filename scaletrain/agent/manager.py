@@ -189,8 +189,10 @@ class AgentLoopManager:
             if k in ("tool_calls", "assistant_turns", "user_turns"):
                 metrics[f"agent/{k}_per_traj"] = v / len(outputs)
         stats = self.server_manager.stats
-        metrics["agent/generate_batches"] = float(stats["batches"])
-        metrics["agent/mean_batch_size"] = stats["requests"] / max(1, stats["batches"])
+        metrics["agent/generate_requests"] = float(stats["requests"])
+        if self.server_manager.batched:  # the driver-side batcher's batches (the async engines batch on their own)
+            metrics["agent/generate_batches"] = float(stats["batches"])
+            metrics["agent/mean_batch_size"] = stats["requests"] / max(1, stats["batches"])
         metrics["agent/wall_s"] = wall_s
         if self.server_manager.segment_tokens:
             metrics["async/partial_rollouts"] = float(stats["partial_rollouts"])

@@ -14,11 +14,12 @@ Partial rollout (``segment_tokens``): a long request is generated a segment at a
 between two of the engines' calls goes before the rest (see ``_generate_in_segments``); each request's weight
 versions are kept for the manager (``pop_versions``).
 
-Backends: ``WorkerGroupBackend`` (the ActorRolloutRefWorker group's ``generate_tokens`` through its typed role,
-one Ray call per batch covering every rank) and ``LocalEngineBackend`` (RolloutEngine objects in this process:
-tests, benchmarks).
-vLLM's AsyncLLM is not used: the engines already live in the role workers (where weights are synced), and a
-batched call per flush keeps them full; see README "Agent loops".
+Backends: ``AsyncEngineBackend`` (the default on vLLM at TP=1, ``rollout.async_engine``): every request goes at
+once to its rank's vLLM AsyncLLM inside the rollout worker (``generate_request``), which batches all requests in
+flight continuously, so there is no driver-side batch at all. The batching backends: ``WorkerGroupBackend`` (the
+ActorRolloutRefWorker group's ``generate_tokens`` through its typed role, one Ray call per batch covering every
+rank: the hf engine, or vLLM at TP>1) and ``LocalEngineBackend`` (RolloutEngine objects in this process: tests,
+benchmarks; ``LocalAsyncEngineBackend`` for in-process async engines). See README "Agent loops".
 """
 
 from __future__ import annotations
@@ -57,6 +58,18 @@ class LocalEngineBackend:
         return [engine.generate_tokens(reqs) if reqs else [] for engine, reqs in zip(self.engines, per_rank)]
 
 
+class LocalAsyncEngineBackend:
+    """In-process async engines (backends/rollout/vllm_async.py), one per "DP rank": each request is submitted at
+    once, as the rollout workers' AsyncEngineBackend does (tests, benchmarks)."""
+
+    def __init__(self, engines: list) -> None:
+        self.engines = list(engines)
+        self.dp_size = len(self.engines)
+
+    async def generate_one(self, rank: int, request: TokenRequest) -> TokenOutput:
+        return await asyncio.wrap_future(self.engines[rank].submit(request))
+
+
 class WorkerGroupBackend:
     """The rollout worker group, through its typed role: ``generate_tokens`` with one request list per rollout DP
     rank."""
@@ -67,6 +80,18 @@ class WorkerGroupBackend:
 
     def generate(self, per_rank: list[list[TokenRequest]]) -> list[list[TokenOutput]]:
         return self.policy.generate_tokens(per_rank)
+
+
+class AsyncEngineBackend:
+    """The rollout workers' async engines (vLLM's AsyncLLM): ``generate_one`` sends one request to rollout engine
+    ``rank`` at once, through the typed role (which also stamps the weight version in split placement)."""
+
+    def __init__(self, policy) -> None:
+        self.policy = policy
+        self.dp_size = policy.rollout_dp_size()
+
+    async def generate_one(self, rank: int, request: TokenRequest) -> TokenOutput:
+        return await self.policy.generate_request(rank, request)
 
 
 def to_sampling(params: dict[str, Any]) -> SamplingConfig:
@@ -91,6 +116,11 @@ class AsyncServerManager:
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-batch")
         self.reset_stats()
+
+    @property
+    def batched(self) -> bool:
+        """Whether requests are gathered into batches here (False: the engines batch them, AsyncEngineBackend)."""
+        return not hasattr(self.backend, "generate_one")
 
     def reset_stats(self) -> None:
         self.stats = {"batches": 0, "requests": 0, "generate_s": 0.0, "tokens": 0, "partial_rollouts": 0}
@@ -126,6 +156,11 @@ class AsyncServerManager:
         return out
 
     async def _submit(self, rank: int, request: TokenRequest) -> TokenOutput:
+        if not self.batched:
+            out = await self.backend.generate_one(rank, request)
+            self.stats["requests"] += 1
+            self.stats["tokens"] += len(out.token_ids)
+            return out
         future = asyncio.get_running_loop().create_future()
         self.pending.append((rank, request, future))
         self._ensure_worker()

@@ -16,6 +16,8 @@ from scaletrain.controller.dispatch import Dispatch, Execute, get_dispatch_spec
 from scaletrain.protocol import PAD_ROWS_KEY, DataProto, DataProtoFuture
 
 REGISTERED_ATTR = "__scaletrain_registered__"
+# threads of each concurrency group a worker declares: calls beyond it wait in Ray's queue until one is free
+CONCURRENCY_GROUP_THREADS = 256
 
 
 @dataclass(frozen=True)
@@ -24,10 +26,17 @@ class RegisteredMethod:
     execute_mode: Execute
     blocking: bool
     materialize_futures: bool
+    concurrency_group: str | None = None  # Ray concurrency group: calls run in its threads, beside the others
 
 
 def get_registration(fn: Any) -> RegisteredMethod | None:
     return getattr(fn, REGISTERED_ATTR, None)
+
+
+def concurrency_groups(cls: type) -> dict[str, int]:
+    """The Ray concurrency groups ``cls``'s registered methods name, with their thread counts."""
+    names = {getattr(get_registration(getattr(cls, a, None)), "concurrency_group", None) for a in dir(cls)}
+    return {name: CONCURRENCY_GROUP_THREADS for name in sorted(names - {None})}
 
 
 def _materialize(value: Any) -> Any:
@@ -48,10 +57,14 @@ def register(
     execute_mode: Execute = Execute.ALL,
     blocking: bool = True,
     materialize_futures: bool = True,
+    concurrency_group: str | None = None,
 ) -> Callable:
+    """``concurrency_group``: a Ray concurrency group (``CONCURRENCY_GROUP_THREADS`` threads) whose threads run
+    this method while the worker's one default thread runs another; reached per rank with
+    ``WorkerGroup.submit``."""
     get_dispatch_spec(dispatch_mode)  # fail at class definition on an unknown mode
     execute_mode = Execute(execute_mode)
-    info = RegisteredMethod(dispatch_mode, execute_mode, blocking, materialize_futures)
+    info = RegisteredMethod(dispatch_mode, execute_mode, blocking, materialize_futures, concurrency_group)
 
     def decorator(fn: Callable) -> Callable:
         @functools.wraps(fn)

@@ -38,6 +38,7 @@ class Dispatch(str, Enum):
     MEGATRON_COMPUTE = "MEGATRON_COMPUTE"
     MEGATRON_COMPUTE_PROTO = "MEGATRON_COMPUTE_PROTO"
     MEGATRON_PP_AS_DP_PROTO = "MEGATRON_PP_AS_DP_PROTO"
+    DIRECT = "DIRECT"  # one rank at a time, through WorkerGroup.submit (a group call refuses)
 
 
 class Execute(str, Enum):
@@ -192,6 +193,10 @@ def make_mesh_collect(mesh: str, proto: bool) -> Callable:
     return collect
 
 
+def dispatch_direct(wg, *args, **kwargs):
+    raise TypeError(f"worker group '{wg.name}': a DIRECT method runs on one rank: use group.submit(rank, ...)")
+
+
 for _mode, _dispatch, _collect in [
     (Dispatch.ONE_TO_ALL, dispatch_one_to_all, collect_all),
     (Dispatch.ALL_TO_ALL, dispatch_all_to_all, collect_all),
@@ -204,5 +209,6 @@ for _mode, _dispatch, _collect in [
     (Dispatch.MEGATRON_COMPUTE, make_mesh_dispatch(ENGINE_MESH, False), make_mesh_collect(ENGINE_MESH, False)),
     (Dispatch.MEGATRON_COMPUTE_PROTO, make_mesh_dispatch(ENGINE_MESH, True), make_mesh_collect(ENGINE_MESH, True)),
     (Dispatch.MEGATRON_PP_AS_DP_PROTO, make_mesh_dispatch(ROLLOUT_MESH, True), make_mesh_collect(ROLLOUT_MESH, True)),
+    (Dispatch.DIRECT, dispatch_direct, collect_all),
 ]:
     register_dispatch_mode(_mode.value, _dispatch, _collect)

@@ -10,6 +10,7 @@ still running.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -19,6 +20,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from scaletrain.controller.decorator import concurrency_groups
 from scaletrain.controller.resource_pool import RayResourcePool
 from scaletrain.controller.stacks import collect_stacks, in_collective
 from scaletrain.controller.worker_group import (
@@ -64,8 +66,15 @@ class RayClassWithInitArgs:
                 placement_group=placement_group, placement_group_bundle_index=bundle_index
             ),
         )
-        remote_cls = self.cls if hasattr(self.cls, "remote") else ray.remote(self.cls)
-        return remote_cls.options(**options).remote(*self.args, **self.kwargs)
+        return self._remote_cls().options(**options).remote(*self.args, **self.kwargs)
+
+    def _remote_cls(self) -> Any:
+        """The Ray actor class; with the concurrency groups its methods name (the default group keeps one thread:
+        every other call still runs one at a time). Ray takes them only here, not in ``.options()``."""
+        if hasattr(self.cls, "remote"):
+            return self.cls
+        groups = concurrency_groups(self.user_cls)
+        return ray.remote(concurrency_groups=groups)(self.cls) if groups else ray.remote(self.cls)
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -226,14 +235,28 @@ class RayWorkerGroup(WorkerGroup):
     def _get_one(self, ref: Any, rank: int, remote_name: str) -> Any:
         try:
             return ray.get(ref)
-        except RayActorError as exc:  # includes ActorDiedError: the process is gone
-            info = self._infos[rank] if rank < len(self._infos) else {}
-            where = f"pid {info.get('pid', '?')} on {info.get('host', '?')}"
-            raise WorkerDiedError(self.name, rank, remote_name, f"{where}: {exc}") from None
-        except RayTaskError as exc:
-            raise WorkerError(self.name, rank, remote_name, _ANSI.sub("", str(exc))) from exc.cause
+        except (RayActorError, RayTaskError) as exc:
+            raise self._worker_error(exc, rank, remote_name) from (exc.cause if isinstance(exc, RayTaskError) else None)
         except GetTimeoutError:  # pragma: no cover - ray.wait said it was ready
             raise
+
+    def _worker_error(self, exc: Exception, rank: int, remote_name: str) -> WorkerError:
+        if isinstance(exc, RayActorError):  # includes ActorDiedError: the process is gone
+            info = self._infos[rank] if rank < len(self._infos) else {}
+            where = f"pid {info.get('pid', '?')} on {info.get('host', '?')}"
+            return WorkerDiedError(self.name, rank, remote_name, f"{where}: {exc}")
+        return WorkerError(self.name, rank, remote_name, _ANSI.sub("", str(exc)))
+
+    async def _submit(self, remote_name: str, rank: int, concurrency_group: str, args: tuple) -> Any:
+        ref = getattr(self._workers[rank], remote_name).options(concurrency_group=concurrency_group).remote(*args)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.call_timeout_s)
+        except (RayActorError, RayTaskError) as exc:
+            raise self._worker_error(exc, rank, remote_name) from (exc.cause if isinstance(exc, RayTaskError) else None)
+        except asyncio.TimeoutError:
+            ray.cancel(ref)
+            method = remote_name.removeprefix(self._control_prefix)
+            raise WorkerTimeoutError(self.name, [rank], method, self.call_timeout_s, []) from None
 
     # ------------------------------------------------------------------------------------------- colocation
     def spawn(self, prefix_set, call_timeouts: dict[str, float | None] | None = None) -> dict[str, RayWorkerGroup]:

@@ -14,6 +14,7 @@ worker whose process died surfaces as ``WorkerDiedError``; a call that overruns 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import traceback
 from collections.abc import Callable
@@ -97,6 +98,25 @@ class WorkerGroup:
     def call(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
         """Run the worker group method ``method`` (the worker class's own function, e.g.
         ``ActorRolloutRefWorker.update_actor``) with its @register dispatch, on the workers of this group."""
+        return self._bound(method)(*args, **kwargs)
+
+    async def submit(self, rank: int, method: Callable, *args: Any) -> Any:
+        """Run ``method`` on worker ``rank`` alone and await its result: the per-request path of a method
+        registered with a ``concurrency_group`` (many such calls run at once on one worker, in its group's
+        threads). Failures raise as for ``call``."""
+        bound = self._bound(method)
+        group = get_registration(method).concurrency_group
+        if group is None:
+            raise TypeError(f"worker group '{self.name}': {method.__qualname__} has no concurrency_group to submit to")
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"worker group '{self.name}': no rank {rank} (world size {self.world_size})")
+        return await self._submit(bound.__name__, rank, group, args)
+
+    async def _submit(self, remote_name: str, rank: int, concurrency_group: str, args: tuple) -> Any:
+        raise NotImplementedError
+
+    def _bound(self, method: Callable) -> Callable:
+        """This group's call of ``method``, which must be one of its worker class's @register methods."""
         name = getattr(method, "__name__", None)
         bound = self._group_methods.get(name)
         owner = self._worker_cls
@@ -105,7 +125,7 @@ class WorkerGroup:
                 f"worker group '{self.name}': {getattr(method, '__qualname__', method)!r} is not a @register method "
                 f"of its worker class {owner.__name__ if owner else None}"
             )
-        return bound(*args, **kwargs)
+        return bound
 
     def _bind_worker_methods(self, user_cls: type, remote_prefix: str = "") -> None:
         self._worker_cls = user_cls
@@ -204,3 +224,12 @@ class LocalWorkerGroup(WorkerGroup):
 
     def _wait(self, remote_name: str, ranks: list[int], handles: list[Any]) -> list[Any]:
         return handles
+
+    async def _submit(self, remote_name: str, rank: int, concurrency_group: str, args: tuple) -> Any:
+        def run() -> Any:
+            try:
+                return getattr(self._workers[rank], remote_name)(*args)
+            except Exception as exc:
+                raise WorkerError(self.name, rank, remote_name, traceback.format_exc()) from exc
+
+        return await asyncio.get_running_loop().run_in_executor(None, run)

@@ -146,12 +146,13 @@ class RayPPOTrainer:
 
     def _build_agent_manager(self):
         from scaletrain.agent.manager import AgentLoopManager
-        from scaletrain.agent.server import AsyncServerManager, WorkerGroupBackend
+        from scaletrain.agent.server import AsyncEngineBackend, AsyncServerManager, WorkerGroupBackend
 
         rc = self.cfg.actor_rollout_ref.rollout
         at = self.cfg.async_training
         segment = (at.partial_rollout_segment_tokens or max(1, rc.response_length // 4)) if at.partial_rollout else None
-        server = AsyncServerManager(WorkerGroupBackend(self.rollout), rc.multi_turn.max_batch_wait_ms, segment)
+        backend = (AsyncEngineBackend if rc.use_async_engine else WorkerGroupBackend)(self.rollout)
+        server = AsyncServerManager(backend, rc.multi_turn.max_batch_wait_ms, segment)
         return AgentLoopManager(
             rc.multi_turn, server, self.tokenizer, prompt_length=rc.prompt_length, response_length=rc.response_length
         )

@@ -13,6 +13,7 @@ the verl-style controller (scaletrain/controller): dispatch modes, colocation, r
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 from backends.rollout.base import TokenOutput, TokenRequest
@@ -39,6 +40,11 @@ class ActorRolloutRefRole:
     def generate_tokens(self, per_rank: list[list[TokenRequest]]) -> list[list[TokenOutput]]:
         """Token-level generation for the agent loops: one request list per rollout DP rank in, one output list out."""
         return self.group.call(ActorRolloutRefWorker.generate_tokens, per_rank)
+
+    async def generate_request(self, dp_rank: int, request: TokenRequest) -> TokenOutput:
+        """One agent-loop request on rollout engine ``dp_rank``'s async engine, at once (``rollout.async_engine``)."""
+        worker = engine_worker(self.group, dp_rank)
+        return await self.group.submit(worker, ActorRolloutRefWorker.generate_request, request)
 
     def rollout_dp_size(self) -> int:
         """How many rollout engines (DP ranks) ``generate_tokens`` takes a request list for."""
@@ -74,18 +80,27 @@ class ActorRolloutRefRole:
         self.group.call(ActorRolloutRefWorker.save_hf, path)
 
 
+def engine_worker(group: WorkerGroup, dp_rank: int) -> int:
+    """The worker rank whose output stands for rollout engine ``dp_rank`` (its TP rank 0)."""
+    places = group.mesh_places(ROLLOUT_MESH)
+    return next(i for i, p in enumerate(places) if p.dp_rank == dp_rank and p.is_collect)
+
+
 class RolloutRole:
-    """Split placement: the rollout engines on their own pool (rollout-only ActorRolloutRefWorkers). One call at
-    a time: every rank of a generation call runs the same weights although the rollouter and the trainer call
+    """Split placement: the rollout engines on their own pool (rollout-only ActorRolloutRefWorkers). Group calls
+    take turns: every rank of a generation call runs the same weights although the rollouter and the trainer call
     from different threads, and a waiting weight push goes before the next generation call (a partial rollout's
-    next segment included). ``version`` counts the pushes received; each output says which version made it
-    (``meta_info["weight_version"]``, ``TokenOutput.weight_version``)."""
+    next segment included). Single requests to the async engines (``generate_request``) run together, but never
+    beside a group call: a push waits for those in flight and holds new ones back. ``version`` counts the pushes
+    received; each output says which version made it (``meta_info["weight_version"]``,
+    ``TokenOutput.weight_version``)."""
 
     def __init__(self, group: WorkerGroup) -> None:
         self.group = group
         self.turn = threading.Condition()
         self.busy = False
         self.pushes_waiting = 0
+        self.requests_in_flight = 0
         self.version = 0
 
     def _call(self, method, *args, new_version: int | None = None):
@@ -93,7 +108,7 @@ class RolloutRole:
         push = new_version is not None
         with self.turn:
             self.pushes_waiting += push
-            while self.busy or (self.pushes_waiting and not push):
+            while self.busy or self.requests_in_flight or (self.pushes_waiting and not push):
                 self.turn.wait()
             self.busy = True
         try:
@@ -121,6 +136,26 @@ class RolloutRole:
             for out in rank_outputs:
                 out.weight_version = version
         return outputs
+
+    async def generate_request(self, dp_rank: int, request: TokenRequest) -> TokenOutput:
+        """One request on engine ``dp_rank``'s async engine, once no group call runs and no push waits (polled:
+        this runs on the agent loops' event loop, which must not block)."""
+        while True:
+            with self.turn:
+                if not (self.busy or self.pushes_waiting):
+                    self.requests_in_flight += 1
+                    version = self.version
+                    break
+            await asyncio.sleep(0.002)
+        try:
+            worker = engine_worker(self.group, dp_rank)
+            out = await self.group.submit(worker, ActorRolloutRefWorker.generate_request, request)
+        finally:
+            with self.turn:
+                self.requests_in_flight -= 1
+                self.turn.notify_all()
+        out.weight_version = version
+        return out
 
     def rollout_dp_size(self) -> int:
         return self.group.mesh_places(ROLLOUT_MESH)[0].dp_size

@@ -53,6 +53,12 @@ def _validate_multi_turn(rollout) -> None:
     mt = rollout.multi_turn
     if rollout.mode not in ("sync", "async"):
         raise ConfigError(f"{key}.mode must be sync | async, got '{rollout.mode}'")
+    if rollout.async_engine and not rollout.use_async_engine:
+        raise ConfigError(
+            f"{key}.async_engine=true needs the agent loops (mode=async or multi_turn.enable) on the vllm engine at "
+            f"tensor_model_parallel_size=1 (got mode={rollout.mode}, name={rollout.name}, "
+            f"tensor_model_parallel_size={rollout.tensor_model_parallel_size}); leave it null or set false"
+        )
     if mt.format not in TOOL_PARSERS:
         raise ConfigError(
             f"{key}.multi_turn.format: unknown tool parser '{mt.format}'; registered: {', '.join(TOOL_PARSERS.names())}"

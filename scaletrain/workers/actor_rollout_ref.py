@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import replace
 
 from backends.base import TrainEngine, get_backend
@@ -34,6 +35,7 @@ from scaletrain.workers.rollout_setup import build_colocated_rollout
 logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "rollout", "ref")
+ROLLOUT_REQUESTS = "rollout_requests"  # the concurrency group of the per-request calls (generate_request)
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "seed")
 
 
@@ -57,6 +59,7 @@ class ActorRolloutRefWorker(Worker):
         self.rollout: ColocatedRollout | None = None
         self.tokenizer = None
         self.weight_version = 0  # split placement: the pushes this rollout engine received
+        self._serving = threading.Lock()  # concurrent generate_request calls wake the engine once
 
     # ------------------------------------------------------------------------------------------------- build
     @register(Dispatch.ONE_TO_ALL)
@@ -87,6 +90,7 @@ class ActorRolloutRefWorker(Worker):
         self.rollout, self.tokenizer = build_colocated_rollout(
             self,
             rc,
+            "vllm_async" if rc.use_async_engine else rc.name,
             cfg.model.path,
             self.actor,
             max_model_len=rc.prompt_length + rc.response_length,
@@ -138,6 +142,15 @@ class ActorRolloutRefWorker(Worker):
         if not requests:
             return []
         return self._need("rollout").generate_tokens(requests)
+
+    @register(dispatch_mode=Dispatch.DIRECT, concurrency_group=ROLLOUT_REQUESTS)
+    def generate_request(self, request: TokenRequest) -> TokenOutput:
+        """One agent-loop request on this rank's async engine (vLLM's AsyncLLM, ``rollout.async_engine``), beside
+        every other request in flight: each call runs in a thread of the ``rollout_requests`` group and the engine
+        batches them continuously. The driver starts no training call meanwhile (rollout phases, RolloutRole)."""
+        with self._serving:
+            engine = self._need("rollout").serve()
+        return engine.submit(request).result()
 
     @register(Dispatch.ONE_TO_ALL)
     def sync_rollout_weights(self) -> None:

@@ -165,10 +165,20 @@ class RolloutWorkerConfig(RolloutEngineSettings):
     offload_train_during_rollout: bool = False  # the actor's memory goes to CPU while the engine generates
     val_kwargs: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.0, "n": 1})
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    async_engine: bool | None = None  # agent loops: vLLM's AsyncLLM in each rollout worker; null: where it runs
 
     @property
     def use_agent_loop(self) -> bool:
         return self.multi_turn.enable or self.mode == "async"
+
+    @property
+    def use_async_engine(self) -> bool:
+        """vLLM's AsyncLLM in each rollout worker, each agent-loop request sent to it at once (continuous
+        batching) instead of the driver-side batcher: on by default for the agent loops on vllm at TP=1 (the TP
+        ranks of a larger engine are the trainer's SPMD ranks, which take requests only as one batch);
+        ``async_engine=false`` keeps the batcher. ``async_engine=true`` where it cannot run is a config error."""
+        runs = self.use_agent_loop and self.name == "vllm" and self.tensor_model_parallel_size == 1
+        return runs and self.async_engine is not False
 
     def val_sampling(self) -> dict[str, Any]:
         """Validation's sampling overrides from ``val_kwargs`` (verl's keys: n, temperature, top_p, top_k,

@@ -45,6 +45,7 @@ def build_rollout(
 def build_colocated_rollout(
     worker: Worker,
     settings: Any,
+    engine_name: str,
     model_path: str,
     trainer: TrainEngine | None,
     *,
@@ -53,11 +54,12 @@ def build_colocated_rollout(
     offload_trainer: bool,
 ) -> tuple[ColocatedRollout, Any]:
     """(the rollout engine in its colocation with ``trainer``, tokenizer). ``settings``: the worker's rollout
-    section (``name``, ``tensor_model_parallel_size``, ``free_cache_engine``, ``weight_bucket_bytes`` and the
-    RolloutEngineSettings); ``trainer`` (None: no trained weights to sync) feeds it weights."""
+    section (``tensor_model_parallel_size``, ``free_cache_engine``, ``weight_bucket_bytes`` and the
+    RolloutEngineSettings); ``engine_name``: the registered rollout engine (``settings.name``, or vllm_async);
+    ``trainer`` (None: no trained weights to sync) feeds it weights."""
     engine, tokenizer = build_rollout(
         worker,
-        settings.name,
+        engine_name,
         model_path,
         settings,
         tensor_parallel_size=settings.tensor_model_parallel_size,

@@ -82,6 +82,7 @@ class SFTWorker(Worker):
             self.rollout, _ = build_colocated_rollout(
                 self,
                 rc,
+                rc.name,
                 cfg.model.path,
                 self.engine,
                 max_model_len=cfg.max_prompt_length + cfg.max_response_length,

@@ -21,6 +21,19 @@ def test_multi_turn_defaults_and_overrides():
     assert load_ppo_config(composed("actor_rollout_ref.rollout.mode=async")).actor_rollout_ref.rollout.use_agent_loop
 
 
+def test_async_engine_is_the_agent_loops_default_on_vllm_at_tp1():
+    def rollout(*overrides):
+        return checked(*overrides).actor_rollout_ref.rollout
+
+    assert not rollout("rollout=vllm").use_async_engine  # no agent loops: the batched generate
+    assert rollout("rollout=vllm", "actor_rollout_ref.rollout.mode=async").use_async_engine
+    assert not rollout("rollout=hf", "actor_rollout_ref.rollout.mode=async").use_async_engine  # hf: the batcher
+    off = ("rollout=vllm", "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.async_engine=false")
+    assert not rollout(*off).use_async_engine
+    with pytest.raises(ConfigError, match="async_engine=true needs the agent loops .* name=hf"):
+        checked("rollout=hf", "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.async_engine=true")
+
+
 @pytest.mark.parametrize(
     "override, message",
     [

@@ -2,6 +2,8 @@
 bound attribute runs (dispatch, rank selection, collect, the role prefix of a colocated view), and refuses a
 function that is not a group method of the group's worker class."""
 
+import asyncio
+
 import pytest
 import ray
 import torch
@@ -15,8 +17,9 @@ from scaletrain.controller import (
     create_colocated_worker_cls,
     register,
 )
+from scaletrain.controller.worker_group import WorkerError
 from scaletrain.protocol import DataProto
-from tests.controller.workers import ActorLike, CriticLike, EchoWorker
+from tests.controller.workers import ActorLike, CriticLike, EchoWorker, RequestWorker
 
 
 def rows(n):
@@ -74,5 +77,37 @@ def test_call_on_colocated_role_views(ray_cluster):
             colocated.call(ActorLike.pid)
     finally:
         for worker in colocated.workers:
+            ray.kill(worker)
+        pool.release()
+
+
+async def _submit_all(wg, calls):
+    return await asyncio.gather(*(wg.submit(rank, RequestWorker.request, x) for rank, x in calls))
+
+
+def test_submit_runs_requests_together_on_one_rank():
+    wg = LocalWorkerGroup(RequestWorker, 3, world_size=2, name="req")
+    assert asyncio.run(_submit_all(wg, [(1, "a"), (1, "b"), (1, "c")])) == [(1, "a"), (1, "b"), (1, "c")]
+    with pytest.raises(TypeError, match="a DIRECT method runs on one rank: use group.submit"):
+        wg.call(RequestWorker.request, "x")
+    with pytest.raises(TypeError, match="has no concurrency_group to submit to"):
+        asyncio.run(wg.submit(0, RequestWorker.ping))
+    with pytest.raises(ValueError, match="no rank 2"):
+        asyncio.run(wg.submit(2, RequestWorker.request, "x"))
+
+
+@pytest.mark.slow
+def test_submit_on_ray_runs_in_the_concurrency_group(ray_cluster):
+    pool = RayResourcePool([2], use_gpu=False)
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(RequestWorker, 4), name_prefix="req")
+    try:
+        calls = [(rank, f"{rank}{i}") for rank in (0, 1) for i in range(4)]  # 4 at once per rank: the barrier
+        assert asyncio.run(_submit_all(wg, calls)) == [(rank, x) for rank, x in calls]
+        assert wg.ping() == [0, 1]  # the default group still answers
+        with pytest.raises(WorkerError, match="bad request 7") as err:
+            asyncio.run(wg.submit(1, RequestWorker.request, 7, True))
+        assert err.value.rank == 1
+    finally:
+        for worker in wg.workers:
             ray.kill(worker)
         pool.release()

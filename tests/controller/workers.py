@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import threading
 import time
 from types import SimpleNamespace
 
@@ -176,6 +177,26 @@ class ActorLike(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def pid(self):
         return os.getpid()
+
+
+class RequestWorker(Worker):
+    """Per-request calls in a concurrency group (``submit``), beside one-at-a-time group calls."""
+
+    def __init__(self, parties: int):
+        super().__init__()
+        self.barrier = threading.Barrier(parties)
+
+    @register(Dispatch.DIRECT, concurrency_group="requests")
+    def request(self, x, fail: bool = False):
+        """Returns only once ``parties`` calls wait here together: sequential calls would time out."""
+        if fail:
+            raise ValueError(f"bad request {x}")
+        self.barrier.wait(timeout=30)
+        return (self.rank, x)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def ping(self):
+        return self.rank
 
 
 class BrokenInit(Worker):

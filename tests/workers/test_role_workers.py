@@ -5,6 +5,8 @@ response lengths) must equal a single-process step on the whole batch (loss_agg_
 the actor's log-probs must equal the rollout engine's on the same weights, before and after a weight sync.
 """
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
@@ -74,9 +76,35 @@ def hf_weights(path: str, cls=AutoModelForCausalLM) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in cls.from_pretrained(path).state_dict().items()}
 
 
-@pytest.mark.parametrize("rollout_name", ["hf", "vllm"])
+def check_concurrent_requests(wg, model) -> None:
+    """Agent-loop requests sent one by one to both ranks' async engines at once (``generate_request``) sample from
+    the trained weights: their log-probs equal the reference model's on the same tokens."""
+    from backends.rollout.base import SamplingConfig, TokenRequest
+    from scaletrain.trainer.roles import ActorRolloutRefRole
+
+    tok, role = make_tokenizer(), ActorRolloutRefRole(wg)
+    requests = [
+        (rank, TokenRequest(tok(p, add_special_tokens=False)["input_ids"], SamplingConfig(max_new_tokens=RESP, seed=i)))
+        for i, p in enumerate(PROMPTS * 3)
+        for rank in (0, 1)
+    ]
+
+    async def run_all():
+        return await asyncio.gather(*(role.generate_request(rank, request) for rank, request in requests))
+
+    outputs = asyncio.run(run_all())
+    for (_, request), out in zip(requests, outputs):
+        ids = torch.tensor([request.prompt_ids + out.token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(request.prompt_ids) - 1 : -1].float()
+        want = torch.log_softmax(logits, -1).gather(-1, ids[0, len(request.prompt_ids) :, None]).squeeze(-1)
+        assert out.token_ids and torch.allclose(torch.tensor(out.log_probs), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("rollout_name", ["hf", "vllm", "vllm_async"])
 def test_actor_rollout_ref_ppo_update_matches_reference(ray_cluster, tmp_path, rollout_name):
-    if rollout_name == "vllm":
+    """vllm_async: vLLM's AsyncLLM in each worker (the agent loops' engine, rollout.async_engine)."""
+    if rollout_name.startswith("vllm"):
         pytest.importorskip("vllm")
     # head_dim 32: the smallest vLLM's CPU attention kernels take
     path = save_tiny_qwen2(str(tmp_path / "model"), seed=3, num_attention_heads=2, num_key_value_heads=1)
@@ -95,7 +123,12 @@ def test_actor_rollout_ref_ppo_update_matches_reference(ray_cluster, tmp_path, r
         ),
         # the engine starts from random weights (load_format=dummy): the actor's are pushed before any generation
         rollout=RolloutWorkerConfig(
-            name=rollout_name, n=N, response_length=RESP, prompt_length=PLEN, load_format="dummy"
+            name=rollout_name.removesuffix("_async"),
+            mode="async" if rollout_name == "vllm_async" else "sync",
+            n=N,
+            response_length=RESP,
+            prompt_length=PLEN,
+            load_format="dummy",
         ),
         engine=EngineConfig(),
     )
@@ -163,6 +196,8 @@ def test_actor_rollout_ref_ppo_update_matches_reference(ray_cluster, tmp_path, r
         wg.sync_rollout_weights()
         prompts.meta_info["seed"] = 8
         out2 = wg.generate_sequences(prompts)
+        if rollout_name == "vllm_async":
+            check_concurrent_requests(wg, model)
         lp2 = wg.compute_log_prob(out2)
         mask2 = out2.batch["response_mask"].float()
         assert torch.allclose(lp2.batch["old_log_probs"] * mask2, out2.batch["rollout_log_probs"] * mask2, atol=2e-4)

@@ -1,0 +1,150 @@
+"""vLLM's AsyncLLM behind the RolloutEngine interface: continuous batching for the agent loops (layer 1).
+
+The agent loops' requests reach a rollout worker one at a time, from many trajectories and turns at once
+(``submit``); AsyncLLM schedules every request in flight into the same engine steps, so a trajectory that
+finishes a turn, runs a tool and comes back joins the running batch instead of waiting for a driver-side flush.
+Its engine core runs in a process of its own (AsyncLLM always does); with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+(set for every vLLM engine here) the model runs inside that process, with no further worker process.
+
+- Calls come from any thread: AsyncLLM lives on an event loop in a thread of its own (``_loop``); ``submit``
+  hands a request to it and returns a concurrent Future, the blocking methods (``generate``, ``generate_tokens``,
+  weights, sleep) wait for their coroutine there.
+- Sampling, seeds and log-probs are those of the synchronous engine (vllm_engine.py: ``token_params``,
+  ``requests``): a seeded request samples the same tokens in either engine.
+- Weights: buckets go to the engine-core process as safetensors files in /dev/shm (vllm_engine.py's path for a
+  worker in another process), then the prefix cache is reset. The caller makes sure no request is in flight
+  meanwhile (the trainer's rollout phases and RolloutRole's turns do).
+- The engine-core process watches this one (``scaletrain_watch_parent`` in vllm_extension.py) and exits when it
+  is gone, so a killed rollout worker leaves no engine behind.
+- Tensor parallelism is not supported here (the TP ranks are the trainer's SPMD ranks, vllm_tp.py): TP > 1 keeps
+  the synchronous engine and the driver-side batcher (config check ``rollout.async_engine``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import os
+import threading
+from typing import Any
+
+import torch
+
+from backends.rollout.base import WAKE_TAGS, RolloutConfig, TokenOutput, TokenRequest, register_rollout
+from backends.rollout.layout import eos_token_ids, pad_token_id
+from backends.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, llm_arguments
+
+logger = logging.getLogger(__name__)
+
+
+@register_rollout("vllm_async")
+class VLLMAsyncRolloutEngine(VLLMRolloutEngine):
+    def __init__(self, config: RolloutConfig, tokenizer, **engine_kwargs):
+        """``engine_kwargs``: extra AsyncEngineArgs (they override the defaults)."""
+        if config.tensor_parallel_size != 1:
+            raise ValueError(
+                f"the vLLM async engine runs at tensor_parallel_size=1 (got {config.tensor_parallel_size}); "
+                "use the synchronous engine (actor_rollout_ref.rollout.async_engine=false)"
+            )
+        self.config, self.tokenizer = config, tokenizer
+        self.eos_ids = eos_token_ids(tokenizer, config.model_path)
+        self.pad_id = pad_token_id(tokenizer, self.eos_ids)
+        self.in_process, self.tp_rank, self.spmd_seeds = False, 0, None
+        self.last_update_bytes = 0
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self._ids = itertools.count()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async-engine", daemon=True)
+        self._thread.start()
+        real_set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        import_vllm()
+        from vllm.platforms import current_platform
+
+        try:
+            self.sleep_supported = bool(current_platform.is_sleep_mode_available()) and config.enable_sleep_mode
+            device = "cpu" if current_platform.is_cpu() else "cuda"
+            kwargs = llm_arguments(config, device, self.sleep_supported)
+            kwargs.update(engine_kwargs)
+            self.llm = self._wait(self._start(kwargs))
+        except Exception as error:  # as in vllm_engine.py: keep the reason as plain text Ray can pickle
+            self.close()
+            raise RuntimeError(f"vLLM async engine for {config.model_path} failed to start: {error}") from None
+        finally:
+            torch.set_num_threads = real_set_num_threads
+            torch.set_num_threads(threads)
+        self.rpc("scaletrain_watch_parent", os.getpid())
+
+    async def _start(self, kwargs: dict[str, Any]):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+    def _wait(self, coroutine):
+        """Run ``coroutine`` on the engine's loop and wait for its result (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    # ------------------------------------------------------------------------------------------------ generate
+    def submit(self, request: TokenRequest) -> concurrent.futures.Future:
+        """Start one agent-loop request now, alongside those in flight; the Future's result is its TokenOutput."""
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+        return asyncio.run_coroutine_threadsafe(self._token(prompt, self.token_params(request.sampling)), self._loop)
+
+    async def _token(self, prompt, params) -> TokenOutput:
+        return self.token_output(await self._raw(prompt, params))
+
+    def run_requests(self, prompts: list, params: list) -> list:
+        """RequestOutputs in order: every request submitted at once (the batched generate and generate_tokens)."""
+
+        async def run_all() -> list:
+            return await asyncio.gather(*(self._raw(prompt, p) for prompt, p in zip(prompts, params)))
+
+        return self._wait(run_all()) if prompts else []
+
+    async def _raw(self, prompt, params) -> Any:
+        """One request's final RequestOutput (AsyncLLM streams; only the last output is kept)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        final = None
+        async for out in self.llm.generate(prompt, params, request_id=f"req-{next(self._ids)}"):
+            final = out
+        return final
+
+    def generate_tokens(self, requests: list[TokenRequest]) -> list[TokenOutput]:
+        return [future.result() for future in [self.submit(r) for r in requests]]
+
+    # ------------------------------------------------------------------------------------------ weights, memory
+    def rpc(self, method: str, *args) -> list:
+        return self._wait(self.llm.collective_rpc(method, args=args))
+
+    def reset_prefix_cache(self) -> None:
+        self._wait(self.llm.reset_prefix_cache())
+
+    def sleep(self) -> None:
+        if self.sleep_supported:
+            self._wait(self.llm.sleep(level=1))
+
+    def wake_up(self, tags: tuple[str, ...] = WAKE_TAGS) -> None:
+        if self.sleep_supported:
+            self._wait(self.llm.wake_up(tags=list(tags)))
+
+    def close(self) -> None:
+        """Stop the engine-core process and the loop thread (also done when this process exits)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            self._wait(self._shutdown(llm))
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+
+    async def _shutdown(self, llm) -> None:
+        """On the loop: AsyncLLM's shutdown, then its output tasks cancelled and awaited (so none is left pending)."""
+        llm.shutdown()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
