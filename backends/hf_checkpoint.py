@@ -25,7 +25,7 @@ import os
 import pickle
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -89,15 +89,9 @@ def copy_tokenizer_files(src_dir: str, dst_dir: str) -> list[str]:
 
 def save_engine_hf(engine, path: str, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
     """A training engine's ``save_hf``: its full tensors in ``buckets`` (consumed on every rank: the gathers are
-    collective) written by rank 0 with the engine's HF config, architecture, generation config and source tokenizer.
-    Rank 0 then tells every rank whether the export succeeded, so no rank returns before the files exist and a
-    failure on rank 0 (disk full) raises on every rank instead of leaving the others waiting."""
-    import torch.distributed as dist
-
-    is_writer = dist.get_rank() == 0
-    outcome: list[str | None] = [None]
-    try:
-        write_hf_checkpoint(
+    collective) written by rank 0 with the engine's HF config, architecture, generation config and source tokenizer."""
+    collective_write(
+        lambda is_writer: write_hf_checkpoint(
             path,
             buckets,
             engine.hf_config,
@@ -105,7 +99,21 @@ def save_engine_hf(engine, path: str, buckets: Iterable[list[tuple[str, torch.Te
             is_writer=is_writer,
             generation_config=engine.generation_config,
             tokenizer_dir=engine.model_config.path,
-        )
+        ),
+        what="the HF export",
+    )
+
+
+def collective_write(write: Callable[[bool], None], what: str) -> None:
+    """Run ``write(is_writer)`` on every rank (rank 0 writes). Rank 0 then tells every rank whether it succeeded,
+    so no rank returns before the files exist and a failure on rank 0 (disk full) raises on every rank instead of
+    leaving the others waiting."""
+    import torch.distributed as dist
+
+    is_writer = dist.get_rank() == 0
+    outcome: list[str | None] = [None]
+    try:
+        write(is_writer)
     except Exception as e:
         if not is_writer:
             raise
@@ -114,7 +122,7 @@ def save_engine_hf(engine, path: str, buckets: Iterable[list[tuple[str, torch.Te
         raise
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
-        raise RuntimeError(f"rank 0 failed to write the HF export: {outcome[0]}")
+        raise RuntimeError(f"rank 0 failed to write {what}: {outcome[0]}")
 
 
 def write_hf_checkpoint(
@@ -133,18 +141,32 @@ def write_hf_checkpoint(
         for _ in buckets:  # every rank iterates: the gathers are collective
             pass
         return
-    path = os.path.normpath(path)  # "out/hf/" must not put the temporary directory inside the export
-    tmp, aside = f"{path}.incomplete", f"{path}.replaced"
-    restore_aside(path, aside)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        os.makedirs(tmp)
+    summary = {}
+
+    def fill(tmp: str) -> None:
         shard_names, weight_map, total_bytes = _write_shards(tmp, buckets)
         _write_index_and_config(tmp, shard_names, weight_map, total_bytes, config, architecture)
         if generation_config is not None:
             generation_config.save_pretrained(tmp)
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, tmp)
+        summary.update(shards=len(shard_names), bytes=total_bytes)
+
+    publish_dir(path, fill, what="HF export")
+    logger.info("wrote HF checkpoint %s (%d shards, %d bytes)", path, summary["shards"], summary["bytes"])
+
+
+def publish_dir(path: str, fill: Callable[[str], None], what: str) -> None:
+    """``fill(tmp)`` writes a directory's files into ``<path>.incomplete``, which is then fsync'd and renamed over
+    ``path`` (see ``replace_dir``). On failure the partial directory is removed and an error naming ``path`` is
+    raised; the previous copy at ``path`` stays intact."""
+    path = os.path.normpath(path)  # "out/hf/" must not put the temporary directory inside the export
+    tmp, aside = f"{path}.incomplete", f"{path}.replaced"
+    restore_aside(path, aside)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        fill(tmp)
         fsync_tree(tmp)
         replace_dir(tmp, path, aside)
     except BaseException as e:
@@ -152,8 +174,7 @@ def write_hf_checkpoint(
         if not isinstance(e, Exception):
             raise
         previous = f"the previous export {path} is intact" if os.path.isdir(path) else f"nothing was written at {path}"
-        raise RuntimeError(f"HF export to {path} failed: {type(e).__name__}: {e}; {previous}") from e
-    logger.info("wrote HF checkpoint %s (%d shards, %d bytes)", path, len(shard_names), total_bytes)
+        raise RuntimeError(f"{what} to {path} failed: {type(e).__name__}: {e}; {previous}") from e
 
 
 def _write_shards(dirpath: str, buckets) -> tuple[list[str], dict[str, str], int]:

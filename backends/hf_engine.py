@@ -7,6 +7,12 @@ then the step-or-skip tail of backends/train_step.py that the Megatron engine us
 ``save_hf``. Micro-batches are ``micro_batch_size_per_gpu`` rows or, with ``use_dynamic_bsz``, a token budget
 (backends/batching.py); the ranks agree on one count. ``meta_info["temperature"]`` (default 1) divides the logits.
 
+LoRA (``ModelConfig.lora_rank > 0``; backends/lora.py, backends/lora_weights.py): ``export_weights`` yields the
+merged weights under the base model's HF names, ``export_adapter`` / ``adapter_bytes`` the adapter tensors alone,
+``save_hf`` writes a PEFT adapter directory (or, ``merged=True``, the merged model), and ``forward`` runs the base
+model with the adapters disabled when ``meta_info["disable_adapter"]`` is set (a reference policy for free).
+``save`` / ``load`` hold the adapters and their optimizer state like any trained parameter.
+
 Hooks (the backend's part):
   - ``_compute_module()``: the module a micro-batch runs through (FSDP: the sharded model; DeepSpeed: its engine,
     whose forward sets up autocast and the ZeRO-3 hooks);
@@ -14,7 +20,8 @@ Hooks (the backend's part):
     inside ZeRO);
   - ``_backward(loss)``; ``_clip_grads()`` -> the global gradient norm before clipping; ``_apply_update()``;
     ``_end_step(skipped)``: zero the gradients and advance the LR schedule (one per train_step, skipped or not);
-  - ``_full_tensor_buckets(bucket_bytes, skip)``: the full HF-named tensors in buckets.
+  - ``_param_items()``: the model's state dict as (name, full nbytes, get) in order, ``get`` gathering the full
+    tensor (collective) when called; the shared code buckets them (and merges LoRA adapters).
 """
 
 from __future__ import annotations
@@ -26,12 +33,14 @@ import torch
 import torch.distributed as dist
 
 from backends.accumulation import Accumulation
-from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine
+from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, adapter_disabled, bucketed
 from backends.batching import Partition, restore_order
 from backends.config import EngineConfig, ModelConfig, OptimConfig, resolve_precision
 from backends.dist import local_device
-from backends.hf_checkpoint import save_engine_hf
+from backends.hf_checkpoint import collective_write, save_engine_hf
 from backends.hf_model import build_model, check_outputs, forward_micro_batch, tied_duplicate_names
+from backends.lora import ADAPTER, lora_enabled
+from backends.lora_weights import Item, LoraLayout, adapter_config_dict, write_adapter_dir
 from backends.train_step import finish_train_step, partition_batch, require_trainable
 from scaletrain.protocol import DataProto
 
@@ -41,6 +50,7 @@ class HFTrainEngine(TrainEngine):
 
     group = None  # the data-parallel process group (None: the default group)
     optimizer = scheduler = None  # set by a trainable engine
+    lora: LoraLayout | None = None  # set by a LoRA engine
 
     def _resolve_configs(
         self, model_config: ModelConfig, optim_config: OptimConfig | None, engine_config: EngineConfig
@@ -56,12 +66,16 @@ class HFTrainEngine(TrainEngine):
     def _load_hf_model(self) -> torch.nn.Module:
         """The HF model of ``model_config`` (frozen for a forward-only engine), remembering what ``save_hf`` needs
         before the backend wraps or renames it."""
-        torch.manual_seed(self.engine_config.seed)  # same fresh heads (value/reward) on every rank
+        torch.manual_seed(self.engine_config.seed)  # same fresh heads (value/reward) and adapters on every rank
         model = build_model(self.model_config)
-        self.architecture = type(model).__name__
-        self.tied_names = tied_duplicate_names(model)
-        self.hf_config = model.config
-        self.generation_config = getattr(model, "generation_config", None)
+        hf_model = model
+        if lora_enabled(self.model_config):
+            hf_model, self.lora = model.get_base_model(), LoraLayout.of(model)
+            self.peft_config = model.peft_config[ADAPTER]
+        self.architecture = type(hf_model).__name__
+        self.tied_names = tied_duplicate_names(hf_model)
+        self.hf_config = hf_model.config
+        self.generation_config = getattr(hf_model, "generation_config", None)
         if self.optim_config is None:
             model.requires_grad_(False)
         return model
@@ -86,7 +100,7 @@ class HFTrainEngine(TrainEngine):
     def _end_step(self, skipped: bool) -> None: ...
 
     @abstractmethod
-    def _full_tensor_buckets(self, bucket_bytes: int, skip) -> Buckets: ...
+    def _param_items(self) -> list[Item]: ...
 
     # ------------------------------------------------------------------------------------------ properties
     @property
@@ -96,6 +110,10 @@ class HFTrainEngine(TrainEngine):
     @property
     def dp_size(self) -> int:
         return dist.get_world_size(self.group)
+
+    @property
+    def has_adapter(self) -> bool:
+        return self.lora is not None
 
     # --------------------------------------------------------------------------------------- micro-batching
     def _partition(self, batch: DataProto) -> Partition:
@@ -117,8 +135,9 @@ class HFTrainEngine(TrainEngine):
     def forward(self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",)) -> DataProto:
         outputs = check_outputs(self.model_config.kind, outputs)
         temperature = float(batch.meta_info.get("temperature", 1.0))
+        base_only = adapter_disabled(batch, self.has_adapter)
         inputs = batch.select(batch_keys=[k for k in MODEL_INPUTS if k in batch.batch.keys()], non_tensor_batch_keys=[])
-        with self._on_device(optimizer=False):
+        with self._on_device(optimizer=False), self._adapters_off(base_only):
             self._compute_module().eval()
             parts = self._partition(inputs)
             results = []
@@ -128,6 +147,19 @@ class HFTrainEngine(TrainEngine):
                     results.append({k: v.float().cpu() for k, v in out.items()})
         order = restore_order(parts)
         return DataProto.from_dict({k: torch.cat([r[k] for r in results])[order] for k in outputs})
+
+    @contextlib.contextmanager
+    def _adapters_off(self, off: bool):
+        """PEFT's ``disable_adapter()`` around a forward when ``off``: the frozen base model computes."""
+        if not off:
+            yield
+            return
+        try:
+            with self.model.disable_adapter():
+                yield
+        finally:
+            if self.optim_config is None:  # leaving the context, PEFT makes the adapters trainable again
+                self.model.requires_grad_(False)
 
     def train_step(self, mini_batch: DataProto, loss_fn: LossFn, outputs: tuple[str, ...] = ("log_probs",)) -> dict:
         """Metrics are the whole mini-batch's (all DP ranks; backends/accumulation.py): ``loss`` and loss_fn's
@@ -153,8 +185,42 @@ class HFTrainEngine(TrainEngine):
 
     # -------------------------------------------------------------------------------------------- weights
     def export_weights(self, bucket_bytes: int = 256 << 20) -> Buckets:
+        """The HF-named full tensors; with LoRA, the merged weights under the base model's names
+        (backends/lora_weights.py), so a rollout engine loads them as a plain checkpoint."""
         return self._full_tensor_buckets(bucket_bytes, skip=())
 
-    def save_hf(self, path: str, shard_bytes: int = 1 << 30) -> None:
-        """Config + safetensors (+ tokenizer files of the source model), written by rank 0; collective."""
-        save_engine_hf(self, path, self._full_tensor_buckets(shard_bytes, skip=self.tied_names))
+    def export_adapter(self, bucket_bytes: int = 256 << 20) -> Buckets:
+        if self.lora is None:
+            return super().export_adapter(bucket_bytes)
+        return self._full_tensor_buckets(bucket_bytes, skip=(), adapter=True)
+
+    def adapter_bytes(self) -> int:
+        """The bytes ``export_adapter`` yields in all (full tensors, no gather); 0 without LoRA."""
+        return 0 if self.lora is None else sum(n for _, n, _ in self.lora.adapter_items(self._param_items()))
+
+    def adapter_config(self) -> dict:
+        if self.lora is None:
+            return super().adapter_config()
+        return adapter_config_dict(self.peft_config)
+
+    def _full_tensor_buckets(self, bucket_bytes: int, skip, adapter: bool = False) -> Buckets:
+        """Gathers one tensor at a time; a bucket is yielded before the next tensor would overflow it, so at most one
+        bucket plus one tensor (with LoRA: plus its two adapter matrices) is ever full-size."""
+        with self._on_device(optimizer=False):
+            items = self._param_items()
+            if self.lora is not None:
+                items = self.lora.adapter_items(items) if adapter else self.lora.merged_items(items)
+            yield from bucketed((item for item in items if item[0] not in skip), bucket_bytes)
+
+    def save_hf(self, path: str, shard_bytes: int = 1 << 30, merged: bool = False) -> None:
+        """Config + safetensors (+ tokenizer files of the source model), written by rank 0; collective. With LoRA:
+        the PEFT adapter directory (``PeftModel.from_pretrained(base, path)`` loads it), or with ``merged`` the
+        merged full model (``AutoModelForCausalLM.from_pretrained(path)``)."""
+        if self.lora is None or merged:
+            save_engine_hf(self, path, self._full_tensor_buckets(shard_bytes, skip=self.tied_names))
+            return
+        buckets = self._full_tensor_buckets(shard_bytes, skip=(), adapter=True)
+        collective_write(
+            lambda is_writer: write_adapter_dir(path, buckets, self.peft_config, is_writer, self.model_config.path),
+            what="the LoRA adapter export",
+        )

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from backends.config import ATTN_IMPLEMENTATIONS, ModelConfig
+from backends.lora import lora_enabled, wrap_lora
 from scaletrain.algos.entropy import entropy_from_logits, logprobs_from_logits
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,8 @@ def build_model(model_config: ModelConfig) -> nn.Module:
     reward -> AutoModelForSequenceClassification (num_labels=1). A value/reward model may start from a causal-LM
     checkpoint: its head is then freshly initialised (seed the RNG identically on every rank first).
     ``attn_implementation`` (or verl's ``override_config["attn_implementation"]``) picks the attention kernel
-    (default: transformers' choice, sdpa); see ``attention_kwargs``.
+    (default: transformers' choice, sdpa); see ``attention_kwargs``. With ``lora_rank > 0`` the model comes back
+    wrapped by PEFT, only its adapters trainable (backends/lora.py).
     """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
@@ -107,6 +109,8 @@ def build_model(model_config: ModelConfig) -> nn.Module:
     )
     if model_config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora_enabled(model_config):
+        model = wrap_lora(model, model_config)
     return model
 
 

@@ -36,10 +36,11 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from backends.base import Buckets, bucketed, register_backend
+from backends.base import register_backend
 from backends.config import EngineConfig, ModelConfig, OptimConfig
 from backends.hf_checkpoint import load_rank_file
 from backends.hf_engine import HFTrainEngine
+from backends.lora_weights import Item
 from backends.optim import build_lr_scheduler, build_optimizer
 from scaletrain.utils.net import free_port
 from scaletrain.utils.seeding import rng_state, set_rng_state
@@ -137,9 +138,8 @@ class DeepSpeedEngine(HFTrainEngine):
         if skipped:  # DeepSpeed advances the schedule only with an applied update; one advance per train_step
             self.scheduler.step()
 
-    def _full_tensor_buckets(self, bucket_bytes: int, skip) -> Buckets:
-        """Gathers one parameter at a time (``GatheredParameters``), in HF state_dict order; a bucket is yielded
-        before the next tensor would overflow it, so at most one bucket plus one parameter is ever full-size."""
+    def _param_items(self) -> list[Item]:
+        """The partitioned parameters in HF state_dict order; ``get`` gathers one (``GatheredParameters``)."""
         import deepspeed
 
         def full(value) -> torch.Tensor:
@@ -148,12 +148,10 @@ class DeepSpeedEngine(HFTrainEngine):
             with deepspeed.zero.GatheredParameters([value], modifier_rank=None):
                 return value.detach().clone()
 
-        items = (
+        return [
             (name, math.prod(getattr(value, "ds_shape", value.shape)) * value.dtype.itemsize, partial(full, value))
             for name, value in self.model.state_dict(keep_vars=True).items()
-            if name not in skip
-        )
-        yield from bucketed(items, bucket_bytes)
+        ]
 
     # -------------------------------------------------------------------------------------------- checkpoint
     def save(self, path: str) -> None:

@@ -27,12 +27,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from backends.base import Buckets, bucketed, register_backend
+from backends.base import register_backend
 from backends.config import EngineConfig, ModelConfig, OptimConfig
 from backends.dist import init_distributed
 from backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
 from backends.hf_engine import HFTrainEngine
 from backends.hf_model import decoder_layers, torch_dtype
+from backends.lora_weights import Item
 from backends.optim import build_lr_scheduler, build_optimizer
 
 
@@ -81,21 +82,16 @@ class FSDPEngine(HFTrainEngine):
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
-    def _full_tensor_buckets(self, bucket_bytes: int, skip) -> Buckets:
-        """Gathers one parameter at a time; a bucket is yielded before the next tensor would overflow it."""
+    def _param_items(self) -> list[Item]:
+        """The state dict's DTensors; ``get`` gathers one (``full_tensor``, collective)."""
 
         def full(value) -> torch.Tensor:
             return (value.full_tensor() if isinstance(value, DTensor) else value).detach()
 
-        with self._on_device(optimizer=False):
-            yield from bucketed(
-                (
-                    (name, value.numel() * value.element_size(), partial(full, value))
-                    for name, value in self.model.state_dict().items()
-                    if name not in skip
-                ),
-                bucket_bytes,
-            )
+        return [
+            (name, value.numel() * value.element_size(), partial(full, value))
+            for name, value in self.model.state_dict().items()
+        ]
 
     # -------------------------------------------------------------------------------------------- checkpoint
     def save(self, path: str) -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from backends.accumulation import Accumulation
-from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, register_backend
+from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, adapter_disabled, register_backend
 from backends.batching import restore_order
 from backends.config import EngineConfig, ModelConfig, OptimConfig, resolve_precision
 from backends.dist import init_distributed, local_device
@@ -47,6 +47,11 @@ from scaletrain.utils.seeding import rng_state, set_rng_state
 def _check_supported(model_config: ModelConfig, optim_config: OptimConfig | None) -> None:
     if model_config.kind not in ("causal_lm", "value", "reward"):
         raise ValueError(f"the megatron backend runs causal_lm, value and reward models, not '{model_config.kind}'")
+    if model_config.lora_rank > 0:
+        raise ValueError(
+            "LoRA is supported on the fsdp and deepspeed backends; the megatron backend trains all weights: set "
+            "model.lora_rank=0 or pick backend=fsdp|deepspeed"
+        )
     if model_config.attn_implementation:
         raise ValueError(
             "model.attn_implementation applies to the HF backends (fsdp, deepspeed); megatron runs "
@@ -262,6 +267,7 @@ class MegatronEngine(TrainEngine):
 
     def forward(self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",)) -> DataProto:
         outputs = check_outputs(self.model_config.kind, outputs)
+        adapter_disabled(batch, has_adapter=False)  # refuses a request for the base model: there are no adapters
         self.model.eval()
         with torch.no_grad():
             parts, _, results = self._run(batch, outputs, None)

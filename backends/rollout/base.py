@@ -127,6 +127,7 @@ class RolloutConfig(RolloutEngineSettings):
     model_path: str
     tensor_parallel_size: int = 1
     max_model_len: int = 2048
+    lora_rank: int = 0  # > 0: the engine serves a LoRA adapter of this rank on its base weights (update_adapter)
 
 
 class RolloutEngine(ABC):
@@ -137,6 +138,11 @@ class RolloutEngine(ABC):
     @abstractmethod
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
         """Load HF-named full tensors, bucket by bucket, into the engine's own layout; resets caches."""
+
+    def update_adapter(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], adapter_config: dict) -> int:
+        """Serve the LoRA adapter of ``buckets`` (PEFT-named adapter tensors; ``adapter_config``: its PEFT config)
+        on the unchanged base weights from now on; returns its bytes. Needs ``RolloutConfig.lora_rank > 0``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot serve LoRA adapters: sync merged weights instead")
 
     def generate_tokens(self, requests: list[TokenRequest]) -> list[TokenOutput]:
         """One sample per request, from token ids (see the module docstring)."""

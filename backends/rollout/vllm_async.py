@@ -13,7 +13,8 @@ Its engine core runs in a process of its own (AsyncLLM always does); with ``VLLM
   ``requests``): a seeded request samples the same tokens in either engine.
 - Weights: buckets go to the engine-core process as safetensors files in /dev/shm (vllm_engine.py's path for a
   worker in another process), then the prefix cache is reset. The caller makes sure no request is in flight
-  meanwhile (the trainer's rollout phases and RolloutRole's turns do).
+  meanwhile (the trainer's rollout phases and RolloutRole's turns do). A LoRA adapter goes as a directory there
+  too (vllm_lora.py), which every request names.
 - The engine-core process watches this one (``scaletrain_watch_parent`` in vllm_extension.py) and exits when it
   is gone, so a killed rollout worker leaves no engine behind.
 - Tensor parallelism is not supported here (the TP ranks are the trainer's SPMD ranks, vllm_tp.py): TP > 1 keeps
@@ -35,6 +36,7 @@ import torch
 from backends.rollout.base import WAKE_TAGS, RolloutConfig, TokenOutput, TokenRequest, register_rollout
 from backends.rollout.layout import eos_token_ids, pad_token_id
 from backends.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, llm_arguments
+from backends.rollout.vllm_lora import AdapterSlot
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class VLLMAsyncRolloutEngine(VLLMRolloutEngine):
         self.pad_id = pad_token_id(tokenizer, self.eos_ids)
         self.in_process, self.tp_rank, self.spmd_seeds = False, 0, None
         self.last_update_bytes = 0
+        self.adapter = AdapterSlot() if config.lora_rank > 0 else None  # read by the engine-core process too
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
@@ -111,7 +114,8 @@ class VLLMAsyncRolloutEngine(VLLMRolloutEngine):
 
         params.output_kind = RequestOutputKind.FINAL_ONLY
         final = None
-        async for out in self.llm.generate(prompt, params, request_id=f"req-{next(self._ids)}"):
+        request_id, lora = f"req-{next(self._ids)}", self.lora_request()
+        async for out in self.llm.generate(prompt, params, request_id=request_id, lora_request=lora):
             final = out
         return final
 

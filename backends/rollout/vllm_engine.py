@@ -16,6 +16,8 @@
   Log-probs come from
   ``logprobs_mode="processed_logprobs"``: the log-softmax of the temperature-scaled, top-k / top-p truncated
   logits the token was drawn from (raw logits when greedy), the same definition as the HF engine.
+- LoRA (``RolloutConfig.lora_rank > 0``): ``update_adapter`` serves the trainer's adapter on the unchanged base
+  weights, every request passing its ``LoRARequest`` (vllm_lora.py); ``update_weights`` still takes full weights.
 - ``update_weights``: buckets stream into the worker extension (vllm_extension.py), which calls vLLM's
   ``reload_weights``; then the prefix cache is reset. In-process the tensors are passed by reference; with
   worker processes each bucket goes through a safetensors file in /dev/shm, all written before the one call
@@ -51,6 +53,7 @@ from backends.rollout.base import (
     register_rollout,
 )
 from backends.rollout.layout import build_rollout_output, eos_token_ids, pad_token_id
+from backends.rollout.vllm_lora import AdapterSlot, lora_arguments
 from backends.rollout.vllm_tp import SPMDSeeds, launcher_env, shard_buckets
 from scaletrain.protocol import DataProto
 from scaletrain.utils.seeding import derive_seed
@@ -121,6 +124,7 @@ class VLLMRolloutEngine(RolloutEngine):
             torch.set_num_threads = real_set_num_threads
             torch.set_num_threads(threads)
         self.last_update_bytes = 0  # bytes this rank received in the last weight update
+        self.adapter = AdapterSlot() if config.lora_rank > 0 else None  # the LoRA adapter served (vllm_lora.py)
         self.tp_rank, self.spmd_seeds = 0, None
         if tp > 1:
             from transformers import AutoConfig
@@ -195,7 +199,13 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def run_requests(self, prompts: list, params: list) -> list:
         """vLLM RequestOutputs of ``prompts``, in order (one ``LLM.generate`` call)."""
-        return self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        if not prompts:
+            return []
+        return self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request())
+
+    def lora_request(self):
+        """The served adapter's LoRARequest; None: the base weights alone (no adapter, or none synced yet)."""
+        return None if self.adapter is None else self.adapter.request
 
     def token_params(self, s: SamplingConfig, **extra):
         """One agent-loop request's SamplingParams (one sample; its own seed unless greedy)."""
@@ -246,6 +256,13 @@ class VLLMRolloutEngine(RolloutEngine):
                 shutil.rmtree(folder, ignore_errors=True)
         self.reset_prefix_cache()
 
+    def update_adapter(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], adapter_config: dict) -> int:
+        if self.adapter is None:
+            return super().update_adapter(buckets, adapter_config)
+        self.last_update_bytes = self.adapter.update(buckets, adapter_config)
+        self.reset_prefix_cache()
+        return self.last_update_bytes
+
     def rpc(self, method: str, *args) -> list:
         """``method`` of the worker extension (vllm_extension.py) on every vLLM worker; one result per worker."""
         return self.llm.collective_rpc(method, args=args)
@@ -292,6 +309,7 @@ def llm_arguments(config: RolloutConfig, device: str, sleep_mode: bool) -> dict[
         generation_config="vllm",  # sampling defaults come from SamplingConfig only
         enable_sleep_mode=sleep_mode,
     )
+    kwargs.update(lora_arguments(config.lora_rank))
     if settings["kv_cache_bytes"] is not None:  # overrides gpu_memory_utilization's KV budget
         kwargs["kv_cache_memory_bytes"] = settings["kv_cache_bytes"]
     kwargs.update(settings["engine_kwargs"].get("vllm") or {})

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.config import OptimConfig
+from backends.config import LoraSettings, OptimConfig
 from scaletrain.utils.typed_config import build
 from scaletrain.workers.config import ActorConfig, FSDPConfig, MegatronConfig, RefConfig, RolloutWorkerConfig
 
@@ -55,6 +55,17 @@ class RoleModelConfig(HFModelConfig):
 
 
 @dataclass
+class PolicyModelConfig(HFModelConfig, LoraSettings):
+    """``actor_rollout_ref.model``: the policy's model, with verl's LoRA keys (backends.config.LoraSettings: lora_rank
+    > 0 trains adapters only; the reference policy is then the actor's base model with its adapters disabled)."""
+
+
+@dataclass
+class CriticModelConfig(RoleModelConfig, LoraSettings):
+    """``critic.model``: the value model, with its own LoRA keys (the value head is trained in full)."""
+
+
+@dataclass
 class RewardModelModelConfig(RoleModelConfig):
     """``reward_model.model``: an HF sequence classifier (num_labels=1) and the tokenizer its inputs come from."""
 
@@ -66,7 +77,7 @@ class RewardModelModelConfig(RoleModelConfig):
 class ActorRolloutRefSection:
     hybrid_engine: bool = True  # true: rollout engines share the training ranks (colocated); false: they run on
     # their own pool (rollout.nnodes x rollout.n_gpus_per_node), fed by a weight push (split placement)
-    model: HFModelConfig = field(default_factory=HFModelConfig)
+    model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutWorkerConfig = field(default_factory=RolloutWorkerConfig)
     ref: RefConfig = field(default_factory=RefConfig)
@@ -76,7 +87,7 @@ class ActorRolloutRefSection:
 class CriticSection:
     enable: bool | None = None  # null: on for estimators that need values (gae)
     strategy: str | None = None  # as actor_rollout_ref.actor.strategy; the roles share one backend
-    model: RoleModelConfig = field(default_factory=RoleModelConfig)  # path null: the actor's model
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)  # path null: the actor's model
     ppo_mini_batch_size: int | None = None  # null: the actor's
     ppo_micro_batch_size_per_gpu: int = 8
     ppo_epochs: int | None = None
@@ -189,7 +200,9 @@ class TrainerSection:
     resume_mode: str = "auto"  # auto | disable | resume_path
     resume_from_path: str | None = None
     max_ckpt_to_keep: int | None = 2
-    save_hf_at_end: bool = True
+    save_hf_at_end: bool = True  # <run dir>/hf: the HF model; with LoRA (model.lora_rank > 0) the PEFT adapter
+    save_merged: bool = False  # with LoRA: also the merged full model in <run dir>/hf_merged (transformers and vLLM
+    # load it like any checkpoint); without LoRA <run dir>/hf is the full model already
     plot_at_end: bool = True
     collective_timeout_s: float = 600.0  # a step waiting longer on a dead rank fails, naming it
     worker_call_timeout_s: float | None = 3600.0  # a worker-group call running longer fails the run, naming the

@@ -13,6 +13,7 @@ import os
 from scaletrain.models.prepare import check_causal_lm
 from scaletrain.trainer.async_checks import rollout_world_size, validate_async_training
 from scaletrain.trainer.config import PPOConfig, TrainerSection, files_of
+from scaletrain.trainer.lora_checks import validate_lora
 from scaletrain.trainer.rollout_checks import validate_rollout, validate_rollout_model
 from scaletrain.utils.typed_config import ConfigError
 
@@ -28,6 +29,7 @@ def check_config(cfg: PPOConfig) -> PPOConfig:
     from scaletrain.trainer.role_checks import validate_roles
     from scaletrain.trainer.rollout_correction import validate_rollout_correction
 
+    validate_lora(cfg)  # first: megatron's refusal of LoRA before its packages are imported
     _validate_names(cfg)
     _validate_batch_sizes(cfg)
     _validate_algorithm(cfg)

@@ -80,7 +80,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         if key.endswith("/acc") and f"{key}@start" in summary:
             start = summary[f"{key}@start"]
             table.add_row(f"{key} (start -> end)", f"{start:.3f} -> {value:.3f} ({100 * (value - start):+.1f} points)")
-    for key in ("run_dir", "hf_checkpoint"):
+    for key in ("run_dir", "hf_checkpoint", "hf_merged"):
         if key in summary:
             table.add_row(key, str(summary[key]))
     if summary.get("plots"):

@@ -3,8 +3,9 @@
 Two pure steps, both before any worker starts:
 
 - ``resolve_config(cfg)`` fills the config's null fallbacks (the device, the experiment name and run directory,
-  the rollout's lengths from ``data.*``, the log-prob passes' dynamic batching from the actor's, the critic's
-  mini-batch and epochs from the actor's, the megatron layout shared by the colocated roles) into a new config;
+  the rollout's lengths from ``data.*``, the LoRA weight-sync mode, the log-prob passes' dynamic batching from the
+  actor's, the critic's mini-batch and epochs from the actor's, the megatron layout shared by the colocated roles)
+  into a new config;
   ``config_checks.check_config`` then checks that config, once.
 - ``plan_run(cfg, train_rows, checkpoints)`` computes what the config does not hold (training steps, optimizer
   steps per role, the roles in play, the checkpoint a run resumes from) into a frozen ``RunPlan``, which
@@ -18,6 +19,7 @@ import os
 from dataclasses import dataclass, replace
 
 from scaletrain.trainer.config import PPOConfig
+from scaletrain.trainer.lora_checks import lora_sync_fallback, reference_source
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ def resolve_config(cfg: PPOConfig) -> PPOConfig:
             arr.rollout,
             prompt_length=_first(arr.rollout.prompt_length, data.max_prompt_length),
             response_length=_first(arr.rollout.response_length, data.max_response_length),
+            lora_sync=lora_sync_fallback(cfg),
         )
     )
     critic = replace(
@@ -155,7 +158,7 @@ def log_plan(cfg: PPOConfig, plan: RunPlan) -> None:
         + f", {cfg.async_training.mode}",
         plan.actor_optim_steps,
         plan.critic_optim_steps,
-        "on" if plan.use_ref else "off",
+        f"on: {reference_source(cfg)}" if plan.use_ref else "off",
         plan.run_dir,
         f"resuming from {plan.resume_path} at step {plan.resume_step}" if plan.resume_path else "starting fresh",
     )

@@ -392,7 +392,7 @@ class RayPPOTrainer:
         logger.info("resumed from %s at step %d", path, self.global_step)
 
     def save_hf(self, path: str) -> str:
-        self.actor.save_hf(path)
+        self.actor.save_hf(path, self.cfg.trainer.save_merged)  # LoRA: the adapter (+ the merged model: <path>_merged)
         return path
 
     def close(self) -> None:

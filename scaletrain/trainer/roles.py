@@ -62,9 +62,10 @@ class ActorRolloutRefRole:
         """The PPO epochs over ``batch``'s mini-batches; metrics averaged over the ranks."""
         return reduce_metrics(self.group.call(ActorRolloutRefWorker.update_actor, batch))
 
-    def sync_weights(self) -> None:
-        """The actor's weights into the rollout engine."""
-        self.group.call(ActorRolloutRefWorker.sync_rollout_weights)
+    def sync_weights(self) -> int:
+        """The actor's weights (or its LoRA adapter: ``rollout.lora_sync=adapter``) into the rollout engines;
+        returns the bytes rank 0 handed to its engine."""
+        return self.group.call(ActorRolloutRefWorker.sync_rollout_weights)[0]
 
     def export_weights(self, version: int) -> WeightBuckets:
         """Split placement: the actor's weights as object-store buckets (rank 0's references)."""
@@ -76,8 +77,9 @@ class ActorRolloutRefRole:
     def load_checkpoint(self, path: str) -> None:
         self.group.call(ActorRolloutRefWorker.load_checkpoint, path)
 
-    def save_hf(self, path: str) -> None:
-        self.group.call(ActorRolloutRefWorker.save_hf, path)
+    def save_hf(self, path: str, save_merged: bool = False) -> None:
+        """The HF export (a LoRA actor: its PEFT adapter; with ``save_merged`` also the merged model next to it)."""
+        self.group.call(ActorRolloutRefWorker.save_hf, path, save_merged)
 
 
 def engine_worker(group: WorkerGroup, dp_rank: int) -> int:

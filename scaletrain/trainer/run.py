@@ -16,6 +16,7 @@ from scaletrain.trainer.plan import log_plan, plan_run
 from scaletrain.trainer.ppo_trainer import RayPPOTrainer
 from scaletrain.trainer.tracking import Tracking
 from scaletrain.utils.typed_config import to_dict
+from scaletrain.workers.actor_rollout_ref import merged_dir
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ def train(cfg: PPOConfig) -> dict[str, Any]:
             summary["preempted"] = {**trainer.preempted, "checkpoint": trainer.checkpoints.latest()}
         elif cfg.trainer.save_hf_at_end:
             summary["hf_checkpoint"] = trainer.save_hf(os.path.join(run_dir, "hf"))
+            if cfg.trainer.save_merged and cfg.actor_rollout_ref.model.lora_rank > 0:
+                summary["hf_merged"] = merged_dir(summary["hf_checkpoint"])
         if cfg.trainer.plot_at_end and "jsonl" in cfg.trainer.logger:
             from scaletrain.plot import plot_run
 

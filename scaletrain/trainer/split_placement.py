@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 def spawn_rollout_pool(
     cfg: PPOConfig, plan: RunPlan, actor_cfg: ActorRolloutRefConfig, actor: ActorRolloutRefRole
 ) -> RolloutRole:
-    """The rollout pool's workers, their engines built (``rollout.load_format=dummy``: the actor's weights pushed
-    once, as version 0)."""
+    """The rollout pool's workers, their engines built (``rollout.load_format=dummy`` or a LoRA actor, whose adapter
+    may start from ``lora_adapter_path``: the actor's weights pushed once, as version 0)."""
     rc, tc = cfg.actor_rollout_ref.rollout, cfg.trainer
     pool = RayResourcePool([rc.n_gpus_per_node] * rc.nnodes, use_gpu=tc.device == "cuda", name_prefix="rollout")
     group = RayWorkerGroup(
@@ -37,6 +37,6 @@ def spawn_rollout_pool(
     )
     rollout = RolloutRole(group)
     rollout.init_model()
-    if rc.load_format == "dummy":  # random weights until the actor's arrive: they are version 0
+    if rc.load_format == "dummy" or cfg.actor_rollout_ref.model.lora_rank > 0:  # the actor's weights: version 0
         rollout.receive_weights(actor.export_weights(0))
     return rollout

@@ -8,14 +8,19 @@ A verl launch script ports by changing the module name. Three things need the ra
   names this project spells otherwise are renamed (``RENAMED``).
 - verl keys this project does not support fail here, naming the key and what to use instead
   (``UNSUPPORTED``); where verl's default value means "off", that value is accepted and dropped.
+- verl keys whose job scaletrain does anyway (``IGNORED``, e.g. the LoRA recipe's ``layered_summon``) are dropped,
+  the reason logged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from scaletrain.trainer.role_checks import backend_of_strategy
 from scaletrain.utils.typed_config import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +68,13 @@ UNSUPPORTED = {
 }
 
 
+# verl keys accepted and dropped: what they do in verl, scaletrain does anyway (or needs not)
+IGNORED = {
+    "actor_rollout_ref.model.use_shm": "the model is read from its path directly (verl copies it to /dev/shm first)",
+    "actor_rollout_ref.rollout.layered_summon": "the LoRA weight sync gathers and merges one tensor at a time anyway",
+}
+
+
 # verl's name -> this project's (same meaning); verl's lr_warmup_steps=-1 ("use the ratio") is our 0
 RENAMED = {
     "actor_rollout_ref.actor.optim.lr_warmup_steps": "actor_rollout_ref.actor.optim.warmup_steps",
@@ -88,6 +100,9 @@ def translate_overrides(overrides: list[str], known: set[str]) -> list[str]:
         key, sep, value = body.partition("=")
         if not sep:
             out.append(item)
+            continue
+        if key in IGNORED:
+            logger.info("%s: ignored; %s", key, IGNORED[key])
             continue
         rule = _unsupported(key)
         if rule is not None:

@@ -4,7 +4,9 @@ Colocated (``actor_rollout_ref.hybrid_engine=true``): each rank streams its acto
 (``ActorRolloutRefWorker.sync_rollout_weights``). Split: the actor ranks put the buckets in Ray's object store
 (rank 0 puts; scaletrain/controller/weight_transport.py) and the rollout ranks read them into their engines; the
 export runs while the engines may still be generating, only the load waits for them. ``version`` counts the
-pushes; each one's bytes, time and GiB/s go into the step metrics.
+pushes; each one's bytes and time go into the step metrics (``perf/weight_sync_bytes`` / ``perf/weight_sync_s``,
+either placement: a LoRA actor's adapter alone with ``rollout.lora_sync=adapter``, else the full weights; split
+placement adds its export time and GiB/s as ``perf/weight_push_*``).
 """
 
 from __future__ import annotations
@@ -24,14 +26,20 @@ class WeightSync:
         start = time.perf_counter()
         self.version += 1
         if self.rollout is None:
-            self.actor.sync_weights()
-            return {"async/weight_version": float(self.version)}
+            nbytes = self.actor.sync_weights()
+            return {
+                "async/weight_version": float(self.version),
+                "perf/weight_sync_bytes": float(nbytes),
+                "perf/weight_sync_s": time.perf_counter() - start,
+            }
         weights = self.actor.export_weights(self.version)
         exported = time.perf_counter()
         nbytes = self.rollout.receive_weights(weights)
         seconds = time.perf_counter() - start
         return {
             "async/weight_version": float(self.version),
+            "perf/weight_sync_bytes": float(nbytes),
+            "perf/weight_sync_s": seconds,
             "perf/weight_push_bytes": float(nbytes),
             "perf/weight_push_s": seconds,
             "perf/weight_push_export_s": exported - start,

@@ -8,10 +8,10 @@ is read here once, for every trainer.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING
 
-from backends.config import EngineConfig, ModelConfig
+from backends.config import EngineConfig, LoraSettings, ModelConfig
 
 if TYPE_CHECKING:
     from scaletrain.trainer.config import BackendConfig, HFModelConfig, PPOConfig
@@ -20,8 +20,11 @@ if TYPE_CHECKING:
 
 
 def model_config(section: HFModelConfig, path: str | None, kind: str = "causal_lm") -> ModelConfig:
-    """The engines' ModelConfig of a model section (``path`` given apart: a role may fall back to another's)."""
+    """The engines' ModelConfig of a model section (``path`` given apart: a role may fall back to another's); a
+    section with LoRA keys (``LoraSettings``: the actor's and the critic's) passes them on."""
+    lora = {f.name: getattr(section, f.name) for f in fields(LoraSettings)} if isinstance(section, LoraSettings) else {}
     return ModelConfig(
+        **lora,
         path=path,
         kind=kind,
         dtype=section.dtype,

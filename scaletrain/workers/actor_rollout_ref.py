@@ -1,7 +1,8 @@
 """ActorRolloutRefWorker: actor training, rollout generation and reference log-probs in one process (layer 2).
 
 One instance per rank. It owns a TrainEngine for the actor (any registered backend), optionally a second one
-for the frozen reference policy, and a RolloutEngine (vllm or hf). After each actor update the trainer calls
+for the frozen reference policy (none with a LoRA actor: its base model, adapters disabled, is the reference), and
+a RolloutEngine (vllm or hf). After each actor update the trainer calls
 ``sync_rollout_weights``: the actor engine streams HF-named full tensors bucket by bucket and the rollout
 engine loads each bucket into its own layout, so the whole model never sits twice in memory. Who holds the
 device when is ``ColocatedRollout``'s job (colocated_rollout.py): rollout calls enter rollout mode, training
@@ -19,7 +20,7 @@ import os
 import threading
 from dataclasses import replace
 
-from backends.base import TrainEngine, get_backend
+from backends.base import DISABLE_ADAPTER, TrainEngine, get_backend
 from backends.dist import MICRO_BATCHING
 from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
 from scaletrain.controller import Dispatch, Worker, register
@@ -79,11 +80,24 @@ class ActorRolloutRefWorker(Worker):
                 cfg.actor.ppo_mini_batch_size, cfg.rollout.n, self.actor.dp_size, "actor.ppo_mini_batch_size"
             )
         if "ref" in self.parts:
-            self.ref = backend(cfg.model, None, cfg.ref.fsdp_config.applied(cfg.engine))
-            if self.actor is None:
-                declare_engine_mesh(self, self.ref)
+            self._init_ref(backend)
         if "rollout" in self.parts:
             self._init_rollout()
+
+    def _init_ref(self, backend) -> None:
+        """The reference policy: with a LoRA actor, the actor itself with its adapters disabled (no second model);
+        otherwise a frozen engine of its own (the base model's, when a ref-only worker has LoRA keys)."""
+        cfg = self.config
+        if self.actor is not None and self.actor.has_adapter:
+            if self.rank == 0:
+                logger.info("reference policy: the actor's base model with its LoRA adapters disabled (no ref engine)")
+            return
+        model = replace(cfg.model, lora_rank=0, lora_adapter_path=None) if cfg.model.lora_rank else cfg.model
+        self.ref = backend(model, None, cfg.ref.fsdp_config.applied(cfg.engine))
+        if self.rank == 0:
+            logger.info("reference policy: a separate frozen engine of %s", model.path)
+        if self.actor is None:
+            declare_engine_mesh(self, self.ref)
 
     def _init_rollout(self) -> None:
         cfg, rc = self.config, self.config.rollout
@@ -96,9 +110,12 @@ class ActorRolloutRefWorker(Worker):
             max_model_len=rc.prompt_length + rc.response_length,
             trust_remote_code=cfg.model.trust_remote_code,
             offload_trainer=rc.offload_train_during_rollout,
+            adapter_rank=cfg.model.lora_rank if rc.lora_sync == "adapter" else 0,
         )
-        if rc.load_format == "dummy" and self.actor is not None:  # random weights: the actor's replace them
-            self.rollout.push_weights()  # (a rollout-only worker gets them pushed by the trainer before it generates)
+        # random weights (dummy) or a LoRA actor (its adapter, maybe loaded from lora_adapter_path): the actor's
+        # weights go in first (a rollout-only worker gets them pushed by the trainer before it generates)
+        if self.actor is not None and (rc.load_format == "dummy" or self.actor.has_adapter):
+            self.rollout.push_weights()
         self.rollout.release()
 
     def _need(self, part: str):
@@ -153,11 +170,12 @@ class ActorRolloutRefWorker(Worker):
         return engine.submit(request).result()
 
     @register(Dispatch.ONE_TO_ALL)
-    def sync_rollout_weights(self) -> None:
+    def sync_rollout_weights(self) -> int:
         """Actor weights -> rollout engine, streamed in buckets of ``rollout.weight_bucket_bytes``, into woken
-        engine weights; the engine then wakes its KV cache (rollout mode)."""
+        engine weights; the engine then wakes its KV cache (rollout mode). With ``rollout.lora_sync=adapter`` only
+        the LoRA adapter goes. Returns the bytes handed to this rank's engine."""
         self._need("actor")
-        self._need("rollout").push_weights()
+        return self._need("rollout").push_weights()
 
     @register(Dispatch.ONE_TO_ALL)
     def export_weights(self, version: int) -> WeightBuckets | None:
@@ -200,8 +218,13 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """``ref_log_prob``: the ref engine's, or with a LoRA actor (no ref engine) the actor's base model's."""
         data = data.select()
         data.meta_info[MICRO_BATCHING] = log_prob_micro_batching(self.config.ref)
+        if self.ref is None and self.actor is not None and self.actor.has_adapter and "ref" in self.parts:
+            data.meta_info[DISABLE_ADAPTER] = True
+            out = self._training("actor").forward(data, outputs=("log_probs",))
+            return DataProto.from_dict({"ref_log_prob": out.batch["log_probs"]})
         out = self._training("ref").forward(data, outputs=("log_probs",))
         return DataProto.from_dict({"ref_log_prob": out.batch["log_probs"]})
 
@@ -240,7 +263,20 @@ class ActorRolloutRefWorker(Worker):
             self.sync_rollout_weights()
 
     @register(Dispatch.ONE_TO_ALL)
-    def save_hf(self, path: str) -> None:
-        self._training("actor").save_hf(path)
+    def save_hf(self, path: str, save_merged: bool = False) -> None:
+        """The actor as an HF checkpoint at ``path``; a LoRA actor as its PEFT adapter directory there and, with
+        ``save_merged``, also as the merged model at ``merged_dir(path)``."""
+        actor = self._training("actor")
+        actor.save_hf(path)
+        paths = [path]
+        if save_merged and actor.has_adapter:
+            actor.save_hf(merged_dir(path), merged=True)
+            paths.append(merged_dir(path))
         if self.rank == 0 and self.tokenizer is not None:
-            self.tokenizer.save_pretrained(path)
+            for out in paths:
+                self.tokenizer.save_pretrained(out)
+
+
+def merged_dir(path: str) -> str:
+    """Where ``save_hf(path, save_merged=True)`` writes a LoRA actor's merged model: ``<path>_merged``."""
+    return os.path.normpath(path) + "_merged"

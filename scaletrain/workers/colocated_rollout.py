@@ -8,7 +8,8 @@ needs the other one:
 - training mode (``release``): the engine sleeps when ``free_cache_engine`` is set, and the trainer's memory is
   brought back. Every training-side worker call (log-probs, update, checkpoints) enters it first.
 
-Weights are pushed into an awake engine (``push_weights``; ``load_weights`` for another process's buckets):
+Weights are pushed into an awake engine (``push_weights``, the full weights or, with ``adapter_sync``, a LoRA adapter
+alone; ``load_weights`` for another process's buckets):
 weights woken, the trainer's buckets streamed in while the trainer is still on the device, then the trainer
 offloaded and the KV cache woken (rollout mode). The engine therefore stays awake across a whole rollout phase
 (every agent-loop flush, validation) and sleeps only when training needs the memory. The engine's own state
@@ -36,8 +37,12 @@ class ColocatedRollout:
         free_cache_engine: bool,
         offload_trainer: bool,
         bucket_bytes: int,
+        adapter_sync: bool = False,
     ) -> None:
+        """``adapter_sync``: ``push_weights`` sends the trainer's LoRA adapter alone (the engine serves it on its base
+        weights) instead of the merged full weights."""
         self.engine = engine
+        self.adapter_sync = adapter_sync
         self.lifecycle = EngineLifecycle(engine)
         self.trainer = trainer
         self.free_cache_engine = free_cache_engine
@@ -64,14 +69,24 @@ class ColocatedRollout:
             self.trainer_offloaded = False
 
     # ------------------------------------------------------------------------------------------- weights
-    def push_weights(self) -> None:
-        """The trainer's weights into the engine (a collective on the trainer's side: every rank calls it)."""
+    def push_weights(self) -> int:
+        """The trainer's weights (with ``adapter_sync``: its LoRA adapter) into the engine (a collective on the
+        trainer's side: every rank calls it); returns the bytes handed to the engine."""
         if self.trainer is None:
             raise RuntimeError("push_weights: this worker has no training engine to take the weights from")
         if self.trainer_offloaded:
             self.trainer.onload()
             self.trainer_offloaded = False
-        self.load_weights(self.trainer.export_weights(self.bucket_bytes))
+        counted = [0]
+        if self.adapter_sync:
+            buckets = _counting(self.trainer.export_adapter(self.bucket_bytes), counted)
+            self.lifecycle.ensure_weights()
+            self.lifecycle.require("update_weights")
+            self.engine.update_adapter(buckets, self.trainer.adapter_config())
+            self.serve()
+        else:
+            self.load_weights(_counting(self.trainer.export_weights(self.bucket_bytes), counted))
+        return counted[0]
 
     def load_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
         """HF-named buckets (this process's trainer, or another's: split placement) into the woken engine weights,
@@ -87,3 +102,10 @@ class ColocatedRollout:
 
     def generate_tokens(self, requests: list[TokenRequest]) -> list[TokenOutput]:
         return self.serve().generate_tokens(requests)
+
+
+def _counting(buckets: Iterable[list[tuple[str, torch.Tensor]]], counted: list[int]):
+    """``buckets`` passed through, their tensors' bytes added to ``counted[0]``."""
+    for bucket in buckets:
+        counted[0] += sum(t.numel() * t.element_size() for _, t in bucket)
+        yield bucket

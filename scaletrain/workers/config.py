@@ -162,6 +162,9 @@ class RolloutWorkerConfig(RolloutEngineSettings):
     log_prob_use_dynamic_bsz: bool | None = None  # by tokens instead (max_token_len); null: actor.use_dynamic_bsz
     log_prob_max_token_len_per_gpu: int | None = None  # null: actor.ppo_max_token_len_per_gpu
     weight_bucket_bytes: int = 256 << 20
+    lora_sync: str | None = None  # LoRA (model.lora_rank > 0): adapter (only the adapter tensors go to the engine,
+    # which serves them on its unchanged base weights; vllm, colocated) | merged (the merged full weights, any
+    # engine); null: adapter where it works, else merged (scaletrain/trainer/lora_checks.py)
     offload_train_during_rollout: bool = False  # the actor's memory goes to CPU while the engine generates
     val_kwargs: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.0, "n": 1})
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

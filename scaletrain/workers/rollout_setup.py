@@ -24,17 +24,22 @@ def build_rollout(
     tensor_parallel_size: int,
     max_model_len: int,
     trust_remote_code: bool = False,
+    lora_rank: int = 0,
 ) -> tuple[RolloutEngine, Any]:
     """(engine, tokenizer). Ranks form rollout groups of ``tensor_parallel_size``; rank 0 of each is collected.
     ``settings`` is the worker's rollout section (it extends RolloutEngineSettings); each engine's seed is derived
     from the configured seed and its rollout DP rank (32 bits: vLLM passes it to ``numpy.random.seed``), the same
     on the ranks of one engine. With TP > 1 every rank hosts one shard of its group's engine
-    (backends/rollout/vllm_tp.py)."""
+    (backends/rollout/vllm_tp.py). ``lora_rank`` > 0: the engine serves a LoRA adapter of that rank."""
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     shared = {f.name: getattr(settings, f.name) for f in fields(RolloutEngineSettings)}
     shared["seed"] = derive_seed(settings.seed, worker.rank // tensor_parallel_size, bits=32)
     config = RolloutConfig(
-        **shared, model_path=model_path, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len
+        **shared,
+        model_path=model_path,
+        tensor_parallel_size=tensor_parallel_size,
+        max_model_len=max_model_len,
+        lora_rank=lora_rank,
     )
     engine = get_rollout(name)(config, tokenizer)
     tp = tensor_parallel_size
@@ -52,11 +57,13 @@ def build_colocated_rollout(
     max_model_len: int,
     trust_remote_code: bool,
     offload_trainer: bool,
+    adapter_rank: int = 0,
 ) -> tuple[ColocatedRollout, Any]:
     """(the rollout engine in its colocation with ``trainer``, tokenizer). ``settings``: the worker's rollout
     section (``tensor_model_parallel_size``, ``free_cache_engine``, ``weight_bucket_bytes`` and the
     RolloutEngineSettings); ``engine_name``: the registered rollout engine (``settings.name``, or vllm_async);
-    ``trainer`` (None: no trained weights to sync) feeds it weights."""
+    ``trainer`` (None: no trained weights to sync) feeds it weights; ``adapter_rank`` > 0: its LoRA adapter alone
+    (``rollout.lora_sync=adapter``), which the engine serves on its base weights."""
     engine, tokenizer = build_rollout(
         worker,
         engine_name,
@@ -65,6 +72,7 @@ def build_colocated_rollout(
         tensor_parallel_size=settings.tensor_model_parallel_size,
         max_model_len=max_model_len,
         trust_remote_code=trust_remote_code,
+        lora_rank=adapter_rank,
     )
     rollout = ColocatedRollout(
         engine,
@@ -72,5 +80,6 @@ def build_colocated_rollout(
         free_cache_engine=settings.free_cache_engine,
         offload_trainer=offload_trainer,
         bucket_bytes=settings.weight_bucket_bytes,
+        adapter_sync=adapter_rank > 0,
     )
     return rollout, tokenizer

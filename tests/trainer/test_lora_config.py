@@ -1,0 +1,107 @@
+"""LoRA's trainer keys (scaletrain/trainer/lora_checks.py): verl's names accepted, the defaults, what reaches the
+engines' ModelConfig, the weight-sync mode's fallback, and the refusals before Ray starts, naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from scaletrain.trainer.config import load_ppo_config
+from scaletrain.trainer.main_ppo import verl_overrides
+from scaletrain.trainer.plan import plan_run, resolve_config
+from scaletrain.trainer.worker_configs import ppo_worker_configs
+from scaletrain.utils.typed_config import ConfigError
+from tests.trainer.test_ppo_config import checked, composed
+
+# the LoRA part of verl's examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh (model and data paths removed)
+VERL_LORA = [
+    "actor_rollout_ref.model.use_shm=True",
+    "actor_rollout_ref.model.lora_rank=64",
+    "actor_rollout_ref.model.lora_alpha=32",
+    "actor_rollout_ref.model.target_modules=all-linear",
+    "actor_rollout_ref.rollout.load_format=safetensors",
+    "actor_rollout_ref.rollout.layered_summon=True",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+]
+
+
+def test_defaults_are_off():
+    cfg = checked()
+    model, critic = cfg.actor_rollout_ref.model, cfg.critic.model
+    assert (model.lora_rank, model.lora_alpha, model.target_modules) == (0, 16, "all-linear")
+    assert model.exclude_modules is None and model.lora_adapter_path is None and critic.lora_rank == 0
+    assert cfg.actor_rollout_ref.rollout.lora_sync == "merged"  # no LoRA: the null fallback is the plain sync
+    assert cfg.trainer.save_merged is False
+
+
+def test_verl_lora_keys_reach_the_engines():
+    cfg = checked(*verl_overrides(VERL_LORA + ["critic.model.lora_rank=8", "algorithm.adv_estimator=gae"]))
+    model = cfg.actor_rollout_ref.model
+    assert (model.lora_rank, model.lora_alpha, model.target_modules) == (64, 32, "all-linear")
+    assert cfg.actor_rollout_ref.rollout.lora_sync == "adapter"  # vllm, colocated: the adapter alone
+    plan = plan_run(cfg, train_rows=2048, latest_checkpoint=None)
+    actor, critic, _ = ppo_worker_configs(cfg, plan)
+    assert (actor.model.lora_rank, actor.model.lora_alpha, actor.model.target_modules) == (64, 32, "all-linear")
+    assert (critic.model.lora_rank, critic.model.kind) == (8, "value")
+
+
+def test_target_and_exclude_modules_take_lists():
+    cfg = checked(
+        "actor_rollout_ref.model.lora_rank=8",
+        "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
+        "actor_rollout_ref.model.exclude_modules=.*layers\\.0\\..*",
+    )
+    assert cfg.actor_rollout_ref.model.target_modules == ["q_proj", "v_proj"]
+    assert cfg.actor_rollout_ref.model.exclude_modules == ".*layers\\.0\\..*"
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["rollout=hf"], "merged"),  # the hf engine takes full weights only
+        (["actor_rollout_ref.hybrid_engine=false"], "merged"),
+        (["actor_rollout_ref.rollout.load_format=dummy"], "merged"),
+        (["actor_rollout_ref.rollout.lora_sync=merged"], "merged"),
+        ([], "adapter"),
+    ],
+)
+def test_lora_sync_fallback(overrides, expected):
+    raw = composed("actor_rollout_ref.model.lora_rank=8", *overrides)
+    assert resolve_config(load_ppo_config(raw)).actor_rollout_ref.rollout.lora_sync == expected
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["backend=megatron", "actor_rollout_ref.model.lora_rank=8"],
+            "actor_rollout_ref.model.lora_rank=8: LoRA is not supported by backend=megatron",
+        ),
+        (
+            ["backend=megatron", "algorithm.adv_estimator=gae", "critic.model.lora_rank=4"],
+            "critic.model.lora_rank=4: LoRA is not supported by backend=megatron",
+        ),
+        (["actor_rollout_ref.rollout.lora_sync=both"], "actor_rollout_ref.rollout.lora_sync must be one of"),
+        (["actor_rollout_ref.rollout.lora_sync=adapter"], "lora_sync=adapter: it needs actor_rollout_ref.model"),
+        (
+            ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.rollout.lora_sync=adapter", "rollout=hf"],
+            "lora_sync=adapter: only the vllm rollout engine serves LoRA adapters",
+        ),
+        (["actor_rollout_ref.model.lora_rank=-1"], "actor_rollout_ref.model.lora_rank must be an integer >= 0"),
+        (
+            ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=0"],
+            "actor_rollout_ref.model.lora_alpha must be > 0",
+        ),
+        (
+            ["actor_rollout_ref.model.lora_adapter_path=/no/adapter"],
+            "actor_rollout_ref.model.lora_adapter_path needs actor_rollout_ref.model.lora_rank > 0",
+        ),
+        (
+            ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_adapter_path=/no/adapter"],
+            "actor_rollout_ref.model.lora_adapter_path: /no/adapter is not a PEFT adapter directory",
+        ),
+        (["actor_rollout_ref.model.lora_rank=eight"], "actor_rollout_ref.model.lora_rank: expected int"),
+    ],
+)
+def test_refusals_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        checked(*overrides)

@@ -1,0 +1,94 @@
+"""GRPO with LoRA through the real CLI (fsdp, vLLM with the adapter-only sync, KL loss): only the adapters train,
+the reference log-probs are the actor's with its adapters disabled, the sync moves the adapter's bytes alone, and
+the exports load (the PEFT adapter directory with PEFT, the merged model with transformers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.trainer.test_ppo_resume import metrics, run_overridden, task  # noqa: F401  (task: a fixture)
+
+pytestmark = pytest.mark.slow
+
+# a hash of the response text: samples of one prompt differ, so GRPO's advantages are not all 0
+REWARD_FILE = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(map(ord, solution_str)) % 97 / 97
+"""
+
+LORA = [
+    "rollout=vllm",
+    "actor_rollout_ref.model.lora_rank=8",
+    "actor_rollout_ref.model.lora_alpha=16",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one update per step: step 1's runs with B = 0
+    "actor_rollout_ref.actor.optim.lr=1e-2",
+    "trainer.save_freq=-1",
+    "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
+    "data.val_files=null",
+    "trainer.plot_at_end=false",
+    "trainer.save_merged=true",
+]
+
+
+def state(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_grpo_with_lora_adapters(task, tmp_path):  # noqa: F811
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run_dir, reward_file = tmp_path / "lora", tmp_path / "reward.py"
+    reward_file.write_text(REWARD_FILE)
+    out = run_overridden(task, run_dir, 2, [*LORA, f"custom_reward_function.path={reward_file}"])
+    rows = metrics(run_dir)
+    log = (run_dir / "run.log").read_text() if (run_dir / "run.log").exists() else out.stdout + out.stderr
+    assert "the actor's base model with its LoRA adapters disabled" in log
+
+    # reference = the actor with adapters off: identical to the policy before the first update (B = 0) ...
+    assert abs(rows[1]["actor/kl_loss"]) < 1e-6
+    assert rows[2]["actor/kl_loss"] > 1e-6  # ... and no longer after it
+    # the vLLM engine serves the synced adapter: its log-probs are the trainer's
+    assert rows[2]["rollout_corr/log_prob_abs_diff_mean"] < 1e-3
+
+    hf, merged = run_dir / "hf", run_dir / "hf_merged"
+    adapter = state(hf)
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
+    assert rows[1]["perf/weight_sync_bytes"] == adapter_bytes == rows[2]["perf/weight_sync_bytes"]
+    assert all(".lora_A." in k or ".lora_B." in k for k in adapter)
+    assert any(t.abs().sum() > 0 for k, t in adapter.items() if ".lora_B." in k)  # trained
+
+    base = AutoModelForCausalLM.from_pretrained(task["model"], dtype=torch.float32)
+    full_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    assert adapter_bytes < full_bytes / 4
+    base_state = {k: v.clone() for k, v in base.state_dict().items()}
+    PeftModel.from_pretrained(base, str(hf))  # the adapter directory loads with PEFT
+    merged_state = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).state_dict()
+    changed = {k for k, v in merged_state.items() if not torch.equal(v, base_state[k])}
+    assert changed and all(k.endswith("proj.weight") for k in changed), sorted(changed)  # adapted Linears only
+
+
+def test_grpo_with_lora_merged_sync_on_the_hf_engine(task, tmp_path):  # noqa: F811
+    """The hf rollout engine takes full weights only: lora_sync falls back to merged (the base plus the adapters'
+    update under the base model's names); the reference is still the actor with its adapters off."""
+    from transformers import AutoModelForCausalLM
+
+    run_dir, reward_file = tmp_path / "merged", tmp_path / "reward.py"
+    reward_file.write_text(REWARD_FILE)
+    overrides = [o for o in LORA if not o.startswith(("rollout=", "trainer.save_merged"))]
+    run_overridden(task, run_dir, 2, ["rollout=hf", *overrides, f"custom_reward_function.path={reward_file}"])
+    rows = metrics(run_dir)
+    assert abs(rows[1]["actor/kl_loss"]) < 1e-6 and rows[2]["actor/kl_loss"] > 1e-6
+    assert rows[2]["rollout_corr/log_prob_abs_diff_mean"] < 1e-3  # the engine got the merged, trained weights
+    base = AutoModelForCausalLM.from_pretrained(task["model"], dtype=torch.float32)
+    full_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    assert rows[1]["perf/weight_sync_bytes"] >= full_bytes  # every weight, not the adapter alone
+    assert (run_dir / "hf" / "adapter_config.json").exists() and not (run_dir / "hf_merged").exists()
