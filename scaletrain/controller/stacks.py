@@ -72,10 +72,14 @@ def _read_stack(pid: int, wait_s: float) -> str:
 
 
 def in_collective(stack: str) -> bool:
-    """Whether the thread that took the signal (the one running the call) waits in a torch.distributed collective,
-    i.e. is held up by a peer rather than stuck itself."""
-    current = stack.split("Current thread", 1)[-1].split("\n\n", 1)[0]
-    return "torch/distributed/" in current
+    """Whether the thread running the worker call waits in a torch.distributed collective, i.e. is held up by a peer
+    rather than stuck itself. That thread is the one that took the signal ("Current thread") when calls run on the
+    main thread; a worker with Ray concurrency groups runs its calls on other threads, so then it is any thread in
+    scaletrain code."""
+    threads = [block for block in stack.split("\n\n") if block.strip()]
+    current = [block for block in threads if "Current thread" in block]
+    calls = current or [block for block in threads if "/scaletrain/" in block]
+    return any("torch/distributed/" in block for block in calls)
 
 
 def collect_stacks(group: str, infos: list[dict], dump_dir: str, wait_s: float = 5.0) -> list[tuple[str, str]]:
