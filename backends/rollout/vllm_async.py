@@ -31,12 +31,8 @@ import os
 import threading
 from typing import Any
 
-import torch
-
 from backends.rollout.base import WAKE_TAGS, RolloutConfig, TokenOutput, TokenRequest, register_rollout
-from backends.rollout.layout import eos_token_ids, pad_token_id
-from backends.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, llm_arguments
-from backends.rollout.vllm_lora import AdapterSlot
+from backends.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, start_vllm
 
 logger = logging.getLogger(__name__)
 
@@ -50,34 +46,23 @@ class VLLMAsyncRolloutEngine(VLLMRolloutEngine):
                 f"the vLLM async engine runs at tensor_parallel_size=1 (got {config.tensor_parallel_size}); "
                 "use the synchronous engine (actor_rollout_ref.rollout.async_engine=false)"
             )
-        self.config, self.tokenizer = config, tokenizer
-        self.eos_ids = eos_token_ids(tokenizer, config.model_path)
-        self.pad_id = pad_token_id(tokenizer, self.eos_ids)
-        self.in_process, self.tp_rank, self.spmd_seeds = False, 0, None
-        self.last_update_bytes = 0
-        self.adapter = AdapterSlot() if config.lora_rank > 0 else None  # read by the engine-core process too
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self._init_common(config, tokenizer)
+        self.in_process, self.tp_rank, self.spmd_seeds = False, 0, None  # the model runs in the engine core
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async-engine", daemon=True)
         self._thread.start()
-        real_set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         import_vllm()
-        from vllm.platforms import current_platform
-
         try:
-            self.sleep_supported = bool(current_platform.is_sleep_mode_available()) and config.enable_sleep_mode
-            device = "cpu" if current_platform.is_cpu() else "cuda"
-            kwargs = llm_arguments(config, device, self.sleep_supported)
-            kwargs.update(engine_kwargs)
-            self.llm = self._wait(self._start(kwargs))
-        except Exception as error:  # as in vllm_engine.py: keep the reason as plain text Ray can pickle
+            self.llm, self.sleep_supported = start_vllm(config, self._build, "vLLM async engine", engine_kwargs)
+        except Exception:
             self.close()
-            raise RuntimeError(f"vLLM async engine for {config.model_path} failed to start: {error}") from None
-        finally:
-            torch.set_num_threads = real_set_num_threads
-            torch.set_num_threads(threads)
+            raise
         self.rpc("scaletrain_watch_parent", os.getpid())
+
+    def _build(self, kwargs: dict[str, Any], device: str):
+        """AsyncLLM, made on the engine's loop (its output tasks live there)."""
+        return self._wait(self._start(kwargs))
 
     async def _start(self, kwargs: dict[str, Any]):
         from vllm.engine.arg_utils import AsyncEngineArgs

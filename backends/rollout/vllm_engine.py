@@ -91,40 +91,18 @@ def row_seed(seed: int, row: int, n: int) -> int:
 class VLLMRolloutEngine(RolloutEngine):
     def __init__(self, config: RolloutConfig, tokenizer, **llm_kwargs):
         """``llm_kwargs`` are extra ``vllm.LLM`` arguments (e.g. ``max_num_seqs``); they override the defaults."""
-        self.config = config
-        self.tokenizer = tokenizer
-        self.eos_ids = eos_token_ids(tokenizer, config.model_path)
-        self.pad_id = pad_token_id(tokenizer, self.eos_ids)
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self._init_common(config, tokenizer)
         tp = config.tensor_parallel_size
         # Tensors can be handed to the worker by reference only when it runs in this process (uni executor at
         # TP=1, the external launcher's shard at TP>1).
         self.in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-        real_set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         vllm = import_vllm()
-        from vllm.platforms import current_platform
 
-        # LLM() warms up a chat template, which has no tokenizer to work with here: drop that one warning (a
-        # filter, as LLM() re-applies vLLM's logging config, resetting levels).
-        renderer_log = logging.getLogger("vllm.renderers.base")
-        renderer_log.addFilter(_drop_chat_warmup_warning)
-        try:
-            self.sleep_supported = bool(current_platform.is_sleep_mode_available()) and config.enable_sleep_mode
-            device = "cpu" if current_platform.is_cpu() else "cuda"
-            kwargs = llm_arguments(config, device, self.sleep_supported)
-            kwargs.update(llm_kwargs)
+        def build(kwargs: dict[str, Any], device: str):
             with launcher_env(device, tp) if tp > 1 else contextlib.nullcontext():
-                self.llm = vllm.LLM(**kwargs)
-        except Exception as error:
-            # vLLM's config errors carry pydantic objects Ray cannot pickle: the driver would see a pickling
-            # error instead of the reason; keep the reason as plain text
-            raise RuntimeError(f"vLLM engine for {config.model_path} failed to start: {error}") from None
-        finally:
-            renderer_log.removeFilter(_drop_chat_warmup_warning)
-            torch.set_num_threads = real_set_num_threads
-            torch.set_num_threads(threads)
-        self.last_update_bytes = 0  # bytes this rank received in the last weight update
-        self.adapter = AdapterSlot() if config.lora_rank > 0 else None  # the LoRA adapter served (vllm_lora.py)
+                return vllm.LLM(**kwargs)
+
+        self.llm, self.sleep_supported = start_vllm(config, build, "vLLM engine", llm_kwargs)
         self.tp_rank, self.spmd_seeds = 0, None
         if tp > 1:
             from transformers import AutoConfig
@@ -133,6 +111,15 @@ class VLLMRolloutEngine(RolloutEngine):
             self.tp_rank = get_tensor_model_parallel_rank()
             self.hf_config = AutoConfig.from_pretrained(config.model_path).get_text_config()
             self.spmd_seeds = SPMDSeeds(config.seed)
+
+    def _init_common(self, config: RolloutConfig, tokenizer) -> None:
+        """What every vLLM engine here sets up before its engine starts (the async one too, vllm_async.py)."""
+        self.config, self.tokenizer = config, tokenizer
+        self.eos_ids = eos_token_ids(tokenizer, config.model_path)
+        self.pad_id = pad_token_id(tokenizer, self.eos_ids)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.last_update_bytes = 0  # bytes this rank received in the last weight update
+        self.adapter = AdapterSlot() if config.lora_rank > 0 else None  # the LoRA adapter served (vllm_lora.py)
 
     # ------------------------------------------------------------------------------------------------ generate
     def requests(self, prompts: DataProto, sampling: SamplingConfig) -> tuple[list, list]:
@@ -277,6 +264,32 @@ class VLLMRolloutEngine(RolloutEngine):
     def wake_up(self, tags: tuple[str, ...] = WAKE_TAGS) -> None:
         if self.sleep_supported:
             self.llm.wake_up(tags=list(tags))
+
+
+def start_vllm(config: RolloutConfig, build, what: str, extra: dict[str, Any]) -> tuple[Any, bool]:
+    """(``build(kwargs, device)``'s engine, whether sleep mode is on): the engine arguments of ``config`` for this
+    device plus ``extra``. vLLM's startup errors come back as plain text, and ``torch.set_num_threads``, which
+    vLLM's CPU worker replaces with a no-op, is restored with the thread count."""
+    real_set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    from vllm.platforms import current_platform
+
+    # LLM() warms up a chat template, which has no tokenizer to work with here: drop that one warning (a
+    # filter, as LLM() re-applies vLLM's logging config, resetting levels).
+    renderer_log = logging.getLogger("vllm.renderers.base")
+    renderer_log.addFilter(_drop_chat_warmup_warning)
+    try:
+        sleep_supported = bool(current_platform.is_sleep_mode_available()) and config.enable_sleep_mode
+        device = "cpu" if current_platform.is_cpu() else "cuda"
+        kwargs = {**llm_arguments(config, device, sleep_supported), **extra}
+        return build(kwargs, device), sleep_supported
+    except Exception as error:
+        # vLLM's config errors carry pydantic objects Ray cannot pickle: the driver would see a pickling
+        # error instead of the reason; keep the reason as plain text
+        raise RuntimeError(f"{what} for {config.model_path} failed to start: {error}") from None
+    finally:
+        renderer_log.removeFilter(_drop_chat_warmup_warning)
+        torch.set_num_threads = real_set_num_threads
+        torch.set_num_threads(threads)
 
 
 def llm_arguments(config: RolloutConfig, device: str, sleep_mode: bool) -> dict[str, Any]:
