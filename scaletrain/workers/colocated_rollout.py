@@ -80,10 +80,7 @@ class ColocatedRollout:
         counted = [0]
         if self.adapter_sync:
             buckets = _counting(self.trainer.export_adapter(self.bucket_bytes), counted)
-            self.lifecycle.ensure_weights()
-            self.lifecycle.require("update_weights")
-            self.engine.update_adapter(buckets, self.trainer.adapter_config())
-            self.serve()
+            self._into_engine(lambda: self.engine.update_adapter(buckets, self.trainer.adapter_config()))
         else:
             self.load_weights(_counting(self.trainer.export_weights(self.bucket_bytes), counted))
         return counted[0]
@@ -91,9 +88,13 @@ class ColocatedRollout:
     def load_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
         """HF-named buckets (this process's trainer, or another's: split placement) into the woken engine weights,
         then rollout mode."""
+        self._into_engine(lambda: self.engine.update_weights(buckets))
+
+    def _into_engine(self, update) -> None:
+        """``update()`` (weights or an adapter into the engine) with the engine's weights woken, then rollout mode."""
         self.lifecycle.ensure_weights()
         self.lifecycle.require("update_weights")
-        self.engine.update_weights(buckets)
+        update()
         self.serve()
 
     # ------------------------------------------------------------------------------------------ generate
