@@ -159,7 +159,8 @@ class DeepSpeedEngine(HFTrainEngine):
         if self.optim_config is None:  # DeepSpeed checkpoints need an optimizer: save this rank's partitions
             torch.save({k: v.detach().clone() for k, v in self._partitions().items()}, self._partitions_file(path))
         else:
-            self.ds.save_checkpoint(path, tag=CKPT_TAG, save_latest=False)
+            # a LoRA engine: the frozen base is left out (every run rebuilds it from the model path)
+            self.ds.save_checkpoint(path, tag=CKPT_TAG, save_latest=False, exclude_frozen_parameters=self.has_adapter)
         torch.save(
             {"rng": rng_state(), "global_step": self.global_step}, os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
         )
@@ -176,7 +177,11 @@ class DeepSpeedEngine(HFTrainEngine):
                     part.copy_(saved[name])
         else:
             load_path, _ = self.ds.load_checkpoint(
-                path, tag=CKPT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+                path,
+                tag=CKPT_TAG,
+                load_module_strict=not self.has_adapter,  # the adapters' keys alone were saved
+                load_optimizer_states=True,
+                load_lr_scheduler_states=True,
             )
             if load_path is None:
                 raise FileNotFoundError(f"no DeepSpeed checkpoint '{CKPT_TAG}' under {path}")

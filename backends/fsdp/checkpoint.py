@@ -7,7 +7,8 @@ Layout under the checkpoint directory:
                           CUDA, Python, NumPy), so a resumed run draws the same random numbers; plain tensors,
                           lists and numbers only, loaded with ``torch.load(weights_only=True)``
 Resuming reproduces the run bit for bit on the same world size. A forward-only engine (no optimizer, no
-scheduler) saves and loads the model alone.
+scheduler) saves and loads the model alone. A LoRA engine saves its trainable parameters alone (the adapters, a
+value head) and their optimizer state: the frozen base is the model path's, rebuilt by every run.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -32,33 +34,54 @@ def _extra_path(path: str) -> str:
     return os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
 
 
-def _sharded_state(model, optimizer) -> dict:
+def _options(trainable_only: bool) -> StateDictOptions:
+    # trainable_only (a LoRA engine): loading sets a subset of the model's keys, the ones dcp.load just filled
+    return StateDictOptions(strict=not trainable_only)
+
+
+def _without_frozen(model, model_sd: dict) -> dict:
+    """``model_sd`` less the frozen parameters, under every name they have: torch's ``ignore_frozen_params`` keeps
+    the second name of a tied parameter (a tied ``lm_head.weight``, the size of the embedding)."""
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k not in frozen}
+
+
+def _sharded_state(model, optimizer, trainable_only: bool) -> dict:
+    """The DCP state; ``trainable_only``: the frozen base left out, it is the model path's on every run."""
+    options = _options(trainable_only)
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optimizer": optim_sd}
+        model_sd, state = get_model_state_dict(model, options=options), {}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        state = {"optimizer": optim_sd}
+    return {"model": _without_frozen(model, model_sd) if trainable_only else model_sd, **state}
 
 
-def save_checkpoint(path: str, model, optimizer, scheduler, extra: dict) -> None:
-    """Collective: every rank writes its shards and its extra state, then all wait for each other."""
+def save_checkpoint(path: str, model, optimizer, scheduler, extra: dict, trainable_only: bool = False) -> None:
+    """Collective: every rank writes its shards and its extra state, then all wait for each other.
+    ``trainable_only``: the parameters that train (and their optimizer state) alone, not the frozen ones."""
     os.makedirs(path, exist_ok=True)
-    dcp.save(_sharded_state(model, optimizer), checkpoint_id=os.path.join(path, "dcp"))
+    dcp.save(_sharded_state(model, optimizer, trainable_only), checkpoint_id=os.path.join(path, "dcp"))
     scheduler_state = scheduler.state_dict() if scheduler is not None else None
     torch.save({"scheduler": scheduler_state, "rng": rng_state(), **extra}, _extra_path(path))
     dist.barrier()
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
-    """Collective: restores model, optimizer, scheduler and RNG in place; returns the rest of the extra state."""
+def load_checkpoint(path: str, model, optimizer, scheduler, trainable_only: bool = False) -> dict:
+    """Collective: restores model, optimizer, scheduler and RNG in place; returns the rest of the extra state.
+    ``trainable_only``: as saved with it (the frozen parameters keep the values they were built with)."""
     extra_file = _extra_path(path)
     if not os.path.isfile(extra_file):
         raise FileNotFoundError(f"{extra_file} not found: was the checkpoint written with a different world size?")
-    state = _sharded_state(model, optimizer)
+    state = _sharded_state(model, optimizer, trainable_only)
     dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+    options = _options(trainable_only)
     if optimizer is None:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=options)
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
+        )
     extra = load_rank_file(extra_file)
     scheduler_state = extra.pop("scheduler")
     if scheduler is not None and scheduler_state is not None:

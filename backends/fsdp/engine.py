@@ -96,11 +96,12 @@ class FSDPEngine(HFTrainEngine):
     # -------------------------------------------------------------------------------------------- checkpoint
     def save(self, path: str) -> None:
         with self._on_device(optimizer=True):
-            save_checkpoint(path, self.model, self.optimizer, self.scheduler, {"global_step": self.global_step})
+            extra = {"global_step": self.global_step}
+            save_checkpoint(path, self.model, self.optimizer, self.scheduler, extra, trainable_only=self.has_adapter)
 
     def load(self, path: str) -> None:
         with self._on_device(optimizer=True):
-            extra = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+            extra = load_checkpoint(path, self.model, self.optimizer, self.scheduler, trainable_only=self.has_adapter)
         self.global_step = int(extra.get("global_step", 0))
 
     # -------------------------------------------------------------------------------------------- offload

@@ -6,6 +6,7 @@
 #
 #   launch/recipes/smollm2_reasoning_gym.sh                       # the measured recipe (README, "A real model")
 #   BACKEND=deepspeed STEPS=3 launch/recipes/smollm2_reasoning_gym.sh trainer.val_before_train=false
+#   LORA_RANK=16 launch/recipes/smollm2_reasoning_gym.sh            # LoRA (README, "LoRA")
 #
 # Arguments are extra Hydra overrides for `python -m scaletrain.trainer.main_ppo`. Options from the environment:
 #   PYTHON      Python to run                                          default: .venv/bin/python, else python
@@ -14,6 +15,9 @@
 #   TRAIN_SIZE  training problems / TEST_SIZE held-out problems        default: 2000 / 128
 #   STEPS       GRPO steps / TEST_FREQ steps between validations       default: 40 / 10
 #   BACKEND     fsdp | deepspeed | megatron                            default: fsdp
+#   LORA_RANK   > 0: LoRA adapters of this rank on the frozen model    default: 0 (full fine-tuning)
+#               (fsdp | deepspeed; alpha 2 x rank, lr 10x, vLLM gets the adapter alone after each update)
+#   LR          the actor's learning rate                              default: 2e-5, 2e-4 with LoRA
 #   OUT         where data and runs go                                 default: outputs/smollm2_reasoning_gym
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,6 +34,16 @@ STEPS=${STEPS:-16}
 TEST_FREQ=${TEST_FREQ:-4}
 BACKEND=${BACKEND:-fsdp}
 OUT=${OUT:-outputs/smollm2_reasoning_gym}
+LORA_RANK=${LORA_RANK:-0}
+if [[ "$LORA_RANK" -gt 0 ]]; then
+  LR=${LR:-2e-4}
+  LORA=(actor_rollout_ref.model.lora_rank="$LORA_RANK" actor_rollout_ref.model.lora_alpha=$((2 * LORA_RANK)))
+  RUN_NAME="${TASK}_${BACKEND}_lora${LORA_RANK}"
+else
+  LR=${LR:-2e-5}
+  LORA=()
+  RUN_NAME="${TASK}_${BACKEND}"
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 MODEL=$("$PYTHON" -m scaletrain.models.prepare smollm2)
@@ -46,8 +60,8 @@ exec "$PYTHON" -m scaletrain.trainer.main_ppo \
   actor_rollout_ref.rollout.kv_cache_bytes=536870912 \
   actor_rollout_ref.actor.ppo_mini_batch_size=4 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 \
   actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16 \
-  actor_rollout_ref.actor.optim.lr=2e-5 actor_rollout_ref.actor.optim.grad_clip=1.0 \
+  actor_rollout_ref.actor.optim.lr="$LR" actor_rollout_ref.actor.optim.grad_clip=1.0 "${LORA[@]}" \
   trainer.total_training_steps="$STEPS" trainer.test_freq="$TEST_FREQ" trainer.save_freq=-1 \
-  trainer.project_name=smollm2_reasoning_gym trainer.experiment_name="${TASK}_${BACKEND}" \
-  trainer.default_local_dir="$OUT/runs/${TASK}_${BACKEND}" trainer.logger=[console,jsonl] \
+  trainer.project_name=smollm2_reasoning_gym trainer.experiment_name="$RUN_NAME" \
+  trainer.default_local_dir="$OUT/runs/$RUN_NAME" trainer.logger=[console,jsonl] \
   "$@"

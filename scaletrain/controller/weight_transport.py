@@ -4,9 +4,10 @@ The training ranks stream their HF-named full tensors bucket by bucket (``TrainE
 puts each bucket in the object store (``put_buckets``) as raw bytes, so the trainer holds one bucket at a time and
 the model sits once in the store (shared memory on the node, copied once to each other node that reads it). The
 rollout ranks read the buckets back one at a time (``read_buckets``) and hand them to their engine, which loads
-each into its own tensor-parallel layout. ``WeightBuckets`` carries the references: Ray resolves object references
-passed as top-level arguments, not those inside an object, so the receiver fetches each bucket only when its
-engine asks for it.
+each into its own tensor-parallel layout. A LoRA actor with ``rollout.lora_sync=adapter`` pushes its adapter
+alone the same way, its PEFT config riding along (``WeightBuckets.adapter_config``). ``WeightBuckets`` carries
+the references: Ray resolves object references passed as top-level arguments, not those inside an object, so the
+receiver fetches each bucket only when its engine asks for it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class WeightBuckets:
     refs: list = field(default_factory=list)
     nbytes: int = 0
     version: int = 0
+    adapter_config: dict | None = None  # a LoRA adapter's PEFT config: the buckets hold that adapter alone
 
 
 def _to_bytes(tensor: torch.Tensor):
@@ -34,9 +36,11 @@ def _to_bytes(tensor: torch.Tensor):
     return flat.view(torch.uint8).numpy(), flat.dtype, tuple(tensor.shape)
 
 
-def put_buckets(buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> WeightBuckets:
-    """Every bucket into the object store, one at a time."""
-    out = WeightBuckets(version=version)
+def put_buckets(
+    buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int, adapter_config: dict | None = None
+) -> WeightBuckets:
+    """Every bucket into the object store, one at a time (``adapter_config``: they are that LoRA adapter's)."""
+    out = WeightBuckets(version=version, adapter_config=adapter_config)
     for bucket in buckets:
         entries = []
         for name, tensor in bucket:

@@ -35,8 +35,6 @@ def _adapter_sync_blocker(cfg: PPOConfig) -> str | None:
         return "it needs actor_rollout_ref.model.lora_rank > 0"
     if rollout.name != "vllm":
         return f"only the vllm rollout engine serves LoRA adapters (actor_rollout_ref.rollout.name={rollout.name})"
-    if not arr.hybrid_engine:
-        return "it is not implemented for split placement (actor_rollout_ref.hybrid_engine=false)"
     if rollout.load_format == "dummy":
         return "the engine's base weights must come from the checkpoint (actor_rollout_ref.rollout.load_format=dummy)"
     if arr.model.lora_rank > MAX_VLLM_LORA_RANK:

@@ -179,11 +179,16 @@ class ActorRolloutRefWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def export_weights(self, version: int) -> WeightBuckets | None:
-        """Split placement: the actor's weights into the object store, in buckets of ``rollout.weight_bucket_bytes``
-        (every rank gathers; rank 0 puts and returns the references, the others None)."""
-        buckets = self._training("actor").export_weights(self.config.rollout.weight_bucket_bytes)
+        """Split placement: the actor's weights (its LoRA adapter alone with ``rollout.lora_sync=adapter``) into the
+        object store, in buckets of ``rollout.weight_bucket_bytes`` (every rank gathers; rank 0 puts and returns the
+        references, the others None)."""
+        actor, bucket_bytes = self._training("actor"), self.config.rollout.weight_bucket_bytes
+        if self.config.rollout.lora_sync == "adapter" and actor.has_adapter:
+            buckets, adapter_config = actor.export_adapter(bucket_bytes), actor.adapter_config()
+        else:
+            buckets, adapter_config = actor.export_weights(bucket_bytes), None
         if self.rank == 0:
-            return put_buckets(buckets, version)
+            return put_buckets(buckets, version, adapter_config)
         for _ in buckets:  # the gathers are collective
             pass
         return None
@@ -191,8 +196,13 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def receive_weights(self, weights: WeightBuckets) -> int:
         """Split placement: another worker group's buckets into this rank's rollout engine (its own TP shards);
-        returns the bytes read."""
-        self._need("rollout").load_weights(read_buckets(weights))
+        returns the bytes read. A LoRA adapter's buckets (``weights.adapter_config``) are served on the engine's
+        base weights."""
+        rollout = self._need("rollout")
+        if weights.adapter_config is None:
+            rollout.load_weights(read_buckets(weights))
+        else:
+            rollout.load_adapter(read_buckets(weights), weights.adapter_config)
         self.weight_version = weights.version
         return weights.nbytes
 

@@ -9,7 +9,7 @@ needs the other one:
   brought back. Every training-side worker call (log-probs, update, checkpoints) enters it first.
 
 Weights are pushed into an awake engine (``push_weights``, the full weights or, with ``adapter_sync``, a LoRA adapter
-alone; ``load_weights`` for another process's buckets):
+alone; ``load_weights`` / ``load_adapter`` for another process's buckets):
 weights woken, the trainer's buckets streamed in while the trainer is still on the device, then the trainer
 offloaded and the KV cache woken (rollout mode). The engine therefore stays awake across a whole rollout phase
 (every agent-loop flush, validation) and sleeps only when training needs the memory. The engine's own state
@@ -80,7 +80,7 @@ class ColocatedRollout:
         counted = [0]
         if self.adapter_sync:
             buckets = _counting(self.trainer.export_adapter(self.bucket_bytes), counted)
-            self._into_engine(lambda: self.engine.update_adapter(buckets, self.trainer.adapter_config()))
+            self.load_adapter(buckets, self.trainer.adapter_config())
         else:
             self.load_weights(_counting(self.trainer.export_weights(self.bucket_bytes), counted))
         return counted[0]
@@ -89,6 +89,11 @@ class ColocatedRollout:
         """HF-named buckets (this process's trainer, or another's: split placement) into the woken engine weights,
         then rollout mode."""
         self._into_engine(lambda: self.engine.update_weights(buckets))
+
+    def load_adapter(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], adapter_config: dict) -> None:
+        """A LoRA adapter's PEFT-named buckets (``adapter_config``: its PEFT config) served by the engine on its base
+        weights from now on, then rollout mode."""
+        self._into_engine(lambda: self.engine.update_adapter(buckets, adapter_config))
 
     def _into_engine(self, update) -> None:
         """``update()`` (weights or an adapter into the engine) with the engine's weights woken, then rollout mode."""

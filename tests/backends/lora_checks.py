@@ -296,6 +296,22 @@ def _value_check(s: SimpleNamespace, results: dict) -> None:
         assert (weights["score.weight"] - head_before).abs().max() > s.optim.lr / 2, "the value head did not train"
 
 
+def saved_model_tensors(ckpt: str) -> list[str]:
+    """The model tensors an engine checkpoint holds: DCP's (fsdp), or the parameters DeepSpeed ZeRO-3 saves (the
+    optimizer's partitions, ``param_shapes``, and the frozen ones, ``frozen_param_shapes``)."""
+    if os.path.isdir(os.path.join(ckpt, "dcp")):
+        import torch.distributed.checkpoint as dcp
+
+        meta = dcp.FileSystemReader(os.path.join(ckpt, "dcp")).read_metadata().state_dict_metadata
+        return [k for k, v in meta.items() if k.startswith("model.") and getattr(v, "size", None)]
+    names = []
+    for path in Path(ckpt).rglob("*model_states.pt"):
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        names += [k for shapes in state["param_shapes"] for k in shapes]
+        names += list(state.get("frozen_param_shapes") or {})
+    return names
+
+
 def _resume_check(s: SimpleNamespace, results: dict, later) -> None:
     from backends.config import EngineConfig
     from tests.backends import reference
@@ -304,7 +320,9 @@ def _resume_check(s: SimpleNamespace, results: dict, later) -> None:
 
     @rank_check(results, "resume_exact")
     def _():
-        s.engine.save(ckpt)  # after step 1
+        s.engine.save(ckpt)  # after step 1 (collective: every rank's files are written when it returns)
+        saved = saved_model_tensors(ckpt)
+        assert saved and all(".lora_" in name for name in saved), saved  # the adapters (and their state) alone
         draw = torch.rand(4)
         first = s.engine.train_step(later, reference.actor_loss, OUTPUTS)
         first_adapter, first_weights = exported_adapter(s.engine), exported(s.engine)

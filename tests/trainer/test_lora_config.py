@@ -58,7 +58,7 @@ def test_target_and_exclude_modules_take_lists():
     "overrides, expected",
     [
         (["rollout=hf"], "merged"),  # the hf engine takes full weights only
-        (["actor_rollout_ref.hybrid_engine=false"], "merged"),
+        (["actor_rollout_ref.hybrid_engine=false"], "adapter"),  # pushed through the object store
         (["actor_rollout_ref.rollout.load_format=dummy"], "merged"),
         (["actor_rollout_ref.rollout.lora_sync=merged"], "merged"),
         ([], "adapter"),

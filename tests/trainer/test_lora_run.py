@@ -1,15 +1,17 @@
-"""GRPO with LoRA through the real CLI (fsdp, vLLM with the adapter-only sync, KL loss): only the adapters train,
-the reference log-probs are the actor's with its adapters disabled, the sync moves the adapter's bytes alone, and
-the exports load (the PEFT adapter directory with PEFT, the merged model with transformers)."""
+"""GRPO with LoRA through the real CLI (fsdp and deepspeed; vLLM with the adapter-only sync, colocated and split
+placement; the hf engine with the merged sync; KL loss): only the adapters train, the reference log-probs are the
+actor's with its adapters disabled, the sync moves the adapter's bytes alone, checkpoints hold the adapter and
+resume exactly, and the exports load (the PEFT adapter directory with PEFT, the merged model with transformers)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.trainer.test_ppo_resume import metrics, run_overridden, task  # noqa: F401  (task: a fixture)
+from tests.trainer.test_ppo_resume import COMPARED, metrics, run_overridden, task  # noqa: F401  (task: a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -76,15 +78,17 @@ def test_grpo_with_lora_adapters(task, tmp_path):  # noqa: F811
     assert changed and all(k.endswith("proj.weight") for k in changed), sorted(changed)  # adapted Linears only
 
 
-def test_grpo_with_lora_merged_sync_on_the_hf_engine(task, tmp_path):  # noqa: F811
-    """The hf rollout engine takes full weights only: lora_sync falls back to merged (the base plus the adapters'
-    update under the base model's names); the reference is still the actor with its adapters off."""
+def test_grpo_with_lora_on_deepspeed_and_merged_sync_on_the_hf_engine(task, tmp_path):  # noqa: F811
+    """DeepSpeed ZeRO-3 trains the adapters; the hf rollout engine takes full weights only, so lora_sync falls back
+    to merged (the base plus the adapters' update under the base model's names); the reference is still the actor
+    with its adapters off."""
     from transformers import AutoModelForCausalLM
 
     run_dir, reward_file = tmp_path / "merged", tmp_path / "reward.py"
     reward_file.write_text(REWARD_FILE)
     overrides = [o for o in LORA if not o.startswith(("rollout=", "trainer.save_merged"))]
-    run_overridden(task, run_dir, 2, ["rollout=hf", *overrides, f"custom_reward_function.path={reward_file}"])
+    extra = ["backend=deepspeed", "rollout=hf", f"custom_reward_function.path={reward_file}"]
+    run_overridden(task, run_dir, 2, [*extra, *overrides])
     rows = metrics(run_dir)
     assert abs(rows[1]["actor/kl_loss"]) < 1e-6 and rows[2]["actor/kl_loss"] > 1e-6
     assert rows[2]["rollout_corr/log_prob_abs_diff_mean"] < 1e-3  # the engine got the merged, trained weights
@@ -92,3 +96,41 @@ def test_grpo_with_lora_merged_sync_on_the_hf_engine(task, tmp_path):  # noqa: F
     full_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
     assert rows[1]["perf/weight_sync_bytes"] >= full_bytes  # every weight, not the adapter alone
     assert (run_dir / "hf" / "adapter_config.json").exists() and not (run_dir / "hf_merged").exists()
+
+
+def test_lora_on_split_placement_pushes_the_adapter_and_resumes_exactly(task, tmp_path):  # noqa: F811
+    """Split placement (one train rank, one rollout rank): the adapter alone goes through the object store to the
+    rollout pool's vLLM engine, which serves it; the checkpoint holds the adapter and its optimizer state, not the
+    frozen base, and a run resumed from step 1 trains step 2 as the uninterrupted run did."""
+    run_dir, reward_file = tmp_path / "split", tmp_path / "reward.py"
+    reward_file.write_text(REWARD_FILE)
+    overrides = [
+        *[o for o in LORA if not o.startswith(("trainer.save_freq", "trainer.save_merged"))],
+        "actor_rollout_ref.hybrid_engine=false",
+        "trainer.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.n_gpus_per_node=1",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "trainer.save_freq=1",
+        f"custom_reward_function.path={reward_file}",
+    ]
+    run_overridden(task, run_dir, 2, overrides)
+    reference, adapter = metrics(run_dir), state(run_dir / "hf")
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
+    for step in (1, 2):
+        assert reference[step]["perf/weight_push_bytes"] == adapter_bytes  # the adapter alone, every push
+    assert reference[2]["rollout_corr/log_prob_abs_diff_mean"] < 1e-3  # the rollout pool serves the trained adapter
+
+    base_bytes = sum(f.stat().st_size for f in Path(task["model"]).glob("*.safetensors"))
+    checkpoint_bytes = sum(f.stat().st_size for f in (run_dir / "global_step_1" / "actor").rglob("*") if f.is_file())
+    assert checkpoint_bytes < base_bytes / 2, (checkpoint_bytes, base_bytes)  # adapter + its Adam state
+
+    shutil.rmtree(run_dir / "global_step_2")  # resume from step 1's checkpoint
+    (run_dir / "latest_checkpointed_iteration.txt").write_text("1")
+    out = run_overridden(task, run_dir, 2, overrides)
+    assert f"resumed from {run_dir / 'global_step_1'}" in out.stdout + out.stderr
+    resumed = metrics(run_dir)
+    for key in COMPARED:
+        assert resumed[2][key] == pytest.approx(reference[2][key], rel=1e-6, abs=1e-7), key
+    for name, tensor in state(run_dir / "hf").items():
+        torch.testing.assert_close(tensor, adapter[name], rtol=1e-6, atol=1e-7)

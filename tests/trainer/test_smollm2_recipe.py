@@ -1,6 +1,6 @@
-"""launch/recipes/smollm2_reasoning_gym.sh, shortened to 2 GRPO steps, on each training backend: the real model
-(SmolLM2-135M-Instruct) and a real task (reasoning-gym chain_sum) through the whole stack (Ray, the backend on 2
-ranks, vLLM rollout with a weight sync after every update, the task's own scorer, validation)."""
+"""launch/recipes/smollm2_reasoning_gym.sh, shortened to 2 GRPO steps, on each training backend and with LoRA: the
+real model (SmolLM2-135M-Instruct) and a real task (reasoning-gym chain_sum) through the whole stack (Ray, the
+backend on 2 ranks, vLLM rollout with a weight sync after every update, the task's own scorer, validation)."""
 
 import json
 import os
@@ -24,19 +24,21 @@ SHORT = [
 
 
 @pytest.mark.parametrize(
-    "backend,layout",
+    "backend,lora_rank,layout",
     [
-        ("fsdp", []),
-        ("deepspeed", []),
+        ("fsdp", 0, []),
+        ("deepspeed", 0, []),
         # SmolLM2 has 9 attention heads (3 KV heads): a tensor-parallel size must divide them, so PP=2 here
-        ("megatron", ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"]),
+        ("megatron", 0, ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"]),
+        ("fsdp", 8, []),  # LoRA: vLLM serves the synced adapter on the real model
     ],
 )
-def test_recipe_two_steps(backend, layout, smollm2_dir, tmp_path):
+def test_recipe_two_steps(backend, lora_rank, layout, smollm2_dir, tmp_path):
     run_env = dict(
         env(),
         PYTHON=sys.executable,
         BACKEND=backend,
+        LORA_RANK=str(lora_rank),
         STEPS="2",
         TEST_FREQ="-1",
         TRAIN_SIZE="12",
@@ -52,7 +54,7 @@ def test_recipe_two_steps(backend, layout, smollm2_dir, tmp_path):
         timeout=900,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    run_dir = tmp_path / "runs" / f"chain_sum_{backend}"
+    run_dir = tmp_path / "runs" / (f"chain_sum_{backend}" + (f"_lora{lora_rank}" if lora_rank else ""))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if row["step"] > 0]
     assert [row["step"] for row in steps] == [1, 2]
@@ -63,3 +65,6 @@ def test_recipe_two_steps(backend, layout, smollm2_dir, tmp_path):
     assert rows[0]["step"] == 0 and f"val/{SOURCE}/acc" in rows[0]  # held-out score before and after
     assert f"val/{SOURCE}/acc" in steps[-1] and f"val-core/{SOURCE}/acc/mean@1" in steps[-1]
     assert os.path.isfile(run_dir / "hf" / "model.safetensors") or any((run_dir / "hf").glob("*.safetensors"))
+    if lora_rank:  # the adapter alone went to vLLM (a few MB of the model's 540) and was exported
+        assert all(row["perf/weight_sync_bytes"] < 20e6 for row in steps)
+        assert (run_dir / "hf" / "adapter_config.json").exists()
