@@ -1,8 +1,9 @@
 """The vLLM engine serving a LoRA adapter (backends/rollout/vllm_lora.py): the adapter-only weight sync.
 
 An adapter (PEFT, random B so it matters) goes in through ``update_adapter``; the engine's sampled log-probs are then
-those of the same adapter merged into the HF model, while its base weights stay as loaded; a second update replaces
-the first (an adapter with B = 0 gives the base model's outputs back).
+those of the same adapter merged into the HF model, and its greedy tokens those of the merged model, while its base
+weights stay as loaded; a second update replaces the first (an adapter with B = 0 gives the base model's outputs
+back).
 """
 
 from __future__ import annotations
@@ -85,12 +86,14 @@ def lora_engine(rollout_config, rollout_tokenizer):
     assert not os.path.exists(root)
 
 
-def test_served_adapter_equals_merged_weights(lora_engine, rollout_model_dir, prompts):
+def test_served_adapter_equals_merged_weights(lora_engine, rollout_config, rollout_tokenizer, prompts, tmp_path):
     from backends.lora_weights import adapter_config_dict
+
+    from backends.rollout.hf import HFRolloutEngine
 
     engine = lora_engine
     base_out = engine.generate(prompts, GREEDY)  # no adapter synced yet: the base model
-    model = peft_adapter(rollout_model_dir)
+    model = peft_adapter(rollout_config.model_path)
     config = adapter_config_dict(model.peft_config["default"])
     nbytes = engine.update_adapter(adapter_buckets(model), config)
     assert nbytes == sum(t.numel() * t.element_size() for _, t in adapter_buckets(model)[0])
@@ -101,10 +104,16 @@ def test_served_adapter_equals_merged_weights(lora_engine, rollout_model_dir, pr
     expected = recompute_log_probs(merged, sampled, temperature=1.0)
     mask = sampled.batch["response_mask"].bool()
     torch.testing.assert_close(sampled.batch["rollout_log_probs"][mask], expected[mask], atol=2e-4, rtol=0)
-    assert not torch.equal(engine.generate(prompts, GREEDY).batch["responses"], base_out.batch["responses"])
+    served = engine.generate(prompts, GREEDY).batch["responses"]
+    assert not torch.equal(served, base_out.batch["responses"])
+    # the merged model, saved as a plain HF checkpoint, generates the same greedy tokens (the hf engine: a second
+    # vLLM engine in this process would tear down the first one's parallel state when it goes)
+    merged.save_pretrained(str(tmp_path / "merged"))
+    merged_engine = HFRolloutEngine(replace(rollout_config, model_path=str(tmp_path / "merged")), rollout_tokenizer)
+    assert torch.equal(merged_engine.generate(prompts, GREEDY).batch["responses"], served)
 
     # a new adapter replaces the old one (a new id and directory; the old one removed): B = 0 is the base
-    engine.update_adapter(adapter_buckets(peft_adapter(rollout_model_dir), scale=0.0), config)
+    engine.update_adapter(adapter_buckets(peft_adapter(rollout_config.model_path), scale=0.0), config)
     assert engine.adapter.request.lora_int_id == 2 and not os.path.exists(first_dir)
     back = engine.generate(prompts, GREEDY)
     assert torch.equal(back.batch["responses"], base_out.batch["responses"])
