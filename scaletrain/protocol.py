@@ -44,6 +44,14 @@ def _as_index(idxs: Any) -> torch.Tensor:
     return idxs.long()
 
 
+def _repeated(t: torch.Tensor, times: int, interleave: bool) -> torch.Tensor:
+    """``t``'s rows ``times`` times (a a b b, or a b a b): a broadcast view reshaped, which copies once."""
+    rows, rest = t.shape[0], t.shape[1:]
+    if interleave:
+        return t.unsqueeze(1).expand(rows, times, *rest).reshape(rows * times, *rest)
+    return t.unsqueeze(0).expand(times, rows, *rest).reshape(rows * times, *rest)
+
+
 def _values_equal(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
@@ -263,13 +271,22 @@ class DataProto:
         return [self[i : i + split_size] for i in range(0, len(self), split_size)]
 
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
-        """Each row ``repeat_times`` times: a a b b (interleave) or a b a b."""
-        n = len(self)
+        """Each row ``repeat_times`` times: a a b b (interleave) or a b a b. One copy per tensor through a
+        broadcast view (no gather index)."""
+        if repeat_times < 1:
+            raise ValueError(f"repeat_times must be >= 1, got {repeat_times}")
+        batch = None
+        if self.batch is not None:
+            batch = TensorDict(
+                {k: _repeated(v, repeat_times, interleave) for k, v in self.batch.items()},
+                batch_size=[len(self) * repeat_times],
+                device=self.batch.device,
+            )
         if interleave:
-            index = torch.arange(n).repeat_interleave(repeat_times)
+            non = {k: np.repeat(v, repeat_times, axis=0) for k, v in self.non_tensor_batch.items()}
         else:
-            index = torch.arange(n).repeat(repeat_times)
-        return self.select_idxs(index)
+            non = {k: np.concatenate([v] * repeat_times) for k, v in self.non_tensor_batch.items()}
+        return DataProto(batch=batch, non_tensor_batch=non, meta_info=dict(self.meta_info))
 
     def reorder(self, indices: Any) -> None:
         """Permute rows in place."""

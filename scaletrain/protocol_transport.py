@@ -3,7 +3,9 @@
 
 Tensors travel as contiguous numpy arrays, so pickle protocol 5 (Ray's object store) ships them out-of-band,
 without a pickle copy; bfloat16, which numpy lacks, travels as int16 bits. The receiver copies each array once
-into a fresh, writable tensor: the object store's buffers are read-only and shared between readers.
+into a fresh, writable tensor when it must: the object store's buffers are read-only and shared between readers,
+and an in-process out-of-band buffer is the sender's own memory. An in-band pickle's array lives in a bytearray
+the unpickler made for it alone, so that one becomes the tensor as it is (no second copy).
 """
 
 from __future__ import annotations
@@ -35,9 +37,19 @@ def from_wire(state: dict) -> tuple[TensorDict | None, dict[str, np.ndarray], di
     if state["size"] is not None:
         tensors = {}
         for key, arr in state["tensors"].items():
-            t = torch.from_numpy(np.array(arr, copy=True))
+            t = torch.from_numpy(arr if _private(arr) else np.array(arr, copy=True))
             if state["dtypes"][key] == torch.bfloat16:
                 t = t.view(torch.bfloat16)
             tensors[key] = t
         batch = TensorDict(tensors, batch_size=[state["size"]])
     return batch, state["non"], state["meta"]
+
+
+def _private(arr: np.ndarray) -> bool:
+    """Whether ``arr``'s memory is a writable bytearray no one else holds: what unpickling an in-band buffer makes."""
+    owner = arr
+    while isinstance(owner, np.ndarray) and owner.base is not None:
+        owner = owner.base
+    if isinstance(owner, memoryview):
+        owner = owner.obj
+    return arr.flags.writeable and isinstance(owner, bytearray)

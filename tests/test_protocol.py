@@ -83,10 +83,20 @@ def test_concat_chunk_split_repeat_reorder():
     assert [len(p) for p in d.split(4)] == [4, 2]
     with pytest.raises(ValueError, match="differs from part 0 in keys"):
         DataProto.concat([d, d.select(["ids"], ["src"])])
+    d.batch["cube"] = torch.arange(6 * 2 * 3).view(6, 2, 3)
     r = d.repeat(2, interleave=True)
     assert list(r.non_tensor_batch["src"][:4]) == ["s0", "s0", "s1", "s1"]
-    r = d.repeat(2, interleave=False)
-    assert list(r.non_tensor_batch["src"][5:8]) == ["s5", "s0", "s1"]
+    for key in ("ids", "score", "cube"):
+        assert r.batch[key].equal(d.batch[key].repeat_interleave(2, dim=0)), key
+    r = d.repeat(3, interleave=False)
+    assert list(r.non_tensor_batch["src"][5:8]) == ["s5", "s0", "s1"] and len(r) == 18
+    for key in ("ids", "score", "cube"):
+        assert r.batch[key].equal(torch.cat([d.batch[key]] * 3)), key
+    r.batch["ids"] += 1  # its own memory, not a view of d's
+    assert r.batch["ids"][:6].equal(d.batch["ids"] + 1)
+    with pytest.raises(ValueError, match="repeat_times"):
+        d.repeat(0)
+    del d.batch["cube"]
     d.reorder(torch.tensor([5, 4, 3, 2, 1, 0]))
     assert d.batch["score"].tolist() == [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]
     assert list(d.non_tensor_batch["src"]) == ["s5", "s4", "s3", "s2", "s1", "s0"]
@@ -133,6 +143,25 @@ def test_pickle_ships_tensors_out_of_band_and_copies_on_receive():
     assert list(back.non_tensor_batch["gt"]) == list(d.non_tensor_batch["gt"]) and back.meta_info == d.meta_info
     back.batch["ids"] += 1  # writable, and not aliasing the sender's memory
     assert not back.batch["ids"].equal(d.batch["ids"])
+
+
+def test_in_band_pickle_keeps_the_unpicklers_buffer():
+    """In-band, each tensor arrives in a bytearray of its own: it becomes the tensor without another copy."""
+    from scaletrain.protocol_transport import _private
+
+    d = make(4)
+    d.batch["bf"] = torch.randn(4, 2).bfloat16()
+    back = pickle.loads(pickle.dumps(d, protocol=5))
+    for key in ("ids", "score", "bf"):
+        assert back.batch[key].dtype == d.batch[key].dtype and back.batch[key].equal(d.batch[key])
+    back.batch["ids"] += 1
+    assert not back.batch["ids"].equal(d.batch["ids"])
+    arr = d.batch["score"].numpy()
+    assert _private(pickle.loads(pickle.dumps(arr, protocol=5)))  # in-band: the unpickler's bytearray
+    assert not _private(arr)  # the sender's memory
+    buffers = []
+    payload = pickle.dumps(arr, protocol=5, buffer_callback=buffers.append)
+    assert not _private(pickle.loads(payload, buffers=buffers))  # out-of-band: still the sender's memory
 
 
 def test_future_chunks_pad_lazily():

@@ -77,10 +77,43 @@ def compute_gae_advantage_return(
     gamma = float(get_option(config, "gamma", 1.0, opts))
     lam = float(get_option(config, "lam", 1.0, opts))
 
-    keep = response_mask.bool()
-    B, T = keep.shape
     dtype = torch.promote_types(values.dtype, torch.float32)
-    # Pack the unmasked tokens of every row to the left (column T collects the masked ones and is dropped).
+    keep = response_mask.to(dtype)
+    if _is_prefix_mask(response_mask):  # the usual case: already packed, no gather / scatter
+        advantages, returns = _packed_gae(token_level_rewards.to(dtype), values.to(dtype), keep, gamma, lam)
+    else:
+        advantages, returns = _gae_with_holes(token_level_rewards, values, response_mask.bool(), dtype, gamma, lam)
+    advantages = masked_whiten(advantages, keep).mul_(keep)
+    return advantages, returns
+
+
+def _is_prefix_mask(mask: torch.Tensor) -> bool:
+    """Whether every row of ``mask`` is ones then zeros (no masked token before an unmasked one)."""
+    return mask.shape[1] < 2 or bool(torch.diff(mask.float(), dim=1).max() <= 0)
+
+
+def _packed_gae(
+    r: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) for left-packed rows (``keep`` ones then zeros, as a float tensor); 0 beyond.
+    In place where it can: on the CPU each fresh (batch, length) tensor costs more than the arithmetic on it."""
+    v = v * keep
+    deltas = torch.empty_like(v)
+    deltas[:, :-1] = v[:, 1:]  # the next value; 0 after the last unmasked token
+    deltas[:, -1] = 0.0
+    if gamma != 1.0:
+        deltas.mul_(gamma)
+    deltas.sub_(v).addcmul_(r, keep)  # r + gamma * next_v - v, 0 beyond
+    advantages = discounted_suffix_sum(deltas, gamma * lam).mul_(keep)
+    return advantages, v.add_(advantages)
+
+
+def _gae_with_holes(
+    rewards: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE where masked tokens sit between unmasked ones: the unmasked tokens of every row packed to the left
+    (column T collects the masked ones and is dropped), ``_packed_gae``, and the results put back."""
+    B, T = keep.shape
     rank = keep.long().cumsum(-1) - 1
     dest = torch.where(keep, rank, torch.full_like(rank, T))
 
@@ -88,15 +121,11 @@ def compute_gae_advantage_return(
         buf = torch.zeros(B, T + 1, dtype=dtype, device=x.device)
         return buf.scatter_(1, dest, torch.where(keep, x.to(dtype), 0.0))[:, :T]
 
-    v, r = pack(values), pack(token_level_rewards)
-    next_v = torch.nn.functional.pad(v[:, 1:], (0, 1))  # 0 after the last unmasked token
-    deltas = r + gamma * next_v - v  # 0 beyond each row's packed length
-    packed_adv = discounted_suffix_sum(deltas, gamma * lam)
+    lengths = keep.sum(-1, keepdim=True)
+    packed_keep = (torch.arange(T, device=keep.device) < lengths).to(dtype)
+    packed_adv, _ = _packed_gae(pack(rewards), pack(values), packed_keep, gamma, lam)
     advantages = torch.where(keep, packed_adv.gather(1, rank.clamp(min=0)), 0.0)
-
-    returns = torch.where(keep, advantages + values.to(dtype), 0.0)
-    advantages = torch.where(keep, masked_whiten(advantages, keep), 0.0)
-    return advantages, returns
+    return advantages, torch.where(keep, advantages + values.to(dtype), 0.0)
 
 
 @register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS)

@@ -40,6 +40,13 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     With ``shift_mean=False`` the mean is added back (only the scale is normalised). Masked-out entries are
     transformed too; callers multiply by the mask when they need zeros there.
     """
-    mean = masked_mean(values, mask)
-    whitened = (values - mean) * torch.rsqrt(masked_var(values, mask) + eps)
-    return whitened if shift_mean else whitened + mean
+    n = mask.sum()
+    if n < 2:
+        raise ValueError(f"unbiased masked variance needs at least 2 unmasked entries, got {int(n)}")
+    mask = mask.to(values.dtype)
+    mean = torch.dot(values.reshape(-1), mask.reshape(-1)) / n  # BLAS passes, no temporaries
+    shifted = values - mean
+    masked = (shifted * mask).reshape(-1)
+    var = torch.dot(masked, masked) / (n - 1)
+    whitened = shifted.mul_(torch.rsqrt(var + eps))
+    return whitened if shift_mean else whitened.add_(mean)
