@@ -88,7 +88,6 @@ def lora_engine(rollout_config, rollout_tokenizer):
 
 def test_served_adapter_equals_merged_weights(lora_engine, rollout_config, rollout_tokenizer, prompts, tmp_path):
     from backends.lora_weights import adapter_config_dict
-
     from backends.rollout.hf import HFRolloutEngine
 
     engine = lora_engine
