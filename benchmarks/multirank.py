@@ -7,7 +7,8 @@
 - ``launch(spec, timeout_s)``: starts ``spec["world"]`` processes (gloo, 1 thread each) running
   ``python -m benchmarks.multirank SPEC``; every rank builds the engine, times ``train_step`` on its rows and/or
   ``export_weights`` (every bucket consumed), and rank 0 writes the slowest rank's medians (plus, for export, a
-  memcpy of the same exported tensors timed on rank 0) to a JSON file that ``launch`` returns.
+  memcpy of the same exported tensors timed on rank 0 and the raw collective floor: one all-gather of the same
+  bytes over the world) to a JSON file that ``launch`` returns.
 
 Rows per rank: FSDP and DeepSpeed (data parallel) take ``rows / world`` each; megatron ranks of one DP group (here
 all ranks: TP/PP only) take every row. With PP > 1 the batch is cut into ``2 x PP`` micro-batches so the
@@ -123,6 +124,16 @@ def export_all(engine, bucket_bytes: int, keep: bool = False):
     return total, count, kept
 
 
+def gather_floor_ms(nbytes: int, world: int, repeats: int) -> float:
+    """The raw collective floor of an export of ``nbytes``: one all-gather of ``nbytes / world`` bytes per rank
+    into ``nbytes`` on every rank, in the world's process group (what any layout's export must at least move)."""
+    import torch.distributed as dist
+
+    share = torch.empty(-(-nbytes // world), dtype=torch.uint8)
+    full = torch.empty(share.numel() * world, dtype=torch.uint8)
+    return median_ms(lambda: dist.all_gather_into_tensor(full, share), repeats=repeats, warmup=1)
+
+
 def run_rank(spec_file: str) -> None:
     """One rank: time what ``spec["measure"]`` names; rank 0 writes ``spec["out"]``."""
     import torch.distributed as dist
@@ -142,9 +153,11 @@ def run_rank(spec_file: str) -> None:
         result["export_ms"] = median_ms(lambda: export_all(engine, bucket_bytes), repeats=repeats, warmup=1)
         nbytes, buckets, kept = export_all(engine, bucket_bytes, keep=rank == 0)
         result.update(export_bytes=nbytes, buckets=buckets)
-    t = torch.tensor([result.get("train_ms", 0.0), result.get("export_ms", 0.0)], dtype=torch.float64)
+        result["gather_floor_ms"] = gather_floor_ms(nbytes, world, repeats)
+    keys = ("train_ms", "export_ms", "gather_floor_ms")
+    t = torch.tensor([result.get(k, 0.0) for k in keys], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step takes as long as its slowest rank
-    result["train_ms"], result["export_ms"] = float(t[0]), float(t[1])
+    result.update(zip(keys, t.tolist()))
     if rank == 0 and "export" in spec["measure"]:
         targets = [torch.empty_like(x) for x in kept]
 

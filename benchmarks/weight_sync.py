@@ -12,7 +12,8 @@ against the floor: ``copy_`` of every tensor into preallocated tensors of the sa
 Export side, per training backend and layout (benchmarks/multirank.py; gloo ranks, 1 thread each): the time to
 consume every bucket of ``export_weights(bucket_bytes)`` (full HF tensors: FSDP all-gathers DTensor shards,
 DeepSpeed ZeRO-3 gathers partitioned parameters, megatron gathers TP shards and broadcasts across PP stages),
-slowest rank, against a memcpy of the same exported tensors timed in the same run on rank 0. Layouts: FSDP DP=2,
+slowest rank, against a memcpy of the same exported tensors timed in the same run on rank 0, and against the raw
+collective floor (one all-gather of the same bytes over the same ranks; target <= 1.5x). Layouts: FSDP DP=2,
 DeepSpeed ZeRO-3 DP=2, megatron TP=2 and PP=2, and (full only) megatron TP=2 x PP=2 on 4 ranks.
 """
 
@@ -137,6 +138,8 @@ def export_rows(layouts: list[str], model_dir: str, reps: int, bucket_mib: float
             continue
         world = LAYOUTS[name][1]
         table.append((f"{name} ({world} ranks) export_weights", res["export_ms"], res["memcpy_ms"], "memcpy"))
+        floor = res["gather_floor_ms"]
+        table.append((f"{name} ({world} ranks) export vs collective floor", res["export_ms"], floor, "all-gather"))
         sizes.append((name, res["export_bytes"], res["buckets"], res["export_ms"], res["memcpy_ms"]))
     print_table(f"export_weights, full HF tensors in buckets of <= {bucket_mib:g} MiB (median of {reps})", table)
     for name, nbytes, buckets, ms, copy_ms in sizes:

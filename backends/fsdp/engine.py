@@ -27,10 +27,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from backends.base import register_backend
+from backends.base import Buckets, bucketed, register_backend
 from backends.config import EngineConfig, ModelConfig, OptimConfig
 from backends.dist import init_distributed
 from backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
+from backends.fsdp.gather import gather_full
 from backends.hf_engine import HFTrainEngine
 from backends.hf_model import decoder_layers, torch_dtype
 from backends.lora_weights import Item
@@ -81,6 +82,18 @@ class FSDPEngine(HFTrainEngine):
     def _end_step(self, skipped: bool) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+
+    def _full_tensor_buckets(self, bucket_bytes: int, skip, adapter: bool = False) -> Buckets:
+        """Without LoRA: each bucket's tensors gathered together, one all-gather per bucket (backends/fsdp/gather.py),
+        instead of one per tensor. With LoRA, the shared path (its items merge or pick tensors as they are drawn)."""
+        if self.lora is not None:
+            yield from super()._full_tensor_buckets(bucket_bytes, skip, adapter)
+            return
+        with self._on_device(optimizer=False):
+            state = [(n, v) for n, v in self.model.state_dict().items() if n not in skip]
+            sharded = ((n, v.numel() * v.element_size(), partial(_same, v)) for n, v in state)
+            for bucket in bucketed(sharded, bucket_bytes):
+                yield list(zip([n for n, _ in bucket], gather_full([v for _, v in bucket], self.group)))
 
     def _param_items(self) -> list[Item]:
         """The state dict's DTensors; ``get`` gathers one (``full_tensor``, collective)."""
@@ -150,3 +163,7 @@ class FSDPEngine(HFTrainEngine):
             self._move_params(torch.device("cpu"))
         if self.engine_config.optimizer_offload:
             self._move_optimizer(torch.device("cpu"))
+
+
+def _same(value):
+    return value

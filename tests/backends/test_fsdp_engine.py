@@ -30,6 +30,7 @@ CHECKS = (
     "forward_logprobs",
     "train_step_matches_reference",
     "export_buckets",
+    "gather_full_uneven_shards",
     "dynamic_bsz",
     "remove_padding",
     "dynamic_rmpad_checkpointing",
@@ -159,6 +160,25 @@ def _run_checks(work: str, rank: int, results: dict) -> None:
         for bucket in buckets:
             for k, v in bucket:
                 assert_close(v, ref_sd[k], f"bucket tensor {k}")
+
+    @rank_check(results, "gather_full_uneven_shards")
+    def _():
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        from backends.fsdp.gather import gather_full
+
+        gen = torch.Generator().manual_seed(7)
+        full = [  # rows 5: 3 + 2; rows 1: rank 1 holds none; a bf16 and an int64 tensor; a 1-D one
+            torch.randn(5, 3, generator=gen),
+            torch.randn(1, 4, generator=gen).bfloat16(),
+            torch.arange(14).view(7, 2),
+            torch.randn(3, generator=gen),
+        ]
+        values = [distribute_tensor(t, engine.mesh, [Shard(0)]) for t in full]
+        values += [distribute_tensor(torch.ones(2, 2), engine.mesh, [Replicate()]), torch.full((2,), 3.0)]
+        out = gather_full(values, engine.group)
+        for got, want in zip(out, [*full, torch.ones(2, 2), torch.full((2,), 3.0)]):
+            assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
 
     engines = {}
     for name, cfg in (
