@@ -71,5 +71,12 @@ test-slurm: install
 bench-slurm: install
 	OMP_NUM_THREADS=1 launch/testing/bench_slurm.sh $(ARGS)
 
+# ours vs verl 0.9.1 (and TRL) side by side, one table of ratios (benchmarks/peers/README.md); the peers live in
+# their own venv (.venv-peers, built once by setup_venv.sh) that borrows .venv's torch. ARGS="--quick --readme"
+.PHONY: bench-peers
+bench-peers: install
+	benchmarks/peers/setup_venv.sh
+	OMP_NUM_THREADS=1 $(PY) benchmarks/peers/run.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

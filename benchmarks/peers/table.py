@@ -1,0 +1,168 @@
+"""The peers table: pair each side's timings, compute ratios, judge them against targets, render text / README.
+
+Pure functions on row dicts (no torch, no subprocesses), so tests/test_bench_peers.py checks them offline.
+A side's rows are ``benchmarks.common.emit_results`` rows; this module reads their ``measure`` and ``ours``
+(that side's ms). A finished row is a dict with measure, ours, baseline (the peer's ms), baseline_name (the
+peer), ratio (ours / baseline, lower is better), target (the largest ratio that meets it, or None), met ("met",
+"missed" or "-") and note.
+"""
+
+from __future__ import annotations
+
+PEERS_START, PEERS_END = "<!-- peers:start -->", "<!-- peers:end -->"
+PERF_END = "<!-- perf:end -->"
+HEADING = "## Against the peers"
+VERL_NAME = "verl 0.9.1"
+
+# (substring of the measure, largest ratio that meets the target); the first match wins, so the specific rules
+# come first. Transport targets are against verl's numpy serialization mode; its default mode row is context.
+TARGETS: list[tuple[str, float | None]] = [
+    ("default torch.save mode", None),
+    ("pickle", 0.5),
+    ("ray ", 0.5),
+    ("DataProto", 1.0),
+    ("GAE", 0.1),
+    ("GRPO", 1.0),
+    ("policy loss", 1.0),
+]
+
+
+def target_for(measure: str) -> float | None:
+    for needle, target in TARGETS:
+        if needle in measure:
+            return target
+    return None
+
+
+def verdict(ratio: float | None, target: float | None) -> str:
+    if ratio is None or target is None:
+        return "-"
+    return "met" if ratio <= target else "missed"
+
+
+def finish_row(measure: str, ours, baseline, baseline_name: str, target, note: str = "", unit: str = "ms") -> dict:
+    ours = None if ours is None else float(ours)
+    baseline = None if baseline is None else float(baseline)
+    ratio = ours / baseline if ours is not None and baseline else None
+    return {
+        "measure": measure,
+        "ours": ours,
+        "baseline": baseline,
+        "baseline_name": baseline_name,
+        "ratio": ratio,
+        "target": target,
+        "met": verdict(ratio, target),
+        "note": note,
+        "unit": unit,
+    }
+
+
+def pair_rows(ours: list[dict], peer: list[dict], peer_name: str = VERL_NAME, notes: dict | None = None) -> list:
+    """One finished row per measure found on either side (ours' order first); a missing side is noted."""
+    notes = notes or {}
+    ours_ms = {r["measure"]: r["ours"] for r in ours}
+    peer_ms = {r["measure"]: r["ours"] for r in peer}
+    measures = list(ours_ms) + [m for m in peer_ms if m not in ours_ms]
+    out = []
+    for m in measures:
+        note = notes.get(m, "")
+        if m not in ours_ms or m not in peer_ms:
+            note = "; ".join(x for x in (note, f"no {'ours' if m not in ours_ms else peer_name} figure") if x)
+        out.append(finish_row(m, ours_ms.get(m), peer_ms.get(m), peer_name, target_for(m), note))
+    return out
+
+
+def extra_rows(rows: list[dict]) -> list[dict]:
+    """Rows that already hold both figures (e.g. trl_step.py's): kept as they are, an optional ``target`` read."""
+    return [
+        finish_row(
+            r["measure"],
+            r.get("ours"),
+            r.get("baseline"),
+            r.get("baseline_name", ""),
+            r.get("target"),
+            r.get("note", ""),
+            r.get("unit") or "ms",
+        )
+        for r in rows
+    ]
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.2f}"
+
+
+def _cells(r: dict) -> list[str]:
+    ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3g}x"
+    target = "-" if r["target"] is None else f"<= {r['target']:g}x"
+    return [
+        r["measure"],
+        _num(r["ours"]),
+        _num(r["baseline"]),
+        r.get("unit", "ms"),
+        ratio,
+        target,
+        r["met"],
+        r["baseline_name"],
+        r["note"],
+    ]
+
+
+COLUMNS = ["measure", "ours", "peer", "unit", "ratio", "target", "met", "peer name", "note"]
+NUMERIC = {1, 2, 4}  # right-aligned columns
+
+
+def format_table(rows: list[dict]) -> str:
+    """A fixed-width text table; ratio = ours / peer (lower is better)."""
+    cells = [COLUMNS] + [_cells(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+
+    def line(c: list[str]) -> str:
+        return "  ".join(v.rjust(w) if i in NUMERIC else v.ljust(w) for i, (v, w) in enumerate(zip(c, widths))).rstrip()
+
+    return "\n".join(line(c) for c in cells)
+
+
+def summary(rows: list[dict]) -> str:
+    judged = [r for r in rows if r["met"] != "-"]
+    met = sum(r["met"] == "met" for r in judged)
+    return f"{met} of {len(judged)} targets met"
+
+
+def readme_section(rows: list[dict], info: dict) -> str:
+    """The text between the peers markers: how it was made, on what, then the table in markdown."""
+    m = info["machine"]
+    versions = ", ".join(f"{k} {v}" for k, v in info.get("peers", {}).items()) or "unknown"
+    lines = [
+        PEERS_START,
+        f'Generated by `make bench-peers ARGS="{"--quick " if info.get("quick") else ""}--readme"` on '
+        f"{info['date']}: {m.get('cpu_cores')} CPU cores ({m.get('cpu_model', 'unknown CPU')}), "
+        f"{m.get('ram_gib', '?')} GiB RAM, torch {m.get('torch')}, 1 torch thread per side. Peers: {versions}. "
+        "Each side runs in its own process on the same shapes; figures are medians after a warm-up; "
+        f"ratio = ours / peer (lower is better). {summary(rows)}.",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "|".join("---:" if i in NUMERIC else "---" for i in range(len(COLUMNS))) + "|",
+    ]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    if info.get("notes"):
+        lines += [""] + [f"Note: {n}" for n in info["notes"]]
+    lines.append(PEERS_END)
+    return "\n".join(lines)
+
+
+def update_readme(text: str, section: str) -> str:
+    """Replace the text between the peers markers; without them, add the heading and the section just after
+    the perf section's end marker (or at the end of the file when that is missing too)."""
+    start, end = text.find(PEERS_START), text.find(PEERS_END)
+    if start != -1 and end > start:
+        return text[:start] + section + text[end + len(PEERS_END) :]
+    block = f"{HEADING}\n\n{section}\n"
+    perf = text.find(PERF_END)
+    if perf == -1:
+        return text.rstrip("\n") + ("\n\n" if text else "") + block
+    cut = perf + len(PERF_END)
+    rest = text[cut:].lstrip("\n")
+    return text[:cut] + "\n\n" + block + ("\n" + rest if rest else "")
