@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
-NOT_BENCHMARKS = {"common", "multirank", "run_all", "__init__", "__main__"}  # helpers, not scripts
+NOT_BENCHMARKS = {"common", "e2e_limit", "multirank", "run_all", "__init__", "__main__"}  # helpers, not scripts
 MARKER = "BENCH_JSON "
 PERF_START, PERF_END = "<!-- perf:start -->", "<!-- perf:end -->"
 # scripts left out of --quick runs unless named with --only (empty: every script has a quick size that fits)
@@ -54,10 +54,9 @@ def parse_output(text: str) -> list[dict]:
     return rows
 
 
-def run_script(path: Path, quick: bool, timeout: float, cwd: Path) -> dict:
-    """Run one script in its own process group; on timeout the whole group (Ray, spawned ranks) is killed."""
-    cmd = [sys.executable, str(path)] + (["--quick"] if quick else [])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def run_group(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[str, str, int | None, float]:
+    """Run ``cmd`` in its own process group; on timeout the whole group (Ray, spawned ranks) is killed.
+    Returns (status, output, return code, seconds)."""
     start = time.perf_counter()
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -69,14 +68,21 @@ def run_script(path: Path, quick: bool, timeout: float, cwd: Path) -> dict:
         _kill_group(proc)
         output, _ = proc.communicate()
         status = f"timed out after {timeout:g} s"
-    rows = parse_output(output or "")
+    return status, output or "", proc.returncode, time.perf_counter() - start
+
+
+def run_script(path: Path, quick: bool, timeout: float, cwd: Path) -> dict:
+    """Run one benchmark script (run_group) and parse its rows."""
+    cmd = [sys.executable, str(path)] + (["--quick"] if quick else [])
+    status, output, returncode, seconds = run_group(cmd, cwd, {**os.environ, "PYTHONUNBUFFERED": "1"}, timeout)
+    rows = parse_output(output)
     if status == "ok" and not rows:
         status = "no results"
     return {
         "script": path.stem,
         "status": status,
-        "returncode": proc.returncode,
-        "seconds": round(time.perf_counter() - start, 1),
+        "returncode": returncode,
+        "seconds": round(seconds, 1),
         "rows": rows,
         "output_tail": "\n".join((output or "").splitlines()[-20:]),
     }

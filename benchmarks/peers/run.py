@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from datetime import date
 from pathlib import Path
 
@@ -27,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import emit_results  # noqa: E402
 from benchmarks.peers import table  # noqa: E402
-from benchmarks.run_all import _kill_group, machine_info, parse_output  # noqa: E402
+from benchmarks.run_all import machine_info, parse_output, run_group  # noqa: E402
 
 TOLERANCE = 1e-4
 PEER_PACKAGES = ("verl", "tensordict", "trl")
@@ -37,20 +36,10 @@ def run_side(python: Path, script: str, args: list[str], timeout: float) -> dict
     """One side's subprocess (its own process group, killed whole on timeout): status, rows, output tail."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [str(python), str(PEERS_DIR / script), *args]
-    start = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        output, _ = proc.communicate()
-        status = f"timed out after {timeout:g} s"
-    rows = parse_output(output or "")
-    tail = "\n".join((output or "").splitlines()[-15:])
-    print(f"[peers] {python.parent.parent.name} {script}: {status}, {time.perf_counter() - start:.0f} s", flush=True)
+    status, output, _, seconds = run_group(cmd, ROOT, env, timeout)
+    rows = parse_output(output)
+    tail = "\n".join(output.splitlines()[-15:])
+    print(f"[peers] {python.parent.parent.name} {script}: {status}, {seconds:.0f} s", flush=True)
     if status != "ok":
         print(tail, flush=True)
     return {"status": status, "rows": rows}
