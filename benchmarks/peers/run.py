@@ -89,7 +89,8 @@ def trl_rows(peers_python: Path, quick: bool, timeout: float) -> tuple[list[dict
     """trl_step.py's rows (it reports ours and TRL's figures itself); skipped with a note while it is missing."""
     if not (PEERS_DIR / "trl_step.py").exists():
         return [], "benchmarks/peers/trl_step.py is not there yet: TRL rows skipped"
-    res = run_side(peers_python, "trl_step.py", ["--quick"] if quick else [], timeout)
+    # --ours: trl_step.py also runs benchmarks/e2e_step.py in .venv at the same shape, so its rows carry the ratio
+    res = run_side(peers_python, "trl_step.py", ["--ours", *(["--quick"] if quick else [])], timeout)
     note = "" if res["status"] == "ok" and res["rows"] else f"trl_step.py: {res['status']}, {len(res['rows'])} rows"
     return table.extra_rows(res["rows"]), note
 
@@ -117,14 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small shapes: a smoke test")
     parser.add_argument("--readme", action="store_true", help="rewrite README.md between the peers markers")
     parser.add_argument("--readme-path", type=Path, default=ROOT / "README.md", help=argparse.SUPPRESS)
-    parser.add_argument("--timeout", type=float, default=None, help="seconds per side (default 300 quick, 1800)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per side (default 600 quick, 1800)")
     parser.add_argument("--ours-python", type=Path, default=ROOT / ".venv" / "bin" / "python")
     parser.add_argument("--peers-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
     args = parser.parse_args(argv)
     if not args.peers_python.exists():
         print(f"{args.peers_python} missing: run benchmarks/peers/setup_venv.sh (make bench-peers does)")
         return 1
-    timeout = args.timeout or (300.0 if args.quick else 1800.0)
+    timeout = args.timeout or (600.0 if args.quick else 1800.0)
     rows, notes = build_rows({"ours": args.ours_python, "verl": args.peers_python}, args.quick, timeout)
 
     print("\nours vs the peers, ratio = ours / peer (lower is better); " + table.summary(rows))
