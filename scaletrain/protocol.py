@@ -271,8 +271,7 @@ class DataProto:
         return [self[i : i + split_size] for i in range(0, len(self), split_size)]
 
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
-        """Each row ``repeat_times`` times: a a b b (interleave) or a b a b. One copy per tensor through a
-        broadcast view (no gather index)."""
+        """Each row ``repeat_times`` times: a a b b (interleave) or a b a b (one copy per tensor: _repeated)."""
         if repeat_times < 1:
             raise ValueError(f"repeat_times must be >= 1, got {repeat_times}")
         batch = None
