@@ -139,7 +139,8 @@ def test_sigterm_checkpoints_after_the_step_and_exits_0_then_resumes(task, tmp_p
     """Fault: the cluster preempts the job (SIGTERM to the driver; SLURM's warning signal is SIGUSR1)."""
     run_dir = tmp_path / "preempted"
     once = ("trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=false")  # saves at the end only
-    args = overridden(task, run_dir, 4, *once)
+    steps = 4
+    args = overridden(task, run_dir, steps, *once)
     proc = subprocess.Popen(args, env=user_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -154,14 +155,14 @@ def test_sigterm_checkpoints_after_the_step_and_exits_0_then_resumes(task, tmp_p
             proc.wait()
     assert proc.returncode == 0, output[-3000:]
     stopped = int((run_dir / "latest_checkpointed_iteration.txt").read_text())
-    assert 1 <= stopped < 4
+    assert 1 <= stopped < steps
     assert f"preempted by SIGTERM after step {stopped}: checkpoint {run_dir / f'global_step_{stopped}'}" in output
     assert not (run_dir / "hf").exists()  # the run is not finished: no final export
     resumed = run(args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {run_dir / f'global_step_{stopped}'} at step {stopped}" in resumed.stdout + resumed.stderr
     rows = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    assert rows == list(range(1, 5)), "each step once, none lost"
+    assert rows == list(range(1, steps + 1)), "each step once, none lost"
 
 
 def test_restart_before_the_first_checkpoint_logs_each_step_once(task, tmp_path):
