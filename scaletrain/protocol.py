@@ -24,32 +24,12 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from scaletrain.protocol_rows import as_index, gather_rows, repeated_rows
 from scaletrain.protocol_transport import from_wire, to_wire
 
 # meta_info key set on each dispatched chunk: how many trailing rows of the chunk are padding. The worker-side
 # wrapper pops it and trims the method's output by as many rows (see controller/decorator.py).
 PAD_ROWS_KEY = "dispatch/pad_rows"
-
-
-def _as_index(idxs: Any) -> torch.Tensor:
-    """Normalise int/bool index lists, numpy arrays and tensors to a 1-D int64 index tensor."""
-    if isinstance(idxs, np.ndarray):
-        idxs = torch.from_numpy(idxs)
-    elif not isinstance(idxs, torch.Tensor):
-        idxs = torch.as_tensor(list(idxs))
-    if idxs.dtype == torch.bool:
-        idxs = idxs.nonzero(as_tuple=True)[0]
-    if idxs.dim() != 1:
-        raise ValueError(f"row index must be 1-D, got shape {tuple(idxs.shape)}")
-    return idxs.long()
-
-
-def _repeated(t: torch.Tensor, times: int, interleave: bool) -> torch.Tensor:
-    """``t``'s rows ``times`` times (a a b b, or a b a b): a broadcast view reshaped, which copies once."""
-    rows, rest = t.shape[0], t.shape[1:]
-    if interleave:
-        return t.unsqueeze(1).expand(rows, times, *rest).reshape(rows * times, *rest)
-    return t.unsqueeze(0).expand(times, rows, *rest).reshape(rows * times, *rest)
 
 
 def _values_equal(a: Any, b: Any) -> bool:
@@ -162,12 +142,10 @@ class DataProto:
 
     def select_idxs(self, idxs: Any) -> DataProto:
         """Rows by int indices or a boolean mask (list, numpy array or tensor)."""
-        index = _as_index(idxs)
-        if len(index) and (int(index.max()) >= len(self) or int(index.min()) < -len(self)):
-            raise IndexError(f"row index out of range for DataProto of {len(self)} rows")
+        index = as_index(idxs, len(self))
         np_index = index.numpy()
         return DataProto(
-            batch=self.batch[index] if self.batch is not None else None,
+            batch=gather_rows(self.batch, index) if self.batch is not None else None,
             non_tensor_batch={k: v[np_index] for k, v in self.non_tensor_batch.items()},
             meta_info=dict(self.meta_info),
         )
@@ -271,13 +249,13 @@ class DataProto:
         return [self[i : i + split_size] for i in range(0, len(self), split_size)]
 
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
-        """Each row ``repeat_times`` times: a a b b (interleave) or a b a b (one copy per tensor: _repeated)."""
+        """Each row ``repeat_times`` times: a a b b (interleave) or a b a b (one copy per tensor: repeated_rows)."""
         if repeat_times < 1:
             raise ValueError(f"repeat_times must be >= 1, got {repeat_times}")
         batch = None
         if self.batch is not None:
             batch = TensorDict(
-                {k: _repeated(v, repeat_times, interleave) for k, v in self.batch.items()},
+                {k: repeated_rows(v, repeat_times, interleave) for k, v in self.batch.items()},
                 batch_size=[len(self) * repeat_times],
                 device=self.batch.device,
             )

@@ -42,6 +42,14 @@ def test_indexing():
         d[6]
     with pytest.raises(IndexError):
         d.select_idxs([7])
+    with pytest.raises(IndexError):
+        d.select_idxs([-7])
+    # negative rows count from the end, in tensors and non-tensors alike; a gather keeps dtypes and row shapes
+    back = d.select_idxs(torch.tensor([-1, 0, -6]))
+    assert back.batch["ids"].tolist() == [[15, 16, 17], [0, 1, 2], [0, 1, 2]]
+    assert back.batch["score"].dtype == torch.float32
+    assert list(back.non_tensor_batch["src"]) == ["s5", "s0", "s0"]
+    assert len(d.select_idxs([])) == 0 and d.select_idxs([]).batch["ids"].shape == (0, 3)
     # a slice's meta_info is its own
     part = d[:2]
     part.meta_info["x"] = 1

@@ -30,11 +30,16 @@ from benchmarks.run_all import machine_info, parse_output, run_group  # noqa: E4
 
 TOLERANCE = 1e-4
 PEER_PACKAGES = ("verl", "tensordict", "trl")
+# glibc keeps freed heap memory for reuse (no page faults on the next allocation) or hands it back to the kernel
+# (a fault per 4 KiB page on the next one) depending on the order of earlier frees, so two processes timing the same
+# op on 112 MiB of rows measured 3-14x apart on allocator luck alone (repeat(4) of the batch: 25 ms warm, 435 ms
+# faulting). Both sides run with the same fixed policy, memory kept for reuse, so a ratio compares the code.
+SIDE_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 
 
 def run_side(python: Path, script: str, args: list[str], timeout: float) -> dict:
     """One side's subprocess (its own process group, killed whole on timeout): status, rows, output tail."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **SIDE_MALLOC_ENV}
     cmd = [str(python), str(PEERS_DIR / script), *args]
     status, output, _, seconds = run_group(cmd, ROOT, env, timeout)
     rows = parse_output(output)
