@@ -21,7 +21,9 @@ The same work on both sides:
   ours, scaletrain/reward/scorers/arithmetic.py);
 - optimisation: AdamW, lr 1e-6, no weight decay, gradient clipping 1.0, clip epsilon 0.2, no KL term and no
   reference model (TRL ``beta=0``; ours runs without a ref), token-mean loss (TRL ``loss_type="dapo"``), std-
-  normalised group advantages (``scale_rewards="group"``), float32, no gradient checkpointing;
+  normalised group advantages (``scale_rewards="group"``), float32, no gradient checkpointing; no old-log-prob
+  forward (TRL trains each batch once against its own detached log-probs; ours runs in rollout correction's bypass
+  mode, ``algorithm.rollout_correction.bypass_mode=true``: the rollout's log-probs are the old ones);
 - counting: the completion tokens actually generated: TRL hands the reward function each completion's ids cut
   after the first EOS (the EOS kept, as our response mask does); e2e_step reports ``response_length/mean`` x rows;
 - timing: 2 warm-up steps, then ``--steps`` measured ones (default 4, ``--quick`` 2), each from the end of the
@@ -270,6 +272,9 @@ def run_ours(args: argparse.Namespace) -> dict:
     """benchmarks/e2e_step.py in .venv with the same shape and steps; its rows by measure."""
     cmd = [str(args.ours_python), str(ROOT / "benchmarks" / "e2e_step.py"), "--steps", str(args.steps), "--no-limit"]
     cmd += ["--quick"] if args.quick else []
+    # the same work as TRL's: trained once, each batch needs no old-log-prob forward (TRL takes the current
+    # log-probs, detached, as the old ones; ours takes the rollout's: rollout_correction's bypass mode)
+    cmd += ["algorithm.rollout_correction.bypass_mode=true"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # e2e_step's ranks: 1 thread each
     print(f"[trl_step] our side: {' '.join(cmd)}", flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)

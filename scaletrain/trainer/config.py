@@ -145,8 +145,8 @@ class RolloutCorrectionConfig:
     rollout_is_batch_normalize: bool = False  # rescale the truncated weights to mean 1 over the batch
     rollout_rs: str | None = None  # null | token_k1 | seq_sum_k1: reject tokens / sequences out of bounds
     rollout_rs_threshold: str | float | None = None  # "lower_upper" ratio bounds, or upper (lower = 1 / upper)
-    bypass_mode: bool = False  # only false: old log-probs are recomputed by the trainer
-    loss_type: str = "ppo_clip"  # bypass mode's loss; only ppo_clip
+    bypass_mode: bool = False  # true: the rollout's log-probs are the old ones (no old-log-prob forward)
+    loss_type: str = "ppo_clip"  # only ppo_clip (the PPO ratio against the old, or in bypass the rollout, policy)
     mismatch_log_prob_threshold: float = 0.1  # metrics: share of tokens with |log pi_train - log pi_rollout| above
 
 

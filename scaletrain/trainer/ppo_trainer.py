@@ -43,7 +43,7 @@ from scaletrain.trainer.remax import greedy_baseline
 from scaletrain.trainer.reward_guard import RewardGuard
 from scaletrain.trainer.rm_reward import RewardWithRM
 from scaletrain.trainer.roles import ActorRolloutRefRole, CriticRole, RewardModelRole
-from scaletrain.trainer.rollout_correction import apply_rollout_correction
+from scaletrain.trainer.rollout_correction import old_log_probs
 from scaletrain.trainer.rollout_sources import OneStepOffRollouts, SyncRollouts
 from scaletrain.trainer.split_placement import spawn_rollout_pool
 from scaletrain.trainer.tracking import Tracking
@@ -289,12 +289,7 @@ class RayPPOTrainer:
                     dump_batch(cfg.trainer.rollout_data_dir, self.global_step, batch, reward, self.tokenizer)
             if cfg.trainer.balance_batch:  # each DP rank gets a similar number of tokens
                 metrics.update(balance_batch(batch, actor_dp_size(cfg)))
-            with timer("old_log_prob", timings):
-                old = self.actor.compute_log_prob(batch)
-                entropy = old.batch["entropys"][batch.batch["response_mask"].bool()]
-                metrics["actor/entropy"] = entropy.mean().item()
-                batch = batch.union(old.select(batch_keys=["old_log_probs"]))
-            metrics.update(apply_rollout_correction(batch, cfg.algorithm.rollout_correction))
+            batch = old_log_probs(self.actor, batch, cfg.algorithm.rollout_correction, metrics, timings)
             if cfg.algorithm.filter_overlong_responses:
                 metrics.update(mask_overlong_responses(batch, self.eos_ids))
             if self.use_ref:

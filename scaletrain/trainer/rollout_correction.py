@@ -1,8 +1,9 @@
 """Rollout correction in the single controller (layer 4): ``algorithm.rollout_correction`` applied per step.
 
 The rollout engine (vLLM, ...) and the trainer compute the same policy with different kernels, so the
-``rollout_log_probs`` the engine returns differ from the trainer's ``old_log_probs``. ``apply_rollout_correction``
-runs on the driver right after the old log-probs (cheap tensor ops on the whole batch):
+``rollout_log_probs`` the engine returns differ from the trainer's ``old_log_probs``. ``old_log_probs`` computes
+those (one step of fit()); ``apply_rollout_correction`` runs on the driver right after them (cheap tensor ops on the
+whole batch):
 
 - always (when the batch has ``rollout_log_probs``): the ``rollout_corr/*`` mismatch metrics;
 - ``rollout_is`` = token | sequence: truncated importance weights pi_train / pi_rollout put in the batch as
@@ -12,6 +13,12 @@ runs on the driver right after the old log-probs (cheap tensor ops on the whole 
 
 The math is in ``scaletrain.algos.rollout_correction``; ``validate_rollout_correction`` checks the keys before
 Ray starts, including that the configured policy loss really uses the weights.
+
+``bypass_mode=true`` (verl's key) skips the trainer's old-log-prob forward: the rollout's log-probs are the old
+ones, so PPO's ratio is pi_theta / pi_rollout (two policies instead of three) and there is nothing left to
+correct. It saves one forward pass over the batch per step. The engines return log-probs of the distribution they
+sampled from (temperature-scaled, and renormalised under top-k / top-p): with truncation on, the ratio also
+carries that difference.
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ import torch
 
 from scaletrain.algos import compute_mismatch_metrics, compute_rollout_correction, get_policy_loss, masked_mean
 from scaletrain.protocol import DataProto
+from scaletrain.trainer.metrics import timer
 from scaletrain.utils.typed_config import ConfigError
 
 if TYPE_CHECKING:
     from scaletrain.trainer.config import PPOConfig, RolloutCorrectionConfig
+    from scaletrain.trainer.roles import ActorRolloutRefRole
 
 KEY = "algorithm.rollout_correction"
 IS_OPTIONS = ("token", "sequence")
@@ -80,14 +89,16 @@ def validate_rollout_correction(cfg: PPOConfig) -> None:
         rs_bounds(rc)
     elif rc.rollout_rs_threshold is not None:
         raise ConfigError(f"{KEY}.rollout_rs_threshold is set but {KEY}.rollout_rs is null")
-    if rc.bypass_mode:
+    if rc.bypass_mode and (rc.rollout_is is not None or rc.rollout_rs is not None):
+        set_keys = [f"{KEY}.{k}" for k in ("rollout_is", "rollout_rs") if getattr(rc, k) is not None]
         raise ConfigError(
-            f"{KEY}.bypass_mode: unsupported true; supported: false (the trainer recomputes the old log-probs)"
+            f"{KEY}.bypass_mode=true takes the rollout's log-probs as the old ones, so there is no trainer / rollout "
+            f"mismatch left to weight or reject: unset {', '.join(set_keys)} (or set bypass_mode=false)"
         )
     if rc.loss_type != "ppo_clip":
         raise ConfigError(
-            f"{KEY}.loss_type: unsupported '{rc.loss_type}'; supported: ppo_clip (other loss "
-            "types belong to bypass_mode)"
+            f"{KEY}.loss_type: unsupported '{rc.loss_type}'; supported: ppo_clip (the PPO ratio against the "
+            "rollout policy in bypass_mode, against the recomputed old policy otherwise)"
         )
     if not 0.0 < rc.mismatch_log_prob_threshold < float("inf"):
         raise ConfigError(f"{KEY}.mismatch_log_prob_threshold must be positive, got {rc.mismatch_log_prob_threshold}")
@@ -123,6 +134,23 @@ def _check_loss_uses_weights(cfg: PPOConfig) -> None:
             f"(all-zero weights gave loss {float(loss):.4g}); set rollout_is to null or use a loss "
             "that applies them"
         )
+
+
+def old_log_probs(
+    actor: ActorRolloutRefRole, batch: DataProto, cfg: RolloutCorrectionConfig, metrics: dict, timings: dict
+) -> DataProto:
+    """``batch`` with ``old_log_probs``: the actor's forward pass (its entropy as ``actor/entropy``) and then the
+    rollout correction, or in bypass mode the rollout's own log-probs."""
+    if cfg.bypass_mode:
+        batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+        return batch
+    with timer("old_log_prob", timings):
+        old = actor.compute_log_prob(batch)
+        entropy = old.batch["entropys"][batch.batch["response_mask"].bool()]
+        metrics["actor/entropy"] = entropy.mean().item()
+        batch = batch.union(old.select(batch_keys=["old_log_probs"]))
+    metrics.update(apply_rollout_correction(batch, cfg))
+    return batch
 
 
 @torch.no_grad()

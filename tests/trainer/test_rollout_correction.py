@@ -126,7 +126,11 @@ def checked(*settings, extra=()):
         (["rollout_rs_threshold=2.0"], f"{KEY}.rollout_rs_threshold is set but {KEY}.rollout_rs is null"),
         (["rollout_is=token", "rollout_is_threshold=0.5"], f"{KEY}.rollout_is_threshold must be >= 1"),
         (["rollout_is_batch_normalize=true"], f"{KEY}.rollout_is_batch_normalize needs {KEY}.rollout_is"),
-        (["bypass_mode=true"], f"{KEY}.bypass_mode: unsupported true; supported: false"),
+        (["bypass_mode=true", "rollout_is=token"], f"unset {KEY}.rollout_is (or set bypass_mode=false)"),
+        (
+            ["bypass_mode=true", "rollout_rs=token_k1", "rollout_rs_threshold=2.0"],
+            f"unset {KEY}.rollout_rs (or set bypass_mode=false)",
+        ),
         (["loss_type=reinforce"], f"{KEY}.loss_type: unsupported 'reinforce'; supported: ppo_clip"),
         (["mismatch_log_prob_threshold=0"], f"{KEY}.mismatch_log_prob_threshold must be positive"),
     ],
@@ -143,6 +147,7 @@ def test_good_keys_and_threshold_forms():
     assert rs_bounds(cfg.rollout_correction) == (0.5, 2.0)
     assert rs_bounds(RolloutCorrectionConfig(rollout_rs="seq_sum_k1", rollout_rs_threshold=4)) == (0.25, 4.0)
     assert checked().algorithm.rollout_correction == RolloutCorrectionConfig()  # YAML defaults = dataclass defaults
+    assert checked("bypass_mode=true").algorithm.rollout_correction.bypass_mode
 
 
 @pytest.mark.parametrize("loss_mode", POLICY_LOSSES.names())

@@ -1,9 +1,12 @@
-"""The trainer CLI with algorithm.rollout_correction: rollout_corr/* logged every step, the IS weights reach the loss.
+"""The trainer CLI with algorithm.rollout_correction: rollout_corr/* logged every step, the IS weights reach the loss,
+and bypass mode trains against the rollout's log-probs without the old-log-prob forward.
 
 A top-k rollout (top_k=3) samples from a renormalised distribution, so its log-probs differ from the trainer's
-full-softmax ones by a known sign (pi_rollout >= pi_train on every sampled token). Two one-step runs with the same
-seed, without and with token-level IS, share the rollout and its mismatch metrics; only the loss differs. The
-reward is a hash of the response text, so samples of one prompt differ and GRPO's advantages are not all 0.
+full-softmax ones by a known sign (pi_rollout >= pi_train on every sampled token). Three one-step runs with the same
+seed (plain, token-level IS, bypass mode) share the rollout; only the old log-probs and the loss differ. The whole
+batch is one mini-batch, so the single update's ``actor/ppo_kl`` is measured at the rollout's weights: ~0 against
+recomputed old log-probs, the rollout mismatch (``rollout_corr/kl_k1``) against the rollout's own. The reward is a
+hash of the response text, so samples of one prompt differ and GRPO's advantages are not all 0.
 """
 
 import subprocess
@@ -38,6 +41,7 @@ def test_rollout_correction_metrics_and_weights_in_a_run(task, tmp_path):  # noq
         "trainer.save_freq=-1",
         "trainer.plot_at_end=false",
         "trainer.save_hf_at_end=false",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         f"custom_reward_function.path={reward_file}",
     ]
     plain = run(task, tmp_path / "plain", common)
@@ -58,3 +62,10 @@ def test_rollout_correction_metrics_and_weights_in_a_run(task, tmp_path):  # noq
     assert 0 < tis["rollout_corr/is_ratio_min"] <= tis["rollout_corr/is_ratio_mean"] < 1
     assert tis["rollout_corr/is_ratio_max"] <= 1 + 1e-5
     assert tis["actor/pg_loss"] != pytest.approx(plain["actor/pg_loss"], rel=1e-3, abs=1e-6)
+    # bypass mode: no old-log-prob forward, no mismatch left to measure, PPO's ratio taken against the rollout
+    bypass = run(task, tmp_path / "bypass", [*common, "algorithm.rollout_correction.bypass_mode=true"])
+    assert "timing_s/old_log_prob" in plain and "timing_s/old_log_prob" not in bypass
+    assert not any(k.startswith("rollout_corr/") for k in bypass)
+    assert bypass["critic/score/mean"] == plain["critic/score/mean"]
+    assert abs(plain["actor/ppo_kl"]) < 1e-4 < bypass["actor/ppo_kl"]
+    assert bypass["actor/ppo_kl"] == pytest.approx(plain["rollout_corr/kl_k1"], rel=0.05)
