@@ -119,6 +119,7 @@ def verl_overrides(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
+    from scaletrain.utils.fast_exit import run_and_exit
     from scaletrain.utils.typed_config import ConfigError
 
     try:
@@ -126,4 +127,4 @@ if __name__ == "__main__":
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         sys.exit(2)
-    sys.exit(main())
+    run_and_exit(main)

@@ -39,4 +39,6 @@ def main(config: DictConfig) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from scaletrain.utils.fast_exit import run_and_exit
+
+    run_and_exit(main)
