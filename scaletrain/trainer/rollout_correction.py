@@ -142,6 +142,8 @@ def old_log_probs(
     """``batch`` with ``old_log_probs``: the actor's forward pass (its entropy as ``actor/entropy``) and then the
     rollout correction, or in bypass mode the rollout's own log-probs."""
     if cfg.bypass_mode:
+        if "rollout_log_probs" not in batch.batch.keys():
+            raise ValueError(f"{KEY}.bypass_mode=true needs the rollout's log-probs, and this batch has none")
         batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
         return batch
     with timer("old_log_prob", timings):

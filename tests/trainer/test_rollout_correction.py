@@ -9,7 +9,7 @@ import torch
 from scaletrain.algos import POLICY_LOSSES
 from scaletrain.protocol import DataProto
 from scaletrain.trainer.config import RolloutCorrectionConfig
-from scaletrain.trainer.rollout_correction import apply_rollout_correction, rs_bounds
+from scaletrain.trainer.rollout_correction import apply_rollout_correction, old_log_probs, rs_bounds
 from scaletrain.utils.typed_config import ConfigError
 from tests.trainer.test_ppo_config import checked as checked_config
 
@@ -62,6 +62,18 @@ def test_mismatch_metrics_are_logged_without_correction():
     assert not any(k.startswith("rollout_corr/is_") for k in m)
     no_rollout = DataProto.from_dict({"old_log_probs": torch.zeros(3, 4), "response_mask": MASK.clone()})
     assert apply_rollout_correction(no_rollout, RolloutCorrectionConfig(rollout_is="token")) == {}
+
+
+def test_bypass_mode_takes_the_rollouts_log_probs_without_the_actor():
+    batch = make_batch()
+    batch.pop(batch_keys=["old_log_probs"])
+    metrics, timings = {}, {}
+    # actor None: a forward pass would fail; bypass mode must not make one
+    out = old_log_probs(None, batch, RolloutCorrectionConfig(bypass_mode=True), metrics, timings)
+    assert torch.equal(out.batch["old_log_probs"], out.batch["rollout_log_probs"]) and metrics == {} == timings
+    out.pop(batch_keys=["old_log_probs", "rollout_log_probs"])
+    with pytest.raises(ValueError, match=f"{KEY}.bypass_mode=true needs the rollout's log-probs"):
+        old_log_probs(None, out, RolloutCorrectionConfig(bypass_mode=True), metrics, timings)
 
 
 def test_truncated_is_weights_token_and_sequence():
