@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
 import atexit, logging, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
 from scaletrain.utils.fast_exit import run_and_exit
 
 log = logging.getLogger("probe")
@@ -20,6 +21,9 @@ log.addHandler(logging.FileHandler(sys.argv[2]))
 def main():
     atexit.register(lambda: print("atexit ran"))
     threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished"))).start()
+    # an idle pool worker: a non-daemon thread that stops only when the interpreter's exit tells it to
+    pool = ThreadPoolExecutor(1)
+    pool.submit(print, "pool task ran").result()
     sys.stdout.write("buffered line without a newline")
     log.warning("logged line")
     {ending}
@@ -45,8 +49,9 @@ def test_run_and_exit_keeps_what_a_normal_exit_does(tmp_path, ending, status, st
         env={"PYTHONPATH": str(ROOT)},
     )
     assert out.returncode == status
-    assert out.stdout.startswith("buffered line without a newline")
-    assert "thread finished" in out.stdout and out.stdout.rstrip().endswith("atexit ran")
+    assert "buffered line without a newline" in out.stdout
+    assert "thread finished" in out.stdout and "pool task ran" in out.stdout
+    assert out.stdout.rstrip().endswith("atexit ran")
     assert stderr in out.stderr
     assert log.read_text() == "logged line\n"
 

@@ -4,10 +4,10 @@
 After ``main`` returns, CPython frees every module's objects one by one before the process ends. With torch,
 transformers and Ray loaded that is ~3 s of one core per run here (sampled: the process sits active with no Python
 frame between Ray's shutdown and its exit), paid by every run and by every test that runs the CLI. ``run_and_exit``
-does all of a normal exit that anything can observe, in the same order -- it waits for the non-daemon threads,
-runs the atexit handlers (Ray's shutdown, multiprocessing's child clean-up, the logging flush) and flushes stdio --
-then ends the process with ``os._exit``, skipping only that teardown. An exception other than SystemExit takes
-the normal way out (traceback, full teardown).
+does all of a normal exit that anything can observe, in the same order -- it stops and waits for the non-daemon
+threads as the interpreter does, runs the atexit handlers (Ray's shutdown, multiprocessing's child clean-up, the
+logging flush) and flushes stdio -- then ends the process with ``os._exit``, skipping only that teardown. An
+exception other than SystemExit takes the normal way out (traceback, full teardown).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ def run_and_exit(main: Callable[[], object]) -> NoReturn:
         status = 0
     except SystemExit as stop:
         status = exit_status(stop.code)
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # the interpreter's own first exit step: threading's exit callbacks (a ThreadPoolExecutor's idle workers are
+    # told to stop there: joining them without it waits forever), then the non-daemon threads joined
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
