@@ -161,9 +161,11 @@ def _kill_points(trace: str, root: str) -> list[tuple[str, int]]:
     return points
 
 
-def _traced_saver(root: str, saver: tuple[str, ...], *strace_args: str) -> subprocess.Popen:
-    """The saver child with strace attached once its imports are done, then let go: the kill points count the
-    save's calls alone, and the imports run untraced (traced, a child's imports took ~8 s instead of ~2.4 s)."""
+def _traced_saver(root: str, saver: tuple[str, ...], *strace_args: str) -> tuple[int, list[str]]:
+    """The saver child with strace attached once its imports are done, run to its end: its exit status and its
+    stdout lines after "ready". The kill points count the save's calls alone, and the imports run untraced
+    (traced, a child's imports took ~8 s instead of ~2.4 s). Returns once strace has exited too, so its output
+    file is complete."""
     proc = _child("saver", root, *saver, "wait", stdin=subprocess.PIPE)
     assert proc.stdout.readline() == b"ready\n"
     tracer = subprocess.Popen(
@@ -175,7 +177,9 @@ def _traced_saver(root: str, saver: tuple[str, ...], *strace_args: str) -> subpr
         pytest.skip(f"strace could not attach to a child here: {attached.decode().strip()}")
     proc.stdin.write(b"go\n")
     proc.stdin.flush()
-    return proc
+    events = proc.communicate(timeout=120)[0].decode().split("\n")[:-1]
+    tracer.communicate(timeout=60)
+    return proc.returncode, events
 
 
 @pytest.mark.slow  # 14 child processes, ~35 s
@@ -193,18 +197,16 @@ def test_kill_9_at_every_rename_and_unlink_of_a_save(tmp_path):
     root, trace = str(tmp_path / "dry"), str(tmp_path / "trace")
     shutil.copytree(template, root)
     watched = "trace=rename,renameat,renameat2,unlinkat,rmdir"
-    dry = _traced_saver(root, saver, "-o", trace, "-e", watched)
-    dry.communicate(timeout=120)
-    assert dry.returncode == 0
+    status, _ = _traced_saver(root, saver, "-o", trace, "-e", watched)
+    assert status == 0
     kills = _kill_points(trace, template.replace("template", "dry"))
     assert len(kills) >= 13, kills  # 2 saves: 6 renames, 2 directory deletions of 6 entries each
     for name, k in kills:
         root = str(tmp_path / f"{name}{k}")
         shutil.copytree(template, root)
         inject = ["-o", "/dev/null", "-e", f"trace={name}", "-e", f"inject={name}:signal=KILL:when={k}"]
-        proc = _traced_saver(root, saver, *inject)  # SIGKILL on entering that call
-        events = proc.communicate(timeout=120)[0].decode().split("\n")[:-1]
-        assert proc.returncode == -signal.SIGKILL, (name, k, proc.returncode, events)
+        status, events = _traced_saver(root, saver, *inject)  # SIGKILL on entering that call
+        assert status == -signal.SIGKILL, (name, k, status, events)
         _check_after_kill(root, _allowed(events, (2, 0) if "saved 2" not in events else (2, 1), 1), 9)
         shutil.rmtree(root)
 
