@@ -38,7 +38,7 @@ run: install
 	OMP_NUM_THREADS=1 $(PY) -m scaletrain.trainer.main_ppo $(GROUP_ARGS) $(ARGS)
 
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15 $(ARGS)
 
 # ruff's lint and format check (rules in pyproject.toml); `make format` rewrites the tree to pass the format check
 lint: install

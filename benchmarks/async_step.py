@@ -142,18 +142,13 @@ def parse_args() -> argparse.Namespace:
 
 def run_mode(root: Path, base: dict, mode: str, overrides: list[str]) -> tuple[list[dict], dict[int, list[int]]]:
     """One run: its metrics.jsonl rows and the recorded response lengths by step."""
-    import ray
-
     from scaletrain.trainer.main_ppo import run_ppo
 
     run_dir = root / mode.replace("+", "_")
     config = with_overrides(base, [*SPLIT, *MODES[mode], f"trainer.default_local_dir={run_dir}", *overrides])
     LENGTHS.clear()
     start = time.perf_counter()
-    try:
-        run_ppo(config)
-    finally:
-        ray.shutdown()  # the next mode starts on a fresh cluster
+    run_ppo(config)  # on a private Ray cluster of its own, shut down at its end
     short = sum(got < drawn for drawn, got in LENGTHS.values())
     print(
         f"[async_step] {mode}: run took {time.perf_counter() - start:.1f} s; {short} of {len(LENGTHS)} responses "

@@ -5,8 +5,8 @@ its limit: the same work done by plain tools in the same run (benchmarks/e2e_lim
     python benchmarks/e2e_step.py [--quick] [--rollout vllm|hf] [--steps N] [--no-limit] [key=value ...]
 
 Trailing ``key=value`` arguments are trainer config overrides (dotted keys, as for main_ppo), e.g.
-``ray_init.address=10.0.0.1:6379 trainer.nnodes=2 trainer.n_gpus_per_node=1`` to run on an existing multi-node
-Ray cluster; launch/run.sh passes exactly those with ``ENTRY=benchmarks.e2e_step``, and
+``ray_kwargs.ray_init.address=10.0.0.1:6379 trainer.nnodes=2 trainer.n_gpus_per_node=1`` to run on an existing
+multi-node Ray cluster; launch/run.sh passes exactly those with ``ENTRY=benchmarks.e2e_step``, and
 launch/testing/bench_slurm.sh compares 1 and 2 nodes on the one-machine SLURM test cluster.
 
 Model, tokenizer and sampling (``build_model``): a tiny random Qwen2 (hidden 128, 2 layers, 4 heads / 2 KV heads,
@@ -23,7 +23,7 @@ then runs to the full 128 tokens; still, the figures count the response tokens a
 response mask: ``response_length/mean`` x rows), never rows x 128, and print the mean / min length.
 
 Every phase (vLLM generation, reward, old log-probs, FSDP update on 2 ranks, weight sync) does its real work.
-The limit (skipped with ``--no-limit`` or on a Ray cluster given by ``ray_init.address``): raw ``vllm.LLM``
+The limit (skipped with ``--no-limit`` or on a Ray cluster given by ``ray_kwargs.ray_init.address``): raw ``vllm.LLM``
 generate of the same prompts and lengths + a plain torch forward/backward/AdamW loop over the same tokens + a plain
 no-grad forward (the old log-probs), each on the same ranks x threads as the step; printed as step / sum
 (target <= 1.2x).
@@ -143,7 +143,7 @@ def parse_args() -> argparse.Namespace:
         "overrides",
         nargs="*",
         metavar="key=value",
-        help="trainer config overrides, e.g. ray_init.address=HOST:PORT trainer.nnodes=2",
+        help="trainer config overrides, e.g. ray_kwargs.ray_init.address=HOST:PORT trainer.nnodes=2",
     )
     args = parser.parse_args()
     bad = [o for o in args.overrides if "=" not in o]
@@ -269,8 +269,6 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("scaletrain").setLevel(logging.INFO)  # e.g. where the worker group's ranks run
 
-    import ray
-
     from scaletrain.data.embedded import write_arithmetic_task
     from scaletrain.trainer.main_ppo import run_ppo
 
@@ -282,19 +280,18 @@ def main() -> None:
         config = with_overrides(config, args.overrides)
         trainer = config["trainer"]
         nnodes, per_node = trainer.get("nnodes", 1), trainer.get("n_gpus_per_node", 2)
-        summary = run_ppo(config)
+        summary = run_ppo(config)  # its private Ray cluster is shut down at its end
         rows = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines() if line]
         limit = None
         # the limit runs on this machine: only for a local run, once the step's Ray cluster has let the cores go
-        if not args.no_limit and not config.get("ray_init", {}).get("address") and nnodes == 1:
-            ray.shutdown()
+        if not args.no_limit and not config.get("ray_kwargs", {}).get("ray_init", {}).get("address") and nnodes == 1:
             limit = measure(args, root, model, data, shape, per_node)
     measured = [r for r in rows if r["step"] > 2]
     mean = {k: sum(r.get(k, 0.0) for r in measured) / len(measured) for k in measured[0]}
     print(
         f"\nGRPO step: {prompts} prompts x {n} samples x {resp} response tokens, {args.rollout} rollout, "
         f"{nnodes * per_node} FSDP rank(s) on {nnodes} node(s), {len(measured)} steps measured "
-        f"(run took {summary['wall_s']} s)"
+        f"(run took {summary.wall_s} s)"
     )
     where = "" if (nnodes, per_node) == (1, 2) else f" ({nnodes} node(s) x {per_node} rank(s))"
     report(mean, prompts * n, where, limit)

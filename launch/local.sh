@@ -5,7 +5,7 @@
 #   NUM_GPUS=8 GPUS_PER_NODE=8 launch/local.sh actor_rollout_ref.model.path=/models/qwen ...
 #
 # Arguments are Hydra overrides for `python -m scaletrain.trainer.main_ppo`; this script adds
-# trainer.nnodes=1, trainer.n_gpus_per_node and ray_init.address. Options from the environment:
+# trainer.nnodes=1, trainer.n_gpus_per_node and ray_kwargs.ray_init.address. Options from the environment:
 #   GPUS_PER_NODE           GPUs (on CPU: ranks) the trainer uses      default: nvidia-smi count, else 2
 #   NUM_GPUS                GPUs Ray may schedule                      default: nvidia-smi count, else 0
 #   NUM_CPUS                CPUs Ray may schedule (may exceed cores)   default: max(cores, 2 x GPUS_PER_NODE)
@@ -89,7 +89,7 @@ echo "local.sh: Ray up"
 
 set +e
 "${CONTAINER_CMD[@]}" "$PYTHON" -m scaletrain.trainer.main_ppo \
-  trainer.nnodes=1 trainer.n_gpus_per_node="$GPUS_PER_NODE" ray_init.address="$ADDRESS" "$@"
+  trainer.nnodes=1 trainer.n_gpus_per_node="$GPUS_PER_NODE" ray_kwargs.ray_init.address="$ADDRESS" "$@"
 rc=$?
 set -e
 echo "local.sh: trainer exited with $rc"

@@ -5,7 +5,7 @@
 #   salloc -N 2 --gpus-per-node=8 bash launch/run.sh trainer.total_training_steps=100 ...
 #
 # Arguments are Hydra overrides for `python -m scaletrain.trainer.main_ppo`; this script adds
-# trainer.nnodes, trainer.n_gpus_per_node and ray_init.address for you.
+# trainer.nnodes, trainer.n_gpus_per_node and ray_kwargs.ray_init.address for you.
 #
 # Edit the #SBATCH lines below (partition, nodes, GPUs, time). Options from the environment
 # (export them before sbatch; sbatch passes the environment on by default):
@@ -167,7 +167,7 @@ pass_stop_on() {  # SLURM's warning signal or a TERM: the trainer checkpoints af
 # the driver runs on the head node (it needs a local raylet), also when this script runs on a salloc login node
 set +e
 srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" "${CONTAINER_CMD[@]}" "$PYTHON" -m "$ENTRY" \
-  trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$GPUS_PER_NODE" ray_init.address="$ADDRESS" "$@" &
+  trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$GPUS_PER_NODE" ray_kwargs.ray_init.address="$ADDRESS" "$@" &
 DRIVER_PID=$!
 trap 'pass_stop_on USR1' USR1
 trap 'pass_stop_on TERM' TERM

@@ -36,3 +36,12 @@ def smollm2_dir() -> str:
     from scaletrain.models.prepare import prepare_model
 
     return prepare_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def task(tmp_path_factory) -> dict:
+    """The embedded default's model, tokenizer and arithmetic task, small (400 training problems), built once per
+    session for every end-to-end run (tests/trainer/runs.py)."""
+    from scaletrain.data import build_embedded_default
+
+    return build_embedded_default(cache_dir=str(tmp_path_factory.mktemp("cache")), n_train=400, n_val=16, n_test=16)

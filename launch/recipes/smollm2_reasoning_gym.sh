@@ -19,6 +19,7 @@
 #               (fsdp | deepspeed; alpha 2 x rank, lr 10x, vLLM gets the adapter alone after each update)
 #   LR          the actor's learning rate                              default: 2e-5, 2e-4 with LoRA
 #   OUT         where data and runs go                                 default: outputs/smollm2_reasoning_gym
+#   PRINT_ONLY  set: prepare the model and data, print the trainer's overrides (one per line), do not train
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -51,17 +52,23 @@ DATA="$OUT/data/$TASK"
 "$PYTHON" -m scaletrain.data.preprocess.reasoning_gym --task "$TASK" --task_kwargs "$TASK_KWARGS" \
   --fewshot "$FEWSHOT" --output_dir "$DATA" --train_size "$TRAIN_SIZE" --test_size "$TEST_SIZE" --seed 0
 
-exec "$PYTHON" -m scaletrain.trainer.main_ppo \
-  backend="$BACKEND" rollout=vllm algorithm.adv_estimator=grpo \
-  actor_rollout_ref.model.path="$MODEL" \
-  data.train_files="$DATA/train.parquet" data.val_files="$DATA/test.parquet" \
-  data.train_batch_size=4 data.max_prompt_length=160 data.max_response_length=24 \
-  actor_rollout_ref.rollout.n=8 actor_rollout_ref.rollout.temperature=0.7 \
-  actor_rollout_ref.rollout.kv_cache_bytes=536870912 \
-  actor_rollout_ref.actor.ppo_mini_batch_size=4 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 \
-  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16 \
-  actor_rollout_ref.actor.optim.lr="$LR" actor_rollout_ref.actor.optim.grad_clip=1.0 "${LORA[@]}" \
-  trainer.total_training_steps="$STEPS" trainer.test_freq="$TEST_FREQ" trainer.save_freq=-1 \
-  trainer.project_name=smollm2_reasoning_gym trainer.experiment_name="$RUN_NAME" \
-  trainer.default_local_dir="$OUT/runs/$RUN_NAME" trainer.logger=[console,jsonl] \
+ARGS=(
+  backend="$BACKEND" rollout=vllm algorithm.adv_estimator=grpo
+  actor_rollout_ref.model.path="$MODEL"
+  data.train_files="$DATA/train.parquet" data.val_files="$DATA/test.parquet"
+  data.train_batch_size=4 data.max_prompt_length=160 data.max_response_length=24
+  actor_rollout_ref.rollout.n=8 actor_rollout_ref.rollout.temperature=0.7
+  actor_rollout_ref.rollout.kv_cache_bytes=536870912
+  actor_rollout_ref.actor.ppo_mini_batch_size=4 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16
+  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16
+  actor_rollout_ref.actor.optim.lr="$LR" actor_rollout_ref.actor.optim.grad_clip=1.0 "${LORA[@]}"
+  trainer.total_training_steps="$STEPS" trainer.test_freq="$TEST_FREQ" trainer.save_freq=-1
+  trainer.project_name=smollm2_reasoning_gym trainer.experiment_name="$RUN_NAME"
+  trainer.default_local_dir="$OUT/runs/$RUN_NAME" trainer.logger=[console,jsonl]
   "$@"
+)
+if [[ -n "${PRINT_ONLY:-}" ]]; then  # the trainer's overrides, one per line, for scaletrain.trainer.main_ppo.run
+  printf '%s\n' "${ARGS[@]}"
+  exit 0
+fi
+exec "$PYTHON" -m scaletrain.trainer.main_ppo "${ARGS[@]}"

@@ -95,6 +95,7 @@ class RayWorkerGroup(WorkerGroup):
         self.poll_interval_s = poll_interval_s
         self.death_grace_s = death_grace_s  # how long a failed call looks for a dead peer to blame
         self.stack_dump_dir = stack_dump_dir  # where a timed-out call writes every worker's stack
+        self.resource_pool = resource_pool  # None for a role view (see spawn)
         if _from_workers is not None:  # a role view of colocated workers (see spawn)
             workers, infos, user_cls, prefix = _from_workers
             super().__init__(name_prefix or prefix.rstrip("_"), control_prefix=prefix)
@@ -109,8 +110,19 @@ class RayWorkerGroup(WorkerGroup):
         self._cls_with_init = ray_cls_with_init
         self._workers: list[Any] = []
         self._infos: list[dict] = []
-        self._start_workers(resource_pool, ray_cls_with_init)
+        try:
+            self._start_workers(resource_pool, ray_cls_with_init)
+        except BaseException:
+            self.shutdown()  # a group that failed to start leaves no actor behind on the cluster
+            raise
         self._bind_worker_methods(ray_cls_with_init.user_cls)
+
+    def shutdown(self) -> None:
+        """Kills this group's actors (the role views of a colocated group share them); the resource pool stays the
+        caller's to release: several groups may share one."""
+        for worker in self._workers:
+            ray.kill(worker, no_restart=True)
+        self._workers = []
 
     # ------------------------------------------------------------------------------------------------ start
     def _start_workers(self, pool: RayResourcePool, cls_with_init: RayClassWithInitArgs) -> None:

@@ -238,9 +238,24 @@ class AsyncTrainingConfig:
 
 @dataclass
 class RayInitConfig:
-    address: str | None = None  # null: start a private local cluster; "auto": join a running one
-    num_cpus: int | None = None
-    object_store_memory: int | None = None
+    """verl's ``ray_kwargs.ray_init``: arguments of ``ray.init`` (scaletrain/trainer/ray_cluster.py)."""
+
+    address: str | None = None  # null: start a private local cluster; "auto" or HOST:PORT: join a running one
+    num_cpus: int | None = None  # a private cluster's CPUs (null: 2 per worker, at least the machine's cores)
+    num_gpus: int | None = None  # a private cluster's GPUs (null: Ray counts them; 0 on trainer.device=cpu)
+    object_store_memory: int | None = None  # bytes, a private cluster's (null: 1 GiB)
+    resources: dict[str, float] = field(default_factory=dict)  # a private cluster's custom resources
+    namespace: str | None = None  # the Ray namespace of this run's actors (null: Ray's anonymous one)
+    runtime_env: dict[str, Any] = field(default_factory=dict)  # merged over the run log's; null values dropped
+    include_dashboard: bool = False
+    dashboard_host: str | None = None  # null: Ray's (127.0.0.1)
+    dashboard_port: int | None = None
+
+
+@dataclass
+class RayKwargsConfig:
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+    timeline_json_file: str | None = None  # set: the run's Ray timeline (chrome://tracing JSON) written at its end
 
 
 @dataclass
@@ -254,7 +269,7 @@ class PPOConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
-    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+    ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
 
     @property
     def use_critic(self) -> bool:

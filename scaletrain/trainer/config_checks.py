@@ -25,6 +25,7 @@ def check_config(cfg: PPOConfig) -> PPOConfig:
     """Checks across keys of a resolved config (``plan.resolve_config``); raises ConfigError naming the key.
     Changes nothing; returns ``cfg`` for chaining."""
     from scaletrain.trainer.dynamic_sampling import validate_filter_groups
+    from scaletrain.trainer.ray_cluster import check_ray_kwargs
     from scaletrain.trainer.rm_reward import validate_reward_model
     from scaletrain.trainer.role_checks import validate_roles
     from scaletrain.trainer.rollout_correction import validate_rollout_correction
@@ -44,6 +45,7 @@ def check_config(cfg: PPOConfig) -> PPOConfig:
     cfg.actor_rollout_ref.rollout.val_sampling()  # raises ConfigError naming a bad val_kwargs key
     _validate_paths(cfg)
     validate_reward_model(cfg)  # after _validate_megatron: the RM shares the resolved layout
+    check_ray_kwargs(cfg.ray_kwargs)
     return cfg
 
 

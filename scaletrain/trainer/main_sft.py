@@ -6,11 +6,14 @@
 
 configs/sft_trainer.yaml holds every key with its default. The YAML is turned into typed dataclasses and
 validated (unknown keys, wrong types, batch sizes, files) before Ray starts; see scaletrain/trainer/sft_trainer.py.
+``run(overrides)`` is the same run in the caller's process, returning run_sft's summary.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -36,6 +39,15 @@ def main(config: DictConfig) -> dict:
         summary["hf_path"],
     )
     return summary
+
+
+def run(overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The command line's SFT run in this process (Ray: its connection if it has one, else ``ray_kwargs``'s)."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("scaletrain.configs", version_base=None):
+        config = compose("sft_trainer", overrides=list(overrides))
+    return run_sft(load_sft_config(OmegaConf.to_container(config, resolve=True)))
 
 
 if __name__ == "__main__":

@@ -93,6 +93,9 @@ class RayPPOTrainer:
         self.initial_val_metrics: dict[str, float] = {}  # validation before the first step
         self.agent_manager = None  # the multi-turn rollout path (init_workers)
         self.preempted: dict | None = None  # set when a signal ended fit() early: {signal, step}
+        self.last_metrics: dict[str, float] = {}  # the last trained step's
+        self.pool: RayResourcePool | None = None
+        self.worker_groups: list[RayWorkerGroup] = []  # every group init_workers started, freed by close()
         self.rollouts = None  # where fit()'s batches come from (rollout_sources.py)
         self.reward_lock = threading.Lock()  # the reward functions are called from the rollout thread too
         self.agent_lock = threading.Lock()  # one batcher (AsyncServerManager) serves one event loop at a time
@@ -118,12 +121,14 @@ class RayPPOTrainer:
         if rm_cfg is not None:  # the reward model: one more colocated role on the same processes
             roles["rm"] = RayClassWithInitArgs(RewardModelWorker, rm_cfg)
         self.pool = RayResourcePool([tc.n_gpus_per_node] * tc.nnodes, use_gpu=self.device == "cuda")
-        colocated = RayWorkerGroup(
-            self.pool,
-            create_colocated_worker_cls(roles),
-            name_prefix="colocated",
-            call_timeout_s=tc.worker_call_timeout_s,
-            stack_dump_dir=os.path.join(self.plan.run_dir, "stacks"),  # where a stuck call's stacks go
+        self.worker_groups.append(
+            colocated := RayWorkerGroup(
+                self.pool,
+                create_colocated_worker_cls(roles),
+                name_prefix="colocated",
+                call_timeout_s=tc.worker_call_timeout_s,
+                stack_dump_dir=os.path.join(self.plan.run_dir, "stacks"),  # where a stuck call's stacks go
+            )
         )
         groups = colocated.spawn(prefix_set=list(roles), call_timeouts=tc.worker_call_timeout_s_by_role)
         self.actor = ActorRolloutRefRole(groups["actor_rollout"])
@@ -131,7 +136,7 @@ class RayPPOTrainer:
         if self.critic is not None:
             self.critic.init_model()
         self.actor.init_model()
-        split_rollout = spawn_rollout_pool(cfg, self.plan, actor_cfg, self.actor) if split else None
+        split_rollout = spawn_rollout_pool(cfg, self.plan, actor_cfg, self.actor, self.worker_groups) if split else None
         self.rollout = split_rollout or self.actor  # what generates: the split pool, or the actor's own engines
         self.weight_sync = WeightSync(self.actor, split_rollout)
         if rm_cfg is not None:
@@ -208,6 +213,7 @@ class RayPPOTrainer:
                     if self._due(cfg.trainer.save_freq, last) or watch.requested:
                         self.save_checkpoint()
                     tracking.log(metrics, step=self.global_step)
+                    self.last_metrics = metrics
             finally:
                 self.rollouts.close()
             if watch.requested and self.global_step < self.total_steps:
@@ -391,4 +397,11 @@ class RayPPOTrainer:
         return path
 
     def close(self) -> None:
-        self.reward_fn.close()  # stops the scoring processes
+        """Frees all the run holds, on a cluster that may outlive it (a joined or shared one): the scoring
+        processes, the worker actors and their placement groups."""
+        self.reward_fn.close()
+        for group in self.worker_groups:
+            group.shutdown()
+            group.resource_pool.release()
+        if self.pool is not None:  # placed, but its group did not start
+            self.pool.release()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import AutoTokenizer
@@ -12,7 +13,7 @@ from transformers import AutoTokenizer
 from scaletrain.data import RLDataset
 from scaletrain.trainer.checkpoint import CheckpointManager
 from scaletrain.trainer.config import PPOConfig
-from scaletrain.trainer.plan import log_plan, plan_run
+from scaletrain.trainer.plan import RunPlan, log_plan, plan_run
 from scaletrain.trainer.ppo_trainer import RayPPOTrainer
 from scaletrain.trainer.tracking import Tracking
 from scaletrain.utils.typed_config import to_dict
@@ -36,7 +37,26 @@ def _dataset(files: Any, tokenizer, cfg: PPOConfig, max_samples: int | None) -> 
     )
 
 
-def train(cfg: PPOConfig) -> dict[str, Any]:
+@dataclass
+class RunResult:
+    """What a PPO run returns (``main_ppo.run``): where its outputs are and its last figures."""
+
+    steps: int  # the global step reached
+    run_dir: str
+    metrics: dict[str, float] = field(default_factory=dict)  # the last trained step's (this run's, if any)
+    val_metrics: dict[str, float] = field(default_factory=dict)  # the last validation's
+    initial_val_metrics: dict[str, float] = field(default_factory=dict)  # before the first step (val_before_train)
+    checkpoint: str | None = None  # the latest complete checkpoint directory
+    hf_checkpoint: str | None = None  # the HF export at the end (trainer.save_hf_at_end)
+    hf_merged: str | None = None  # LoRA: the merged model beside it (trainer.save_merged)
+    plots: list[str] = field(default_factory=list)
+    preempted: dict[str, Any] | None = None  # {signal, step, checkpoint}: stopped early by a signal
+    wall_s: float = 0.0
+
+
+def train(cfg: PPOConfig) -> RunResult:
+    """Datasets, workers, fit() and the final export; everything the run placed on the cluster is freed before it
+    returns or raises (the cluster may be shared: ray_cluster.py)."""
     start = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
     train_set = _dataset(cfg.data.train_files, tokenizer, cfg, cfg.data.max_samples)
@@ -45,34 +65,43 @@ def train(cfg: PPOConfig) -> dict[str, Any]:
     plan = plan_run(cfg, len(train_set), latest)
     log_plan(cfg, plan)
     trainer = RayPPOTrainer(cfg, plan, tokenizer, train_set, val_set)
-    run_dir = plan.run_dir
-    os.makedirs(run_dir, exist_ok=True)
-    trainer.init_workers()
+    os.makedirs(plan.run_dir, exist_ok=True)
+    try:
+        trainer.init_workers()
+        return _fit(cfg, plan, trainer, start)
+    finally:
+        trainer.close()
+
+
+def _fit(cfg: PPOConfig, plan: RunPlan, trainer: RayPPOTrainer, start: float) -> RunResult:
     tracking = Tracking(
         cfg.trainer.project_name,
         cfg.trainer.experiment_name,
         cfg.trainer.logger,
-        run_dir,
+        plan.run_dir,
         config=to_dict(cfg),
         total_steps=plan.total_steps,
         resume_step=plan.resume_step,  # the jsonl log drops lines from steps the resumed run will redo
     )
-    try:
-        with tracking:
-            val_metrics = trainer.fit(tracking)
-        summary: dict[str, Any] = {"steps": trainer.global_step, "run_dir": run_dir, **val_metrics}
-        summary.update({f"{k}@start": v for k, v in trainer.initial_val_metrics.items() if k.endswith("/acc")})
-        if trainer.preempted:  # the run goes on later from its checkpoint: no final export yet
-            summary["preempted"] = {**trainer.preempted, "checkpoint": trainer.checkpoints.latest()}
-        elif cfg.trainer.save_hf_at_end:
-            summary["hf_checkpoint"] = trainer.save_hf(os.path.join(run_dir, "hf"))
-            if cfg.trainer.save_merged and cfg.actor_rollout_ref.model.lora_rank > 0:
-                summary["hf_merged"] = merged_dir(summary["hf_checkpoint"])
-        if cfg.trainer.plot_at_end and "jsonl" in cfg.trainer.logger:
-            from scaletrain.plot import plot_run
+    with tracking:
+        val_metrics = trainer.fit(tracking)
+    result = RunResult(
+        steps=trainer.global_step,
+        run_dir=plan.run_dir,
+        metrics=dict(trainer.last_metrics),
+        val_metrics=dict(val_metrics),
+        initial_val_metrics=dict(trainer.initial_val_metrics),
+        checkpoint=trainer.checkpoints.latest(),
+    )
+    if trainer.preempted:  # the run goes on later from its checkpoint: no final export yet
+        result.preempted = {**trainer.preempted, "checkpoint": result.checkpoint}
+    elif cfg.trainer.save_hf_at_end:
+        result.hf_checkpoint = trainer.save_hf(os.path.join(plan.run_dir, "hf"))
+        if cfg.trainer.save_merged and cfg.actor_rollout_ref.model.lora_rank > 0:
+            result.hf_merged = merged_dir(result.hf_checkpoint)
+    if cfg.trainer.plot_at_end and "jsonl" in cfg.trainer.logger:
+        from scaletrain.plot import plot_run
 
-            summary["plots"] = [str(p) for p in plot_run(run_dir)]
-    finally:
-        trainer.close()
-    summary["wall_s"] = round(time.monotonic() - start, 1)
-    return summary
+        result.plots = [str(p) for p in plot_run(plan.run_dir)]
+    result.wall_s = round(time.monotonic() - start, 1)
+    return result

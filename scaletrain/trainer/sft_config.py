@@ -15,7 +15,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from backends.config import OptimConfig
-from scaletrain.trainer.config import BackendConfig, HFModelConfig, RayInitConfig, files_of
+from scaletrain.trainer.config import BackendConfig, HFModelConfig, RayKwargsConfig, files_of
 from scaletrain.utils.typed_config import ConfigError, build
 from scaletrain.workers.sft import GreedyRolloutConfig
 
@@ -73,7 +73,7 @@ class SFTConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     rollout: GreedyRolloutConfig = field(default_factory=GreedyRolloutConfig)
     trainer: SFTTrainerSection = field(default_factory=SFTTrainerSection)
-    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+    ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
 
     @property
     def world_size(self) -> int:
@@ -118,6 +118,7 @@ def check_sft_config(cfg: SFTConfig) -> SFTConfig:
     from backends.base import BACKENDS
     from backends.rollout.base import ROLLOUTS
     from scaletrain.trainer.config_checks import check_registered
+    from scaletrain.trainer.ray_cluster import check_ray_kwargs
     from scaletrain.trainer.tracking import LOGGERS
 
     check_registered(
@@ -125,6 +126,7 @@ def check_sft_config(cfg: SFTConfig) -> SFTConfig:
         + [("trainer.logger", name, LOGGERS) for name in cfg.trainer.logger]
     )
     cfg.rollout.check("rollout")
+    check_ray_kwargs(cfg.ray_kwargs)
     _check_values(cfg)
     if cfg.model.path is None or not os.path.exists(cfg.model.path):
         raise ConfigError(f"model.path: not found: {cfg.model.path}")

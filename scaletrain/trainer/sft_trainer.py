@@ -5,7 +5,7 @@
     summary["hf_path"]                                           # the PPO trainer's starting model
 
 Config (configs/sft_trainer.yaml): ``data`` (parquet with ``prompt`` / ``response`` string columns), ``model``,
-``optim``, ``backend``, ``rollout`` (the engine that measures greedy accuracy), ``trainer``, ``ray_init``. Null
+``optim``, ``backend``, ``rollout`` (the engine that measures greedy accuracy), ``trainer``, ``ray_kwargs``. Null
 ``model.path`` / ``data.train_files``: the embedded default (its ``sft_train`` / ``sft_val`` / RL ``val`` files).
 ``load_sft_config`` (strict dataclasses), ``check_sft_config`` (checks across keys; scaletrain/trainer/sft_config.py)
 and tokenization run before Ray starts.
@@ -192,31 +192,30 @@ def _datasets(data: SFTDataConfig, tokenizer: Any) -> tuple[SFTDataset, SFTDatas
 def run_sft(config: SFTConfig | Mapping[str, Any]) -> dict[str, Any]:
     """Validate, tokenize, train on a new SFTWorker group, save the HF checkpoint; returns a summary dict:
     ``step`` (last step), ``stopped_early``, ``val_acc``, ``val_loss``, ``wall_s`` and ``hf_path`` (None when
-    ``trainer.save_hf_at_end`` is off). Starts Ray only when it is not initialized (and then shuts it down);
-    the workers and their placement group are freed before returning."""
-    import ray
+    ``trainer.save_hf_at_end`` is off), ``run_dir``. Ray as ``ray_kwargs`` says (scaletrain/trainer/ray_cluster.py:
+    this process's connection if it has one); the workers and their placement group are freed before returning."""
     from transformers import AutoTokenizer
 
-    from scaletrain.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from scaletrain.trainer.tracking import Tracking
-    from scaletrain.workers.sft import SFTWorker
+    from scaletrain.trainer.ray_cluster import ray_cluster
 
     cfg = config if isinstance(config, SFTConfig) else load_sft_config(config)
     cfg = check_sft_config(resolve_embedded(cfg))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     train, val, prompts = _datasets(cfg.data, tokenizer)
 
-    started_ray, ri = not ray.is_initialized(), cfg.ray_init
-    if started_ray:
-        from scaletrain.trainer.console import ray_init_kwargs
+    with ray_cluster(cfg.ray_kwargs, cfg.world_size, cfg.trainer.device):
+        summary = _train_on_workers(cfg, tokenizer, train, val, prompts)
+    summary["run_dir"] = os.path.abspath(cfg.output_dir)
+    logger.info("SFT done: %s", summary)
+    return summary
 
-        ray.init(
-            address=ri.address or "local",
-            num_cpus=ri.num_cpus,
-            object_store_memory=ri.object_store_memory,
-            include_dashboard=False,
-            **ray_init_kwargs(),  # the workers write to the run log (console.py)
-        )
+
+def _train_on_workers(cfg: SFTConfig, tokenizer, train, val, prompts) -> dict[str, Any]:
+    """The SFTWorker group's run, on the Ray cluster of the caller; the group and its pool freed at the end."""
+    from scaletrain.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from scaletrain.trainer.tracking import Tracking
+    from scaletrain.workers.sft import SFTWorker
+
     use_gpu = resolve_device(cfg.trainer.device) == "cuda"
     pool = RayResourcePool([cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes, use_gpu=use_gpu, name_prefix="sft")
     wg = None
@@ -242,11 +241,8 @@ def run_sft(config: SFTConfig | Mapping[str, Any]) -> dict[str, Any]:
         if t.save_hf_at_end:
             summary["hf_path"] = os.path.abspath(os.path.join(cfg.output_dir, "hf"))
             wg.save_hf(summary["hf_path"])
+        return summary
     finally:
-        for actor in wg.workers if wg is not None else []:
-            ray.kill(actor)
+        if wg is not None:
+            wg.shutdown()
         pool.release()
-        if started_ray:
-            ray.shutdown()
-    logger.info("SFT done: %s", summary)
-    return summary

@@ -22,19 +22,25 @@ if TYPE_CHECKING:
 
 
 def spawn_rollout_pool(
-    cfg: PPOConfig, plan: RunPlan, actor_cfg: ActorRolloutRefConfig, actor: ActorRolloutRefRole
+    cfg: PPOConfig, plan: RunPlan, actor_cfg: ActorRolloutRefConfig, actor: ActorRolloutRefRole, started: list
 ) -> RolloutRole:
     """The rollout pool's workers, their engines built (``rollout.load_format=dummy`` or a LoRA actor, whose adapter
-    may start from ``lora_adapter_path``: the actor's weights pushed once, as version 0)."""
+    may start from ``lora_adapter_path``: the actor's weights pushed once, as version 0). The group goes into
+    ``started`` (the trainer frees it at the end) as soon as it exists."""
     rc, tc = cfg.actor_rollout_ref.rollout, cfg.trainer
     pool = RayResourcePool([rc.n_gpus_per_node] * rc.nnodes, use_gpu=tc.device == "cuda", name_prefix="rollout")
-    group = RayWorkerGroup(
-        pool,
-        RayClassWithInitArgs(ActorRolloutRefWorker, actor_cfg, "rollout"),
-        name_prefix="rollout",
-        call_timeout_s=tc.worker_call_timeout_s_by_role.get("rollout", tc.worker_call_timeout_s),
-        stack_dump_dir=os.path.join(plan.run_dir, "stacks"),  # where a stuck call's stacks go
-    )
+    try:
+        group = RayWorkerGroup(
+            pool,
+            RayClassWithInitArgs(ActorRolloutRefWorker, actor_cfg, "rollout"),
+            name_prefix="rollout",
+            call_timeout_s=tc.worker_call_timeout_s_by_role.get("rollout", tc.worker_call_timeout_s),
+            stack_dump_dir=os.path.join(plan.run_dir, "stacks"),  # where a stuck call's stacks go
+        )
+    except BaseException:
+        pool.release()
+        raise
+    started.append(group)
     rollout = RolloutRole(group)
     rollout.init_model()
     if rc.load_format == "dummy" or cfg.actor_rollout_ref.model.lora_rank > 0:  # the actor's weights: version 0

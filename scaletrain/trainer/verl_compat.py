@@ -5,7 +5,9 @@ A verl launch script ports by changing the module name. Three things need the ra
 - ``actor_rollout_ref.actor.strategy=X`` / ``critic.strategy=X`` pick the backend config group (``backend=Y``,
   the short form), so the group's own defaults load; an explicit ``backend=`` that disagrees is an error.
 - ``+key=value`` for a key the config already has (Hydra refuses to "add" it) is taken as ``key=value``; verl
-  names this project spells otherwise are renamed (``RENAMED``).
+  names this project spells otherwise are renamed (``RENAMED``, ``RENAMED_PREFIXES``: verl's older top-level
+  ``ray_init`` section); an entry of a free-form mapping (``ray_kwargs.ray_init.runtime_env.py_executable``) is
+  set whether it exists or not.
 - verl keys this project does not support fail here, naming the key and what to use instead
   (``UNSUPPORTED``); where verl's default value means "off", that value is accepted and dropped.
 - verl keys whose job scaletrain does anyway (``IGNORED``, e.g. the LoRA recipe's ``layered_summon``) are dropped,
@@ -84,7 +86,17 @@ RENAMED = {
 }
 
 
+# verl's older top-level ``ray_init`` section (and this project's former name) -> verl's current ``ray_kwargs``
+RENAMED_PREFIXES = {
+    "ray_init.timeline_json_file": "ray_kwargs.timeline_json_file",
+    "ray_init.": "ray_kwargs.ray_init.",
+}
+
+
 def _renamed(key: str, value: str) -> tuple[str, str]:
+    for old, new in RENAMED_PREFIXES.items():
+        if key.startswith(old):
+            return new + key[len(old) :], value
     if key not in RENAMED:
         return key, value
     if key.endswith("lr_warmup_steps") and value.strip("'\"") == "-1":
@@ -92,8 +104,10 @@ def _renamed(key: str, value: str) -> tuple[str, str]:
     return RENAMED[key], value
 
 
-def translate_overrides(overrides: list[str], known: set[str]) -> list[str]:
-    """The override list Hydra should see; ``known`` holds the dotted keys of the typed config's leaves."""
+def translate_overrides(overrides: list[str], known: set[str], mappings: frozenset[str] = frozenset()) -> list[str]:
+    """The override list Hydra should see; ``known`` holds the dotted keys of the typed config's leaves,
+    ``mappings`` those of its free-form mappings (``ray_kwargs.ray_init.runtime_env``), whose entries are set with
+    or without ``+`` (Hydra's ``++``: added or replaced)."""
     out, backend, strategies = [], None, {}
     for item in overrides:
         plus, body = _split_plus(item)
@@ -109,9 +123,13 @@ def translate_overrides(overrides: list[str], known: set[str]) -> list[str]:
             if value.strip("'\"") in rule.accepted:
                 continue
             raise ConfigError(f"{key}={value}: not supported by scaletrain; {rule.instead}")
-        if key in RENAMED:
-            key, value = _renamed(key, value)
-            body, item = f"{key}={value}", f"{key}={value}"
+        renamed = _renamed(key, value)
+        if renamed != (key, value):
+            key, value = renamed
+            body, item = f"{key}={value}", f"{plus}{key}={value}"
+        if any(key.startswith(m + ".") for m in mappings):
+            out.append(f"++{key}={value}")
+            continue
         if key == "backend":
             backend = value
         elif key in ("actor_rollout_ref.actor.strategy", "critic.strategy"):

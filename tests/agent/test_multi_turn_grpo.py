@@ -1,19 +1,15 @@
-"""End to end: multi-turn GRPO on CPU through the real CLI (Ray, 2 FSDP ranks, HF rollout on each rank, the agent
-loops on the driver) with a tiny model warmed up to call the calculator (tests/agent/warmup.py).
+"""End to end: multi-turn GRPO on CPU through an in-process run of the CLI's (Ray, 2 FSDP ranks, HF rollout on each
+rank, the agent loops on the driver) with a tiny model warmed up to call the calculator (tests/agent/warmup.py).
 
 The data rows pick ``agent_name: tool_agent`` and pass the ground truth to the calculator via ``tools_kwargs``;
 the tool's use shows in the step metrics (``num_turns/*``, ``agent/tool_calls``, ``agent/tool_errors``).
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
@@ -44,14 +40,13 @@ def write_data(path: Path, n: int, seed: int) -> str:
     return str(path)
 
 
-def test_multi_turn_grpo_uses_the_calculator(tool_model, tmp_path):
+def test_multi_turn_grpo_uses_the_calculator(ray_cluster, tool_model, tmp_path):
+    from scaletrain.trainer.main_ppo import run
+
     tools = tmp_path / "tools.yaml"
     tools.write_text("tools:\n  - class_name: calculator\n")
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "scaletrain.trainer.main_ppo",
+    overrides = [
         "rollout=hf",
         f"actor_rollout_ref.model.path={tool_model}",
         f"data.train_files={write_data(tmp_path / 'train.parquet', 32, 0)}",
@@ -75,12 +70,9 @@ def test_multi_turn_grpo_uses_the_calculator(tool_model, tmp_path):
         "trainer.save_hf_at_end=false",
         "trainer.plot_at_end=false",
         "trainer.save_freq=-1",
-        "ray_init.num_cpus=4",
         "reward_model.num_processes=1",
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
-    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert out.returncode == 0, out.stderr[-4000:]
+    run(overrides)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if r["step"] >= 1 and "agent/tool_calls" in r]
     assert len(steps) == 3

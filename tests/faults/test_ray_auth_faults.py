@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from tests.trainer.test_ppo_resume import ROOT
+from tests.trainer.runs import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -17,22 +17,20 @@ DRIVER = textwrap.dedent(
     import os, subprocess, sys
     import ray
     from scaletrain.trainer.config import PPOConfig
-    from scaletrain.trainer.main_ppo import init_ray
+    from scaletrain.trainer.ray_cluster import ray_cluster
 
     cfg = PPOConfig()
-    cfg.trainer.default_local_dir = sys.argv[1]
-    cfg.trainer.device = "cpu"
-    init_ray(cfg)
-    print("auth mode", os.environ.get("RAY_AUTH_MODE"), flush=True)
-    gcs = ray.get_runtime_context().gcs_address
-    intruder = dict(os.environ, RAY_AUTH_MODE="disabled", HOME=sys.argv[1])  # no token file, no token variable
-    intruder.pop("RAY_AUTH_TOKEN", None)
-    code = f"import ray; ray.init(address='{gcs}', logging_level='ERROR'); print('INTRUDER CONNECTED')"
-    out = subprocess.run([sys.executable, "-c", code], env=intruder, capture_output=True, text=True, timeout=120)
-    print("intruder exit", out.returncode, flush=True)
-    print(out.stdout[-500:], out.stderr[-1500:], flush=True)
-    print("own task", ray.get(ray.remote(lambda: 41 + 1).remote()), flush=True)
-    ray.shutdown()
+    with ray_cluster(cfg.ray_kwargs, cfg.world_size, "cpu"):  # the trainer's private cluster
+        print("auth mode", os.environ.get("RAY_AUTH_MODE"), flush=True)
+        gcs = ray.get_runtime_context().gcs_address
+        intruder = dict(os.environ, RAY_AUTH_MODE="disabled", HOME=sys.argv[1])  # no token file, no token variable
+        intruder.pop("RAY_AUTH_TOKEN", None)
+        code = f"import ray; ray.init(address='{gcs}', logging_level='ERROR'); print('INTRUDER CONNECTED')"
+        out = subprocess.run([sys.executable, "-c", code], env=intruder, capture_output=True, text=True, timeout=120)
+        print("intruder exit", out.returncode, flush=True)
+        print(out.stdout[-500:], out.stderr[-1500:], flush=True)
+        print("own task", ray.get(ray.remote(lambda: 41 + 1).remote()), flush=True)
+    print("shut down", not ray.is_initialized(), flush=True)
     """
 )
 
@@ -47,3 +45,4 @@ def test_a_process_without_the_token_cannot_join_the_trainers_cluster(tmp_path):
     assert "own task 42" in out.stdout, "the trainer's own processes hold the token"
     assert "INTRUDER CONNECTED" not in out.stdout
     assert "intruder exit 1" in out.stdout and "token" in out.stdout.lower()
+    assert "shut down True" in out.stdout  # a cluster the run started is stopped at its end

@@ -15,20 +15,12 @@ from pathlib import Path
 import pytest
 
 from tests.faults.hang_model import hanging_model
-from tests.trainer.test_ppo_resume import ROOT, metrics
-from tests.trainer.test_ppo_resume import overridden as base_overridden
+from tests.trainer.runs import ROOT, command, metrics
 
 pytestmark = pytest.mark.slow
 
 FAULT_FNS = Path(__file__).parent / "reward_fns.py"
 SECRET = "sk-live-fault-suite-0042"
-
-
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    from scaletrain.data import build_embedded_default
-
-    return build_embedded_default(cache_dir=str(tmp_path_factory.mktemp("cache")), n_train=400, n_val=16, n_test=16)
 
 
 def user_env():
@@ -38,7 +30,7 @@ def user_env():
 
 
 def overridden(task, run_dir, steps, *overrides):
-    return base_overridden(task, run_dir, steps, overrides)
+    return command(task, run_dir, steps, overrides)
 
 
 def run(args, timeout=400):
@@ -139,7 +131,7 @@ def test_sigterm_checkpoints_after_the_step_and_exits_0_then_resumes(task, tmp_p
     """Fault: the cluster preempts the job (SIGTERM to the driver; SLURM's warning signal is SIGUSR1)."""
     run_dir = tmp_path / "preempted"
     once = ("trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=false")  # saves at the end only
-    steps = 4
+    steps = 8
     args = overridden(task, run_dir, steps, *once)
     proc = subprocess.Popen(args, env=user_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

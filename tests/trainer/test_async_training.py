@@ -1,5 +1,6 @@
-"""Split placement and asynchronous training end to end (subprocesses, real Ray, torch.distributed, HF / vLLM
-engines): one train rank and one rollout rank, weights pushed through the object store.
+"""Split placement and asynchronous training end to end (real Ray, torch.distributed, HF / vLLM engines; the runs
+killed are subprocesses, the others in-process runs of the CLI's): one train rank and one rollout rank, weights
+pushed through the object store.
 
 - one_step_off (the agent loops on vLLM's AsyncLLM in the rollout worker) and fully_async, each killed with
   SIGKILL after its step-2 checkpoint and resumed: every step trains the prompts the synchronous run trained at
@@ -12,6 +13,7 @@ exactness across a push in tests/agent/test_partial_rollout.py.)
 """
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -20,15 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.test_ppo_resume import (
-    COMPARED,
-    ROOT,
-    env,
-    metrics,
-    overridden,
-    run_overridden,
-    task,  # noqa: F401  (the module's task fixture)
-)
+from tests.trainer.runs import COMPARED, ROOT, command, env, metrics, run_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -51,10 +45,10 @@ def prompts_by_step(dump_dir: Path) -> dict[int, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def sync_run(task, tmp_path_factory):  # noqa: F811
+def sync_run(ray_cluster, task, tmp_path_factory):
     """The synchronous trainer on split placement: 4 steps, the reference for every mode."""
     run = tmp_path_factory.mktemp("sync") / "run"
-    run_overridden(task, run, 4, [*SPLIT, f"trainer.rollout_data_dir={run / 'dump'}"])
+    run_in_process(task, run, 4, [*SPLIT, f"trainer.rollout_data_dir={run / 'dump'}"])
     return run
 
 
@@ -93,15 +87,15 @@ MODES = {  # extra overrides, the staleness bound, whether every step must equal
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_kill_9_and_resume(mode, task, sync_run, tmp_path):  # noqa: F811
+def test_kill_9_and_resume(mode, task, sync_run, tmp_path, caplog):
     extra, max_staleness = MODES[mode]
     run = tmp_path / mode
-    args = overridden(task, run, 4, [*SPLIT, *extra, f"trainer.rollout_data_dir={run / 'dump'}"])
-    caught = kill_after_checkpoint(args, run, 2)
+    overrides = [*SPLIT, *extra, f"trainer.rollout_data_dir={run / 'dump'}"]
+    caught = kill_after_checkpoint(command(task, run, 4, overrides), run, 2)
     assert caught < 4, "the run finished before it was killed"
-    resumed = subprocess.run(args, env=env(), timeout=400, cwd=ROOT, capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {run / f'global_step_{caught}'}" in resumed.stdout + resumed.stderr
+    caplog.set_level(logging.INFO, logger="scaletrain")
+    run_in_process(task, run, 4, overrides)  # resumed in this process, on the session's cluster
+    assert f"resumed from {run / f'global_step_{caught}'}" in caplog.text
     rows = metrics(run)
     assert sorted(rows) == [0, 1, 2, 3, 4]
     # each step trained the synchronous run's prompts of that step: the resume regenerated what was in flight

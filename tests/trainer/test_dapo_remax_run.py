@@ -1,4 +1,5 @@
-"""The trainer CLI with ReMax's greedy baseline, DAPO's dynamic sampling and overlong filtering in one run.
+"""The trainer (an in-process run of the CLI's) with ReMax's greedy baseline, DAPO's dynamic sampling and
+overlong filtering in one run.
 
 The reward hashes the response text: ``score`` in [0, 1) and ``acc`` its parity, so about half the groups of 2
 samples agree on ``acc`` (dropped by dynamic sampling, so steps need several generation batches) while every kept
@@ -11,7 +12,7 @@ import math
 
 import pytest
 
-from tests.trainer.test_ppo_resume import metrics, run_overridden, task  # noqa: F401  (task is a fixture)
+from tests.trainer.runs import metrics, run_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +31,7 @@ QUIET = [
 ROWS = 8  # 4 prompts x 2 samples
 
 
-def test_remax_dynamic_sampling_and_overlong_filtering(task, tmp_path):  # noqa: F811
+def test_remax_dynamic_sampling_and_overlong_filtering(ray_cluster, task, tmp_path):
     reward, run_dir = tmp_path / "reward.py", tmp_path / "run"
     reward.write_text(REWARD)
     overrides = [
@@ -41,7 +42,7 @@ def test_remax_dynamic_sampling_and_overlong_filtering(task, tmp_path):  # noqa:
         "algorithm.filter_groups.max_num_gen_batches=12",
         "algorithm.filter_overlong_responses=true",
     ]
-    run_overridden(task, run_dir, 3, overrides)
+    run_in_process(task, run_dir, 3, overrides)
     steps = metrics(run_dir)
     assert sorted(steps) == [1, 2, 3]
     for m in steps.values():

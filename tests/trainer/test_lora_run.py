@@ -1,17 +1,19 @@
-"""GRPO with LoRA through the real CLI (fsdp and deepspeed; vLLM with the adapter-only sync, colocated and split
-placement; the hf engine with the merged sync; KL loss): only the adapters train, the reference log-probs are the
-actor's with its adapters disabled, the sync moves the adapter's bytes alone, checkpoints hold the adapter and
-resume exactly, and the exports load (the PEFT adapter directory with PEFT, the merged model with transformers)."""
+"""GRPO with LoRA through the real CLI (the first test) and in-process runs of it (fsdp and deepspeed; vLLM with
+the adapter-only sync, colocated and split placement; the hf engine with the merged sync; KL loss): only the adapters
+train, the reference log-probs are the actor's with its adapters disabled, the sync moves the adapter's bytes alone,
+checkpoints hold the adapter and resume exactly, and the exports load (the PEFT adapter directory with PEFT, the
+merged model with transformers)."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.trainer.test_ppo_resume import COMPARED, metrics, run_overridden, task  # noqa: F401  (task: a fixture)
+from tests.trainer.runs import COMPARED, metrics, run_in_process, run_subprocess
 
 pytestmark = pytest.mark.slow
 
@@ -44,15 +46,15 @@ def state(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-def test_grpo_with_lora_adapters(task, tmp_path):  # noqa: F811
+def test_grpo_with_lora_adapters(task, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     run_dir, reward_file = tmp_path / "lora", tmp_path / "reward.py"
     reward_file.write_text(REWARD_FILE)
-    out = run_overridden(task, run_dir, 2, [*LORA, f"custom_reward_function.path={reward_file}"])
+    run_subprocess(task, run_dir, 2, [*LORA, f"custom_reward_function.path={reward_file}"])
     rows = metrics(run_dir)
-    log = (run_dir / "run.log").read_text() if (run_dir / "run.log").exists() else out.stdout + out.stderr
+    log = (run_dir / "run.log").read_text()  # the CLI's: every process's records, the workers' included
     assert "the actor's base model with its LoRA adapters disabled" in log
 
     # reference = the actor with adapters off: identical to the policy before the first update (B = 0) ...
@@ -78,7 +80,7 @@ def test_grpo_with_lora_adapters(task, tmp_path):  # noqa: F811
     assert changed and all(k.endswith("proj.weight") for k in changed), sorted(changed)  # adapted Linears only
 
 
-def test_grpo_with_lora_on_deepspeed_and_merged_sync_on_the_hf_engine(task, tmp_path):  # noqa: F811
+def test_grpo_with_lora_on_deepspeed_and_merged_sync_on_the_hf_engine(ray_cluster, task, tmp_path):
     """DeepSpeed ZeRO-3 trains the adapters; the hf rollout engine takes full weights only, so lora_sync falls back
     to merged (the base plus the adapters' update under the base model's names); the reference is still the actor
     with its adapters off."""
@@ -88,7 +90,7 @@ def test_grpo_with_lora_on_deepspeed_and_merged_sync_on_the_hf_engine(task, tmp_
     reward_file.write_text(REWARD_FILE)
     overrides = [o for o in LORA if not o.startswith(("rollout=", "trainer.save_merged"))]
     extra = ["backend=deepspeed", "rollout=hf", f"custom_reward_function.path={reward_file}"]
-    run_overridden(task, run_dir, 2, [*extra, *overrides])
+    run_in_process(task, run_dir, 2, [*extra, *overrides])
     rows = metrics(run_dir)
     assert abs(rows[1]["actor/kl_loss"]) < 1e-6 and rows[2]["actor/kl_loss"] > 1e-6
     assert rows[2]["rollout_corr/log_prob_abs_diff_mean"] < 1e-3  # the engine got the merged, trained weights
@@ -98,7 +100,7 @@ def test_grpo_with_lora_on_deepspeed_and_merged_sync_on_the_hf_engine(task, tmp_
     assert (run_dir / "hf" / "adapter_config.json").exists() and not (run_dir / "hf_merged").exists()
 
 
-def test_lora_on_split_placement_pushes_the_adapter_and_resumes_exactly(task, tmp_path):  # noqa: F811
+def test_lora_on_split_placement_pushes_the_adapter_and_resumes_exactly(ray_cluster, task, tmp_path, caplog):
     """Split placement (one train rank, one rollout rank): the adapter alone goes through the object store to the
     rollout pool's vLLM engine, which serves it; the checkpoint holds the adapter and its optimizer state, not the
     frozen base, and a run resumed from step 1 trains step 2 as the uninterrupted run did."""
@@ -114,7 +116,7 @@ def test_lora_on_split_placement_pushes_the_adapter_and_resumes_exactly(task, tm
         "trainer.save_freq=1",
         f"custom_reward_function.path={reward_file}",
     ]
-    run_overridden(task, run_dir, 2, overrides)
+    run_in_process(task, run_dir, 2, overrides)
     reference, adapter = metrics(run_dir), state(run_dir / "hf")
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
     for step in (1, 2):
@@ -127,8 +129,9 @@ def test_lora_on_split_placement_pushes_the_adapter_and_resumes_exactly(task, tm
 
     shutil.rmtree(run_dir / "global_step_2")  # resume from step 1's checkpoint
     (run_dir / "latest_checkpointed_iteration.txt").write_text("1")
-    out = run_overridden(task, run_dir, 2, overrides)
-    assert f"resumed from {run_dir / 'global_step_1'}" in out.stdout + out.stderr
+    caplog.set_level(logging.INFO, logger="scaletrain")
+    run_in_process(task, run_dir, 2, overrides)
+    assert f"resumed from {run_dir / 'global_step_1'}" in caplog.text
     resumed = metrics(run_dir)
     for key in COMPARED:
         assert resumed[2][key] == pytest.approx(reference[2][key], rel=1e-6, abs=1e-7), key

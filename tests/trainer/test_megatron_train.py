@@ -1,34 +1,26 @@
-"""The PPO trainer on the Megatron backend end to end (a subprocess, like a user runs it): GAE with a critic, both
+"""The PPO trainer on the Megatron backend end to end (an in-process run of the CLI's): GAE with a critic, both
 roles on pipeline parallelism (2 stages over the 2 ranks: every rank of a stage pair shares DP rank 0), vLLM
 rollout fed from the Megatron engine's exported weights, checkpoints and the final HF checkpoint."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.trainer.test_ppo_resume import env, metrics
+from tests.trainer.runs import metrics
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def test_gae_on_megatron_pp2_with_vllm(tmp_path):
+def test_gae_on_megatron_pp2_with_vllm(ray_cluster, task, tmp_path):
     pytest.importorskip("vllm")
     import torch
     from safetensors.torch import load_file
 
-    from scaletrain.data import build_embedded_default
+    from scaletrain.trainer.main_ppo import run as run_ppo
 
-    task = build_embedded_default(cache_dir=str(tmp_path / "cache"), n_train=400, n_val=16, n_test=16)
     run = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "scaletrain.trainer.main_ppo",
+    overrides = [
         "backend=megatron",
         "rollout=vllm",
         "algorithm.adv_estimator=gae",
@@ -48,10 +40,8 @@ def test_gae_on_megatron_pp2_with_vllm(tmp_path):
         "trainer.test_freq=2",
         f"trainer.default_local_dir={run}",
         "trainer.logger=[console,jsonl]",
-        "ray_init.num_cpus=4",
     ]
-    proc = subprocess.run(cmd, env=env(), timeout=400, cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_ppo(overrides)
     rows = metrics(run)
     assert sorted(rows) == [0, 1, 2]
     for step in (1, 2):

@@ -1,81 +1,22 @@
-"""The PPO trainer end to end (subprocesses, like a user runs it): outputs, and exact resume after kill -9."""
+"""The PPO trainer end to end: outputs, exact resume after kill -9 and a dead rank (subprocesses, like a user runs
+it: the process is the point), the GAE path (in this process, on the session's Ray cluster)."""
 
-import json
+import logging
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from tests.trainer.runs import COMPARED, ROOT, command, env, metrics, run_in_process
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/entropy", "response_length/mean", "actor/grad_norm")
 
-
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    from scaletrain.data import build_embedded_default
-
-    return build_embedded_default(cache_dir=str(tmp_path_factory.mktemp("cache")), n_train=400, n_val=16, n_test=16)
-
-
-def command(task, run_dir, steps, extra=()):
-    return [
-        sys.executable,
-        "-m",
-        "scaletrain.trainer.main_ppo",
-        "rollout=hf",
-        f"actor_rollout_ref.model.path={task['model']}",
-        f"data.train_files={task['train']}",
-        f"data.val_files={task['test']}",
-        "data.train_batch_size=4",
-        "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.actor.optim.lr=1e-3",
-        "data.max_prompt_length=8",
-        "data.max_response_length=4",
-        f"trainer.total_training_steps={steps}",
-        "trainer.save_freq=1",
-        "trainer.test_freq=2",
-        f"trainer.default_local_dir={run_dir}",
-        "trainer.logger=[console,jsonl]",
-        "trainer.max_ckpt_to_keep=3",
-        "ray_init.num_cpus=4",
-        *extra,
-    ]
-
-
-def env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
-
-
-def overridden(task, run_dir, steps, overrides):
-    """``command(task, run_dir, steps)`` with ``overrides`` replacing its own values of the same keys."""
-    keys = {o.split("=")[0] for o in overrides}
-    return [arg for arg in command(task, run_dir, steps) if arg.split("=")[0] not in keys] + list(overrides)
-
-
-def run_overridden(task, run_dir, steps, overrides):
-    """``overridden(...)`` run to the end (asserting exit 0); returns the completed process."""
-    args = overridden(task, run_dir, steps, overrides)
-    out = subprocess.run(args, env=env(), timeout=400, cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
-
-
-def metrics(run_dir):
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
-    return {row["step"]: row for row in rows}
-
-
-def test_uninterrupted_vs_killed_and_resumed(task, tmp_path):
+def test_uninterrupted_vs_killed_and_resumed(ray_cluster, task, tmp_path, caplog):
     full = tmp_path / "full"
-    subprocess.run(command(task, full, 4), env=env(), check=True, timeout=400, cwd=ROOT, capture_output=True)
+    run_in_process(task, full, 4)
     reference = metrics(full)
     assert sorted(reference) == [0, 1, 2, 3, 4]
     assert "val/scaletrain/arithmetic/acc" in reference[0] and "val/scaletrain/arithmetic/acc" in reference[2]
@@ -83,8 +24,8 @@ def test_uninterrupted_vs_killed_and_resumed(task, tmp_path):
     assert sorted(p.name for p in full.glob("global_step_*")) == ["global_step_2", "global_step_3", "global_step_4"]
     assert (full / "hf" / "config.json").exists() and (full / "plots" / "summary.png").exists()
 
-    # same run, killed with SIGKILL in the middle of a save (step 2's, or step 3's if step 2's was too quick to
-    # catch), then resumed: it continues from the last complete checkpoint
+    # same run on the command line, killed with SIGKILL in the middle of a save (step 2's, or step 3's if step 2's
+    # was too quick to catch), then resumed: it continues from the last complete checkpoint
     part = tmp_path / "part"
     proc = subprocess.Popen(
         command(task, part, 4),
@@ -105,9 +46,9 @@ def test_uninterrupted_vs_killed_and_resumed(task, tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started
         proc.wait()
     caught = 2 if not (part / "global_step_2" / "trainer_state.json").exists() else 3  # the save cut short
-    resumed = subprocess.run(command(task, part, 4), env=env(), timeout=400, cwd=ROOT, capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {part / f'global_step_{caught - 1}'}" in resumed.stdout + resumed.stderr
+    caplog.set_level(logging.INFO, logger="scaletrain")
+    run_in_process(task, part, 4)
+    assert f"resumed from {part / f'global_step_{caught - 1}'}" in caplog.text
     after = metrics(part)
     for step in (3, 4):
         for key in COMPARED:
@@ -179,28 +120,16 @@ def test_dead_rank_fails_the_step_naming_it_and_checkpoint_stays_loadable(task, 
     assert sorted(metrics(run))[-1] == last + 1
 
 
-def test_gae_path_with_critic_and_kl_in_reward(task, tmp_path):
+def test_gae_path_with_critic_and_kl_in_reward(ray_cluster, task, tmp_path):
     run = tmp_path / "gae"
-    out = subprocess.run(
-        command(
-            task,
-            run,
-            2,
-            [
-                "algorithm.adv_estimator=gae",
-                "actor_rollout_ref.rollout.n=1",
-                "algorithm.use_kl_in_reward=true",
-                "trainer.val_before_train=false",
-                "trainer.critic_warmup=1",
-            ],
-        ),
-        env=env(),
-        timeout=400,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    gae = [
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.rollout.n=1",
+        "algorithm.use_kl_in_reward=true",
+        "trainer.val_before_train=false",
+        "trainer.critic_warmup=1",
+    ]
+    run_in_process(task, run, 2, gae)
     rows = metrics(run)
     assert sorted(rows) == [1, 2]
     for key in (

@@ -1,4 +1,4 @@
-"""A reward model in the PPO loop through the CLI (subprocess, 2 steps, the embedded task and model on fsdp).
+"""A reward model in the PPO loop (an in-process run of the CLI's, 2 steps, the embedded task and model on fsdp).
 
 The RM is a tiny sequence classifier over tests/backends/tiny.py's character vocabulary with its own chat template,
 not the policy's 16-token one, so ``reward_model.model.input_tokenizer`` (the policy's tokenizer) makes the worker
@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from tests.trainer.test_ppo_resume import metrics, run_overridden, task  # noqa: F401  (task is a fixture)
+from tests.trainer.runs import metrics, run_in_process
 from tests.trainer.test_rm_reward import save_char_rm
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def test_reward_model_scores_reach_the_reward(task, tmp_path):  # noqa: F811
+def test_reward_model_scores_reach_the_reward(ray_cluster, task, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     from tests.backends.tiny import vocab
@@ -46,7 +46,7 @@ def test_reward_model_scores_reach_the_reward(task, tmp_path):  # noqa: F811
         f"reward_model.model.input_tokenizer={task['tokenizer']}",
         "reward_model.micro_batch_size_per_gpu=3",
     ]
-    run_overridden(task, run_dir, 2, overrides)
+    run_in_process(task, run_dir, 2, overrides)
 
     logged = metrics(run_dir)
     model, chars = AutoModelForSequenceClassification.from_pretrained(rm_path), vocab()

@@ -1,5 +1,5 @@
-"""The trainer CLI with algorithm.rollout_correction: rollout_corr/* logged every step, the IS weights reach the loss,
-and bypass mode trains against the rollout's log-probs without the old-log-prob forward.
+"""The trainer (in-process runs of the CLI's) with algorithm.rollout_correction: rollout_corr/* logged every step, the
+IS weights reach the loss, and bypass mode trains against the rollout's log-probs without the old-log-prob forward.
 
 A top-k rollout (top_k=3) samples from a renormalised distribution, so its log-probs differ from the trainer's
 full-softmax ones by a known sign (pi_rollout >= pi_train on every sampled token). Three one-step runs with the same
@@ -9,11 +9,9 @@ recomputed old log-probs, the rollout mismatch (``rollout_corr/kl_k1``) against 
 hash of the response text, so samples of one prompt differ and GRPO's advantages are not all 0.
 """
 
-import subprocess
-
 import pytest
 
-from tests.trainer.test_ppo_resume import ROOT, command, env, metrics, task  # noqa: F401  (task is a fixture)
+from tests.trainer.runs import metrics, run_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -23,15 +21,12 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def run(task, run_dir, overrides):  # noqa: F811  (a helper taking the fixture's value)
-    keys = {o.split("=")[0] for o in overrides}
-    base = [arg for arg in command(task, run_dir, 1) if arg.split("=")[0] not in keys]  # the resume test's run
-    out = subprocess.run(base + overrides, env=env(), timeout=400, cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-3000:]
+def run(task, run_dir, overrides):
+    run_in_process(task, run_dir, 1, overrides)  # the resume test's run, one step
     return metrics(run_dir)[1]
 
 
-def test_rollout_correction_metrics_and_weights_in_a_run(task, tmp_path):  # noqa: F811
+def test_rollout_correction_metrics_and_weights_in_a_run(ray_cluster, task, tmp_path):
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(REWARD_FILE)
     common = [

@@ -18,6 +18,15 @@ def embedded(tmp_path_factory):
     return build_embedded_default(cache_dir=tmp_path_factory.mktemp("embedded"), n_train=N_TRAIN, n_val=64, n_test=8)
 
 
+def dotted(tree: dict, prefix: str = ""):
+    """(dotted key, value) of each leaf of a nested config dict, as command-line overrides name them."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from dotted(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", "[" + ",".join(value) + "]" if isinstance(value, list) else value
+
+
 def sft_config(paths, out_dir, **trainer):
     return {
         "data": {
@@ -115,12 +124,14 @@ def test_config_error_names_key_before_ray(embedded, tmp_path, monkeypatch, over
 
 @pytest.mark.slow
 def test_sft_run_learns_stops_early_and_saves_hf(ray_cluster, embedded, tmp_path):
+    """Through ``main_sft.run``: the command line's overrides, in this process."""
     from transformers import AutoModelForCausalLM
 
-    from scaletrain.trainer.sft_trainer import run_sft
+    from scaletrain.trainer.main_sft import run
 
     cfg = sft_config(embedded, tmp_path, total_steps=100, stop_at_val_acc=0.0, test_freq=12)
-    summary = run_sft(cfg)
+    summary = run([f"{key}={value}" for key, value in dotted(cfg)])
+    assert summary["run_dir"] == str(tmp_path)
     # accuracy >= 0.0 holds at the first evaluation: stops there, not at total_steps
     assert summary["step"] == 12 and summary["stopped_early"] and 0.0 <= summary["val_acc"] <= 1.0
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

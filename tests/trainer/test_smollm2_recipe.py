@@ -1,6 +1,11 @@
-"""launch/recipes/smollm2_reasoning_gym.sh, shortened to 2 GRPO steps, on fsdp with LoRA: the
-real model (SmolLM2-135M-Instruct) and a real task (reasoning-gym chain_sum) through the whole stack (Ray, the
-backend on 2 ranks, vLLM rollout with a weight sync after every update, the task's own scorer, validation)."""
+"""launch/recipes/smollm2_reasoning_gym.sh, shortened to 2 GRPO steps, on each training backend: the real model
+(SmolLM2-135M-Instruct) and a real task (reasoning-gym chain_sum) through the whole stack (Ray, the backend on 2
+ranks, vLLM rollout with a weight sync after every update, the task's own scorer, validation).
+
+fsdp with LoRA runs the script itself (vLLM serves the synced adapter); deepspeed and megatron (PP=2: SmolLM2's 9
+attention heads, 3 KV heads, rule out TP=2) run the script's own overrides (``PRINT_ONLY=1``: it prepares the model
+and data and prints them) in this process, on the session's Ray cluster.
+"""
 
 import json
 import os
@@ -9,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.trainer.test_ppo_resume import ROOT, env
+from tests.trainer.runs import ROOT, env
 
 pytestmark = pytest.mark.slow
 
@@ -23,32 +28,36 @@ SHORT = [
 ]
 
 
-# One run: fsdp with LoRA (vLLM serves the synced adapter on the real model). What the recipe would add on the other
-# backends is covered on this model elsewhere, each for a fraction of a recipe run's ~100-150 s: fsdp's
-# full-parameter sync into vLLM (tests/workers/test_rollout_mismatch_smollm2.py), every backend's update and
-# HF-named export, megatron's PP=2 and TP=3 mapping included (tests/backends/test_real_model_parity.py).
-@pytest.mark.parametrize("backend,lora_rank,layout", [("fsdp", 8, [])])
-def test_recipe_two_steps(backend, lora_rank, layout, smollm2_dir, tmp_path):
-    run_env = dict(
-        env(),
-        PYTHON=sys.executable,
-        BACKEND=backend,
-        LORA_RANK=str(lora_rank),
-        STEPS="2",
-        TEST_FREQ="-1",
-        TRAIN_SIZE="12",
-        TEST_SIZE="4",
-        OUT=str(tmp_path),
-    )
-    out = subprocess.run(
-        [str(ROOT / "launch/recipes/smollm2_reasoning_gym.sh"), *SHORT, *layout],
+def recipe(backend: str, lora_rank: int, out, extra: list[str], print_only: bool):
+    run_env = dict(env(), PYTHON=sys.executable, BACKEND=backend, LORA_RANK=str(lora_rank), STEPS="2")
+    run_env.update(TEST_FREQ="-1", TRAIN_SIZE="12", TEST_SIZE="4", OUT=str(out), PRINT_ONLY="1" if print_only else "")
+    proc = subprocess.run(
+        [str(ROOT / "launch/recipes/smollm2_reasoning_gym.sh"), *SHORT, *extra],
         env=run_env,
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=900,
     )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize(
+    "backend,lora_rank,layout",
+    [
+        ("fsdp", 8, []),
+        ("deepspeed", 0, []),
+        ("megatron", 0, ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"]),
+    ],
+)
+def test_recipe_two_steps(backend, lora_rank, layout, smollm2_dir, ray_cluster, tmp_path):
+    from scaletrain.trainer.main_ppo import run
+
+    if lora_rank:  # the script as a user runs it
+        recipe(backend, lora_rank, tmp_path, layout, print_only=False)
+    else:  # the script's run, in this process
+        run(recipe(backend, lora_rank, tmp_path, layout, print_only=True).splitlines())
     run_dir = tmp_path / "runs" / (f"chain_sum_{backend}" + (f"_lora{lora_rank}" if lora_rank else ""))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if row["step"] > 0]

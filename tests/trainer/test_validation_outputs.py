@@ -1,14 +1,13 @@
-"""Validation like verl's, through the trainer CLI: val_kwargs.n=4 sampled at temperature 1.0 gives mean@4 /
-best@k / worst@k / maj@k metrics; rollouts and validation samples are dumped as JSONL; a few validation samples
-reach every logger (console, jsonl, tensorboard text, wandb table)."""
+"""Validation like verl's, through the trainer (an in-process run of the CLI's): val_kwargs.n=4 sampled at temperature
+1.0 gives mean@4 / best@k / worst@k / maj@k metrics; rollouts and validation samples are dumped as JSONL; a few
+validation samples reach every logger (console, jsonl, tensorboard text, wandb table)."""
 
 import json
-import subprocess
 
 import pytest
 
 from scaletrain.trainer.val_metrics import validation_metrics
-from tests.trainer.test_ppo_resume import ROOT, command, env, metrics, task  # noqa: F401 - task is a fixture
+from tests.trainer.runs import metrics, run_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +27,7 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def run_trainer(task, tmp_path):  # noqa: F811
+def run_trainer(task, tmp_path, monkeypatch, capsys):
     """Two GRPO steps of the resume test's run, validating before and after, with the outputs under test on."""
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(REWARD_FILE)
@@ -46,20 +45,12 @@ def run_trainer(task, tmp_path):  # noqa: F811
         "trainer.plot_at_end=false",
         f"custom_reward_function.path={reward_file}",
     ]
-    keys = {o.split("=")[0] for o in overrides}
-    base = [arg for arg in command(task, tmp_path / "run", 2) if arg.split("=")[0] not in keys]
     home = str(tmp_path / "wandb-home")
-    run_env = dict(
-        env(),
-        WANDB_MODE="offline",
-        WANDB_SILENT="true",
-        WANDB_CONFIG_DIR=home,
-        WANDB_CACHE_DIR=home,
-        WANDB_DATA_DIR=home,
-    )
-    out = subprocess.run(base + overrides, env=run_env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return out.stdout
+    wandb_env = dict(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONFIG_DIR=home, WANDB_CACHE_DIR=home)
+    for name, value in dict(wandb_env, WANDB_DATA_DIR=home).items():
+        monkeypatch.setenv(name, value)
+    run_in_process(task, tmp_path / "run", 2, overrides)
+    return capsys.readouterr().out  # the console logger's lines
 
 
 def check_validation(row, dumped):
@@ -79,10 +70,10 @@ def check_validation(row, dumped):
     assert recomputed == pytest.approx({k: v for k, v in row.items() if f"{SOURCE}/reward/" in k}, abs=1e-9)
 
 
-def test_validation_metrics_dumps_and_logged_generations(task, tmp_path):  # noqa: F811
+def test_validation_metrics_dumps_and_logged_generations(ray_cluster, task, tmp_path, monkeypatch, capsys):
     pytest.importorskip("wandb")
     pytest.importorskip("tensorboard")
-    stdout = run_trainer(task, tmp_path)
+    stdout = run_trainer(task, tmp_path, monkeypatch, capsys)
     run_dir, by_step = tmp_path / "run", metrics(tmp_path / "run")
 
     assert sorted(p.name for p in (tmp_path / "val").iterdir()) == ["0.jsonl", "2.jsonl"]

@@ -13,7 +13,7 @@ import pytest
 
 from scaletrain.trainer.main_ppo import verl_overrides
 from scaletrain.utils.typed_config import ConfigError
-from tests.trainer.test_ppo_resume import ROOT, env
+from tests.trainer.runs import ROOT, env
 
 # verl's examples/grpo_trainer/run_qwen3-8b.sh, its overrides less the model and data paths
 VERL_GRPO_EXAMPLE = """
@@ -31,6 +31,8 @@ algorithm.use_kl_in_reward=False trainer.critic_warmup=0 trainer.logger=["consol
 trainer.project_name=verl_grpo_example_gsm8k trainer.experiment_name=qwen3_8b_function_rm trainer.n_gpus_per_node=8
 trainer.nnodes=1 trainer.save_freq=20 trainer.test_freq=5 trainer.total_epochs=15
 """.split()
+# what verl's current examples/grpo_trainer scripts add to every run (the interpreter: Ray's default)
+VERL_RAY_KEYS = ["ray_kwargs.ray_init.runtime_env.py_executable=null"]
 
 
 @pytest.mark.parametrize(
@@ -46,7 +48,8 @@ trainer.nnodes=1 trainer.save_freq=20 trainer.test_freq=5 trainer.total_epochs=1
         ),
         (
             ["+trainer.balance_batch=true", "+actor_rollout_ref.rollout.val_kwargs.do_sample=false", "+new.key=1"],
-            ["trainer.balance_batch=true", "+actor_rollout_ref.rollout.val_kwargs.do_sample=false", "+new.key=1"],
+            # an entry of a free-form mapping is added or replaced (Hydra's ++), whether it exists or not
+            ["trainer.balance_batch=true", "++actor_rollout_ref.rollout.val_kwargs.do_sample=false", "+new.key=1"],
         ),
         (
             [
@@ -103,9 +106,12 @@ def test_cli_refuses_before_starting():
 
 
 @pytest.mark.slow
-def test_verl_grpo_example_runs_one_step(tmp_path):
-    """The example's keys as they are, then the sizes a 2-core machine and the embedded model (64 positions) can
-    run (later overrides win)."""
+def test_verl_grpo_example_runs_one_step(ray_cluster, tmp_path, monkeypatch):
+    """The example's keys as they are (with the Ray keys verl's current scripts always pass), then the sizes a 2-core
+    machine and the embedded model (64 positions) can run (later overrides win); in this process, from the
+    example's working directory, as verl's layout of outputs is relative to it."""
+    from scaletrain.trainer.main_ppo import run
+
     scale = [
         "trainer.n_gpus_per_node=2",
         "data.train_batch_size=8",
@@ -118,15 +124,10 @@ def test_verl_grpo_example_runs_one_step(tmp_path):
         "trainer.balance_batch=True",  # verl's seq-balance examples add this
         'trainer.logger=["console","wandb","jsonl"]',
     ]  # jsonl too, to read the step's metrics here
-    out = subprocess.run(
-        [sys.executable, "-m", "scaletrain.trainer.main_ppo", *VERL_GRPO_EXAMPLE, *scale],
-        env={**env(), "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)},
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    run([*VERL_GRPO_EXAMPLE, *VERL_RAY_KEYS, *scale])
     run_dir = Path(tmp_path, "checkpoints", "verl_grpo_example_gsm8k", "qwen3_8b_function_rm")  # verl's layout
     assert list(run_dir.glob("wandb/offline-run-*")), "the example's wandb logger ran (offline)"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

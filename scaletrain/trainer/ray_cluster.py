@@ -1,0 +1,116 @@
+"""The Ray cluster of one run (layer 4): joined or started from verl's ``ray_kwargs``, and left as it was found.
+
+``ray_cluster(ray_kwargs, world_size, device)`` wraps a run:
+
+- this process is already connected to Ray (a caller's cluster, e.g. the test suite's one per session): the run
+  uses it and leaves it connected; ``ray_init`` keys that only a new connection could apply are logged as ignored;
+- ``ray_init.address`` is set (``auto`` or ``HOST:PORT``): the driver joins that cluster, with Ray's auth token
+  from the environment or ``~/.ray`` (launch/run.sh makes one per job), and only disconnects at the end: a cluster
+  this run did not start keeps running;
+- otherwise a private local cluster (``address="local"``: never a stale or foreign one by accident), shut down at
+  the end. Ray's token authentication stays on: such a cluster makes its own token (since Ray 2.59 its ports
+  listen on every interface, so without one anyone reaching them could run code as this user).
+
+Before leaving, ``timeline_json_file`` receives the cluster's Ray timeline (chrome://tracing JSON).
+``ray_kwargs.ray_init.runtime_env`` is merged over the run log's (console.py): ``env_vars`` key by key, null
+values dropped (verl's ``py_executable: null`` means Ray's default interpreter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from scaletrain.trainer.config import RayInitConfig, RayKwargsConfig
+from scaletrain.utils.typed_config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# what only a cluster started here takes: Ray refuses them when connecting to a running one
+NEW_CLUSTER_ONLY = (
+    "num_cpus",
+    "num_gpus",
+    "object_store_memory",
+    "resources",
+    "include_dashboard",
+    "dashboard_host",
+    "dashboard_port",
+)
+
+
+def check_ray_kwargs(ray_kwargs: RayKwargsConfig, section: str = "ray_kwargs") -> None:
+    """Before anything starts: keys a joined cluster cannot take, named (Ray's own error names none)."""
+    ri = ray_kwargs.ray_init
+    if ri.address and ri.address != "local":
+        given = [k for k in NEW_CLUSTER_ONLY if getattr(ri, k) != getattr(RayInitConfig(), k)]
+        if given:
+            raise ConfigError(
+                f"{section}.ray_init.{given[0]}: only a cluster started by this run takes it, and "
+                f"{section}.ray_init.address={ri.address} joins a running one (set it on `ray start` there, "
+                "or drop the address)"
+            )
+    if not isinstance(ri.runtime_env.get("env_vars", {}), dict):
+        raise ConfigError(f"{section}.ray_init.runtime_env.env_vars: expected a mapping of names to values")
+
+
+def merged_runtime_env(ours: dict[str, Any], user: dict[str, Any]) -> dict[str, Any]:
+    """``user`` over ``ours``: env_vars merged by name, null values (and an emptied env_vars) dropped."""
+    env = {**ours, **{k: v for k, v in user.items() if v is not None}}
+    env_vars = {**ours.get("env_vars", {}), **(user.get("env_vars") or {})}
+    env_vars = {k: str(v) for k, v in env_vars.items() if v is not None}
+    env.pop("env_vars", None)
+    return {**env, "env_vars": env_vars} if env_vars else env
+
+
+def ray_init_arguments(ri: RayInitConfig, world_size: int, device: str) -> dict[str, Any]:
+    """The ``ray.init`` keyword arguments of a new connection (console.py's logging set-up included)."""
+    from scaletrain.trainer.console import ray_init_kwargs
+
+    kwargs = ray_init_kwargs()
+    runtime_env = merged_runtime_env(kwargs.pop("runtime_env", {}), ri.runtime_env)
+    if runtime_env:
+        kwargs["runtime_env"] = runtime_env
+    if ri.namespace:
+        kwargs["namespace"] = ri.namespace
+    if ri.address and ri.address != "local":
+        return {**kwargs, "address": ri.address}
+    kwargs.update(
+        address="local",
+        num_cpus=ri.num_cpus or max(world_size * 2, os.cpu_count() or 1),
+        object_store_memory=ri.object_store_memory or 1 << 30,
+        include_dashboard=ri.include_dashboard,
+    )
+    num_gpus = 0 if device == "cpu" and ri.num_gpus is None else ri.num_gpus
+    optional = {"num_gpus": num_gpus, "resources": ri.resources or None}
+    optional.update(dashboard_host=ri.dashboard_host, dashboard_port=ri.dashboard_port)
+    return {**kwargs, **{k: v for k, v in optional.items() if v is not None}}
+
+
+@contextlib.contextmanager
+def ray_cluster(ray_kwargs: RayKwargsConfig, world_size: int, device: str) -> Iterator[None]:
+    """The run's Ray connection for the ``with`` block: reused, joined or started, as the module docstring says."""
+    import ray
+
+    connected = ray.is_initialized()
+    if connected:
+        ignored = [f.name for f in dataclasses.fields(RayInitConfig)]
+        ignored = [k for k in ignored if getattr(ray_kwargs.ray_init, k) != getattr(RayInitConfig(), k)]
+        if ignored:
+            logger.warning(
+                "this process is already connected to Ray: ray_kwargs.ray_init.%s ignored", ", ".join(ignored)
+            )
+    else:
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(**ray_init_arguments(ray_kwargs.ray_init, world_size, device))
+    try:
+        yield
+    finally:
+        if ray_kwargs.timeline_json_file:
+            ray.timeline(filename=ray_kwargs.timeline_json_file)
+            logger.info("Ray timeline of the run: %s", ray_kwargs.timeline_json_file)
+        if not connected:  # a joined cluster keeps running: shutdown only disconnects this driver from it
+            ray.shutdown()
