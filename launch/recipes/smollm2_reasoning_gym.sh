@@ -50,7 +50,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 MODEL=$("$PYTHON" -m scaletrain.models.prepare smollm2)
 DATA="$OUT/data/$TASK"
 "$PYTHON" -m scaletrain.data.preprocess.reasoning_gym --task "$TASK" --task_kwargs "$TASK_KWARGS" \
-  --fewshot "$FEWSHOT" --output_dir "$DATA" --train_size "$TRAIN_SIZE" --test_size "$TEST_SIZE" --seed 0
+  --fewshot "$FEWSHOT" --output_dir "$DATA" --train_size "$TRAIN_SIZE" --test_size "$TEST_SIZE" --seed 0 >&2
 
 ARGS=(
   backend="$BACKEND" rollout=vllm algorithm.adv_estimator=grpo

@@ -55,12 +55,10 @@ def run(overrides: Sequence[str] = ()) -> RunResult:
     as ``python -m scaletrain.trainer.main_ppo`` does (verl's forms translated), trains, and returns the result.
     Ray: this process's connection if it has one (left connected), else as ``ray_kwargs`` says (ray_cluster.py).
     A bad config raises ConfigError naming the key, before Ray starts."""
-    from hydra import compose, initialize_config_module
+    from scaletrain.utils.hydra_compose import compose_config
 
     overrides = verl_overrides(list(overrides))
-    with initialize_config_module("scaletrain.configs", version_base=None):
-        config = compose("ppo_trainer", overrides=overrides)
-    return run_ppo(OmegaConf.to_container(config, resolve=True), explicit_keys(overrides))
+    return run_ppo(compose_config("ppo_trainer", overrides), explicit_keys(overrides))
 
 
 def explicit_keys(overrides: Iterable[str]) -> list[str]:

@@ -43,11 +43,9 @@ def main(config: DictConfig) -> dict:
 
 def run(overrides: Sequence[str] = ()) -> dict[str, Any]:
     """The command line's SFT run in this process (Ray: its connection if it has one, else ``ray_kwargs``'s)."""
-    from hydra import compose, initialize_config_module
+    from scaletrain.utils.hydra_compose import compose_config
 
-    with initialize_config_module("scaletrain.configs", version_base=None):
-        config = compose("sft_trainer", overrides=list(overrides))
-    return run_sft(load_sft_config(OmegaConf.to_container(config, resolve=True)))
+    return run_sft(load_sft_config(compose_config("sft_trainer", overrides)))
 
 
 if __name__ == "__main__":

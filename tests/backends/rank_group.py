@@ -1,8 +1,9 @@
 """A group of real gloo ranks (one fresh process each) serving one test module's checks, one check per test.
 
 ``RankGroup(module, work, world)`` starts ``world`` processes that import ``module`` once (the ~15 s of imports a
-launch costs) and then wait for check names; ``group.check(name)`` has every rank run ``module.check_<name>(ctx)``
-and returns each rank's failure text (None: passed). So each check is its own pytest test (``pytest -k name`` runs
+launch costs) and then wait for checks; ``group.check(name, *args)`` has every rank run
+``module.check_<name>(ctx, *args)`` (``args``: JSON values, e.g. a layout's name) and returns each rank's failure
+text (None: passed). So each check is its own pytest test (``pytest -k name`` runs
 that one check and only the set-up it asks for), and one failure does not hide the others. ``ctx`` (``RankContext``)
 holds the rank, the world size, the work directory and ``ctx.once(key, build)``: set-up several checks share
 (the reference step, an engine), built on first use by whichever check asks first.
@@ -18,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -55,7 +57,8 @@ class RankContext:
 
 
 def serve(module: str, inputs: str, work: str) -> None:
-    """The rank side: read check names from stdin, run each, write ``reply_<rank>_<n>.json``; ``exit`` ends."""
+    """The rank side: read checks from stdin (a JSON ``[name, args]`` a line), run each, write
+    ``reply_<rank>_<n>.json``; ``exit`` ends."""
     import torch
 
     torch.set_num_threads(1)
@@ -63,11 +66,11 @@ def serve(module: str, inputs: str, work: str) -> None:
     checks = importlib.import_module(module)
     ctx = RankContext(inputs, work, rank, world)
     for n, line in enumerate(sys.stdin):
-        name = line.strip()
-        if name == "exit":
+        if line.strip() == "exit":
             break
+        name, args = json.loads(line)
         try:
-            getattr(checks, f"check_{name}")(ctx)
+            getattr(checks, f"check_{name}")(ctx, *args)
             error = None
         except Exception:  # noqa: BLE001 - reported to the parent test
             error = traceback.format_exc()
@@ -88,8 +91,8 @@ class RankGroup:
     def _start(self) -> None:
         self.generation += 1
         self.sent = 0
-        self.run_dir = self.work / f"ranks{self.generation}"
-        self.run_dir.mkdir()
+        # several groups may share the module's directory: each start gets a scratch directory of its own
+        self.run_dir = Path(tempfile.mkdtemp(prefix=f"ranks{self.world}_{self.generation}_", dir=self.work))
         port = free_port()
         code = (
             "from tests.backends.rank_group import serve; "
@@ -109,13 +112,13 @@ class RankGroup:
             f"--- rank {r} log:\n{(self.run_dir / f'rank{r}.log').read_text()[-3000:]}" for r in range(self.world)
         )
 
-    def check(self, name: str) -> dict[int, str | None]:
+    def check(self, name: str, *args: Any) -> dict[int, str | None]:
         """Every rank's failure text for check ``name`` (None: passed); fails the test if a rank dies or hangs."""
         if not self.procs:
             self._start()
         n, self.sent = self.sent, self.sent + 1
         for proc in self.procs:
-            proc.stdin.write(f"{name}\n".encode())
+            proc.stdin.write((json.dumps([name, list(args)]) + "\n").encode())
             proc.stdin.flush()
         replies, deadline = {}, time.monotonic() + self.timeout_s
         while len(replies) < self.world:
@@ -128,12 +131,12 @@ class RankGroup:
                 logs = self._logs()
                 self.close(kill=True)  # the next check gets a new group
                 why = f"rank(s) {dead} died" if dead else f"no reply within {self.timeout_s:.0f} s"
-                pytest.fail(f"check {name}: {why}\n{logs}")
+                pytest.fail(f"check {name}{tuple(args) or ''}: {why}\n{logs}")
             time.sleep(0.05)
         return replies
 
-    def assert_passed(self, name: str) -> None:
-        for rank, error in self.check(name).items():
+    def assert_passed(self, name: str, *args: Any) -> None:
+        for rank, error in self.check(name, *args).items():
             assert error is None, f"rank {rank}: {error}"
 
     def close(self, kill: bool = False) -> None:

@@ -2,34 +2,30 @@
 
 - The HF <-> Megatron mapping round trip, as pure functions (no processes), for TP 1/2 x PP 1/2, Qwen2 (QKV bias)
   and Llama, GQA, tied and untied embeddings, value heads.
-- One 2-rank launch runs three layouts one after the other (TP=2 with sequence parallelism; PP=2 with tied
-  embeddings across stages; DP=2 with the distributed optimizer, untied embeddings) and one 4-rank launch runs
-  TP=2 x PP=2 (actor and critic). In each: log-probs / entropy / values equal the HF model's, one update equals
-  the reference (loss, grad norm, exported HF weights), and where noted save -> load -> next steps are bit-exact.
-  Each layout also builds one more engine for another path: bf16 compute (TP=2), dynamic batch size with unequal
-  micro-batches padded for the pipeline + a skipped non-finite step + an empty batch refused (PP=2), activation
-  recompute (DP=2), and a forward-only reference policy (TP=2 x PP=2); TP=2 also checks a Llama model's log-probs.
-  PP=2 and DP=2 also check exact loss aggregation (tests/backends/exactness.py: 1 vs 4 micro-batches vs dynamic
-  batch sizes, to 1e-6 relative; the reference loss is a token-mean over the whole batch).
+- One 2-rank group serves three layouts one after the other (TP=2 with sequence parallelism; PP=2 with tied embeddings
+  across stages; DP=2 with the distributed optimizer, untied embeddings) and one 4-rank group TP=2 x PP=2 (actor and
+  critic) (tests/backends/rank_group.py): each test runs one check of one layout, ``check_<name>(ctx, layout)`` below,
+  so ``pytest -k "pp2 and save_hf"`` runs that check and the set-up it asks for. In each: log-probs / entropy / values
+  equal the HF model's, one update equals the reference (loss, grad norm, exported HF weights), and where noted save
+  -> load -> next steps are bit-exact. Each layout also builds one more engine for another path: bf16 compute (TP=2),
+  dynamic batch size with unequal micro-batches padded for the pipeline + a skipped non-finite step + an empty batch
+  refused (PP=2), activation recompute (DP=2), and a forward-only reference policy (TP=2 x PP=2); TP=2 also checks a
+  Llama model's log-probs. PP=2 and DP=2 also check exact loss aggregation (tests/backends/exactness.py: 1 vs 4
+  micro-batches vs dynamic batch sizes, to 1e-6 relative; the reference loss is a token-mean over the whole batch).
 """
 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.backends.multirank import (
-    assert_close,
-    assert_empty_batch_refused,
-    assert_step_matches_reference,
-    launch,
-    rank_check,
-    run_checks,
-)
+from tests.backends.multirank import assert_close, assert_empty_batch_refused, assert_step_matches_reference
+from tests.backends.rank_group import RankGroup
 
-pytestmark = pytest.mark.slow  # multi-process launches (setup.cfg: `pytest -m "not slow"` skips them)
+pytestmark = pytest.mark.slow  # multi-process groups (setup.cfg: `pytest -m "not slow"` skips them)
 
 LAYOUTS = {  # name -> (world, megatron settings, model dir, micro batch)
     "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), "tied", 3),
@@ -37,21 +33,23 @@ LAYOUTS = {  # name -> (world, megatron settings, model dir, micro batch)
     "dp2_distopt": (2, dict(use_distributed_optimizer=True), "untied", 3),
     "tp2_pp2": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), "untied", 3),
 }
-CHECKS = (
-    "forward",
-    "train_step",
-    "export_buckets",
-    "critic",
-    "resume_exact",
-    "save_hf",
-    "bf16",
-    "dynamic_bsz",
-    "recompute",
-    "forward_only",
-    "llama",
-    "exact_aggregation",
-)
+EXTRA_ENGINE = {"tp2_sp": "bf16", "pp2": "dynamic_bsz", "dp2_distopt": "recompute", "tp2_pp2": "forward_only"}
 EXACT_LAYOUTS = ("pp2", "dp2_distopt")  # tests/backends/exactness.py: PP=2 with padded micro-batches; DP=2
+# each layout's checks, in the order they run: a fresh engine's forward, its step, then checks of the stepped one
+CHECKS = {
+    layout: [
+        "forward",
+        "train_step",
+        "export_buckets",
+        EXTRA_ENGINE[layout],
+        *(["llama"] if layout == "tp2_sp" else []),
+        *(["critic"] if layout in ("tp2_sp", "tp2_pp2") else []),
+        *(["exact_aggregation"] if layout in EXACT_LAYOUTS else []),
+        *(["resume_exact"] if layout in ("tp2_sp", "dp2_distopt", "tp2_pp2") else []),
+        *(["save_hf"] if layout == "pp2" else []),
+    ]
+    for layout in LAYOUTS
+}
 TOL = 1e-5
 
 
@@ -141,7 +139,7 @@ def test_parallel_config_validation():
         MegatronParallelConfig.from_extra({"megatron": {"tp": 2}})
 
 
-# ------------------------------------------------------------------------------------------------ launches
+# ------------------------------------------------------------------------------------------------ the groups
 def _models(work):
     from transformers import LlamaForCausalLM
 
@@ -154,226 +152,308 @@ def _models(work):
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    work2 = tmp_path_factory.mktemp("megatron_2rank")
-    work4 = tmp_path_factory.mktemp("megatron_4rank")
-    _models(work2)
-    _models(work4)
-    out = {}
-    for work, world in ((work2, 2), (work4, 4)):
-        (work / "layouts").write_text(",".join(n for n, v in LAYOUTS.items() if v[0] == world))
-        for rank, res in launch("tests.backends.test_megatron_engine", work, world, timeout_s=300).items():
-            out.setdefault(rank, {}).update(res)
-    return out
+def group_of(tmp_path_factory):
+    """``group_of(world)``: the serving group of that many ranks (2 or 4), started when a check of its layouts first
+    runs; the other world size's group ends first (one group's memory at a time)."""
+    work = tmp_path_factory.mktemp("megatron")
+    _models(work)
+    groups: dict[int, RankGroup] = {}
+
+    def group(world: int) -> RankGroup:
+        for other in [w for w in groups if w != world]:
+            groups.pop(other).close()
+        if world not in groups:
+            groups[world] = RankGroup("tests.backends.test_megatron_engine", work, world, timeout_s=300)
+        return groups[world]
+
+    yield group
+    for g in groups.values():
+        g.close()
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout(results, layout):
-    world = LAYOUTS[layout][0]
-    failures = []
-    for rank in range(world):
-        for check in CHECKS:
-            key = f"{layout}/{check}"
-            if key in results[rank] and results[rank][key] is not None:
-                failures.append(f"rank {rank} {key}: {results[rank][key]}")
-        for check in ("forward", "train_step", "export_buckets") + (("exact_aggregation",) * (layout in EXACT_LAYOUTS)):
-            assert f"{layout}/{check}" in results[rank], f"rank {rank} did not run {layout}/{check}"
-    assert not failures, "\n".join(failures)
+@pytest.mark.parametrize("layout, check", [(layout, check) for layout, checks in CHECKS.items() for check in checks])
+def test_layout(group_of, layout, check):
+    group_of(LAYOUTS[layout][0]).assert_passed(check, layout)
 
 
-# ------------------------------------------------------------------------------------------ per-rank checks
-def run_rank(work: str) -> None:
-    run_checks(work, _run_checks)
+# ---------------------------------------------------------------------------------- set-up the checks share
+def exported(engine, bucket_bytes=1 << 30):
+    return {k: v for bucket in engine.export_weights(bucket_bytes) for k, v in bucket}
 
 
-def _run_checks(work: str, rank: int, results: dict) -> None:
-    import torch.distributed as dist
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+def layout_state(ctx, layout):
+    """The layout's engine (fresh), this DP rank's rows and the single-process reference step on the whole batch.
+    Megatron's parallel state is one per process: entering a layout ends the previous one's, which cannot come back
+    (its checks run together, in ``CHECKS``' order)."""
+    active = ctx.once("active", lambda: {"layout": None, "ended": set()})
+    if layout in active["ended"]:
+        raise RuntimeError(f"layout {layout} was left for another one: run a layout's checks together")
+    if active["layout"] not in (None, layout):
+        ctx.once(active["layout"], lambda: None).engine.ps.destroy_model_parallel()
+        active["ended"].add(active["layout"])
+    active["layout"] = layout
+    return ctx.once(layout, lambda: _layout_state(ctx, layout))
+
+
+def _layout_state(ctx, layout):
+    from transformers import AutoModelForCausalLM
 
     from backends.base import get_backend
     from backends.config import EngineConfig, ModelConfig, OptimConfig
     from tests.backends import reference as ref
-    from tests.backends.exactness import check_exact_aggregation
     from tests.backends.tiny import make_batch
 
     Megatron = get_backend("megatron")
     optim = OptimConfig(lr=1e-3, eps=1e-3, weight_decay=0.01, grad_clip=1.0, lr_scheduler="cosine", total_steps=4)
     batch = make_batch(8, 12, 10, seed=1)
+    _, settings, model_name, micro = LAYOUTS[layout]
+    model_dir = os.path.join(ctx.inputs, model_name)
+    engine_config = EngineConfig(micro_batch_size_per_gpu=micro, extra={"megatron": settings})
+    engine = Megatron(ModelConfig(path=model_dir), optim, engine_config)
+    per = len(batch) // engine.dp_size
+    rows = list(range(engine.dp_rank * per, (engine.dp_rank + 1) * per))
+    share = batch.select_idxs(rows)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        before = ref.ref_outputs(hf, share)
+    ref_loss, ref_norm = ref.ref_step(hf, batch, ref.actor_loss, ref.ref_outputs, optim)
+    return SimpleNamespace(
+        Megatron=Megatron,
+        optim=optim,
+        batch=batch,
+        settings=settings,
+        micro=micro,
+        model_dir=model_dir,
+        engine_config=engine_config,
+        engine=engine,
+        rows=rows,
+        share=share,
+        before=before,
+        ref_loss=ref_loss,
+        ref_norm=ref_norm,
+        ref_sd={k: v.detach().clone() for k, v in hf.state_dict().items()},
+    )
 
-    def exported(engine, bucket_bytes=1 << 30):
-        return {k: v for bucket in engine.export_weights(bucket_bytes) for k, v in bucket}
 
-    for layout in open(os.path.join(work, "layouts")).read().split(","):
-        _, settings, model_name, micro = LAYOUTS[layout]
-        model_dir = os.path.join(work, model_name)
-        engine_config = EngineConfig(micro_batch_size_per_gpu=micro, extra={"megatron": settings})
-        engine = Megatron(ModelConfig(path=model_dir), optim, engine_config)
-        dp_rank, dp_size = engine.dp_rank, engine.dp_size
-        per = len(batch) // dp_size
-        rows = list(range(dp_rank * per, (dp_rank + 1) * per))
-        share = batch.select_idxs(rows)
+def stepped(ctx, layout):
+    """The layout's engine after its one step on this DP rank's rows, which must equal the reference step."""
 
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    def step():
+        from tests.backends import reference as ref
+
+        s = layout_state(ctx, layout)
+        metrics = s.engine.train_step(s.share, ref.actor_loss, ("log_probs", "entropy"))
+        weights = exported(s.engine)
+        assert_step_matches_reference(metrics, metrics["loss"], weights, s.ref_loss, s.ref_norm, s.ref_sd, s.optim)
+        return s.engine
+
+    layout_state(ctx, layout)  # enters the layout
+    return ctx.once(f"{layout}/stepped", step)
+
+
+# ------------------------------------------------------------------------------------------ per-rank checks
+def check_forward(ctx, layout):
+    s = layout_state(ctx, layout)
+    assert s.engine.global_step == 0, "the layout's engine has stepped already: run its checks in order"
+    out = s.engine.forward(s.share, ("log_probs", "entropy"))
+    assert_close(out.batch["log_probs"], s.before["log_probs"], "log_probs")
+    assert_close(out.batch["entropy"], s.before["entropy"], "entropy")
+    pp_last = s.engine.ps.is_pipeline_last_stage()
+    assert s.engine.collects_output == (s.engine.tp_rank == 0 and pp_last)
+
+
+def check_train_step(ctx, layout):
+    stepped(ctx, layout)  # its step is the check
+
+
+def check_export_buckets(ctx, layout):
+    engine, s = stepped(ctx, layout), layout_state(ctx, layout)
+    buckets = list(engine.export_weights(40_000))
+    assert len(buckets) > 3
+    for bucket in buckets:
+        size = sum(t.numel() * t.element_size() for _, t in bucket)
+        assert size <= 40_000 or len(bucket) == 1, (size, [n for n, _ in bucket])
+    assert [n for bucket in buckets for n, _ in bucket] == list(s.ref_sd)
+
+
+def _extra_engine(ctx, layout):
+    """One more engine per layout, each exercising another path against the reference: its forward, and for all
+    but the forward-only one its step; returns (engine, the step's metrics, its exported weights)."""
+    from backends.config import EngineConfig, ModelConfig
+    from tests.backends import reference as ref
+
+    s, name = layout_state(ctx, layout), EXTRA_ENGINE[layout]
+    model_config, overrides = {
+        "bf16": (ModelConfig(path=s.model_dir), dict(mixed_precision="bfloat16")),
+        "dynamic_bsz": (ModelConfig(path=s.model_dir), dict(use_dynamic_bsz=True, max_token_len_per_gpu=40)),
+        "recompute": (ModelConfig(path=s.model_dir, gradient_checkpointing=True), {}),
+        "forward_only": (ModelConfig(path=s.model_dir), {}),
+    }[name]
+    config = EngineConfig(**{"micro_batch_size_per_gpu": s.micro, "extra": {"megatron": s.settings}, **overrides})
+    other = s.Megatron(model_config, None if name == "forward_only" else s.optim, config)
+    out = other.forward(s.share, ("log_probs", "entropy")).batch
+    tol = 0.1 if name == "bf16" else TOL
+    assert_close(out["log_probs"], s.before["log_probs"], f"{name} log_probs", tol=tol)
+    assert_close(out["entropy"], s.before["entropy"], f"{name} entropy", tol=tol)
+    if name == "forward_only":
+        return other, None, None
+    metrics = other.train_step(s.share, ref.actor_loss, ("log_probs", "entropy"))
+    weights = exported(other)
+    assert all(v.dtype == torch.float32 for v in weights.values())
+    return other, metrics, weights
+
+
+def check_bf16(ctx, layout):
+    s = layout_state(ctx, layout)
+    _, metrics, weights = _extra_engine(ctx, layout)
+    assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(s.ref_norm), "bf16 grad_norm", tol=0.05 * s.ref_norm)
+    assert max((v - s.ref_sd[k]).abs().max().item() for k, v in weights.items()) < 3 * s.optim.lr
+
+
+def _matches_reference(ctx, layout):
+    """The extra engine's step equals the reference step: grad norm and every exported weight."""
+    s, name = layout_state(ctx, layout), EXTRA_ENGINE[layout]
+    other, metrics, weights = _extra_engine(ctx, layout)
+    assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(s.ref_norm), f"{name} grad_norm")
+    for k, v in weights.items():
+        assert_close(v, s.ref_sd[k], f"{name} weight {k}")
+    return other, weights
+
+
+def check_recompute(ctx, layout):
+    _matches_reference(ctx, layout)
+
+
+def check_dynamic_bsz(ctx, layout):
+    """Unequal micro-batches padded for the pipeline; then a non-finite gradient skips the step and leaves the
+    weights alone, and an empty batch is refused."""
+    from tests.backends import reference as ref
+
+    s = layout_state(ctx, layout)
+    other, weights = _matches_reference(ctx, layout)
+    nan = other.train_step(
+        s.share, lambda o, mb: (ref.actor_loss(o, mb)[0] * float("nan"), {}), ("log_probs", "entropy")
+    )
+    assert nan["step_skipped"] == 1.0 and other.global_step == 2, nan
+    for k, v in exported(other).items():
+        assert torch.equal(v, weights[k]), k
+    assert_empty_batch_refused(other, s.share, ref.actor_loss, ("log_probs", "entropy"))
+
+
+def check_forward_only(ctx, layout):
+    from tests.backends import reference as ref
+
+    other, _, _ = _extra_engine(ctx, layout)
+    assert not any(p.requires_grad for p in other.module.parameters())
+    try:
+        other.train_step(layout_state(ctx, layout).share, ref.actor_loss)
+        raise AssertionError("train_step on a forward-only engine must fail")
+    except RuntimeError:
+        pass
+
+
+def check_llama(ctx, layout):
+    """Llama: no QKV bias, untied head, TP-sharded."""
+    from transformers import AutoModelForCausalLM
+
+    from backends.config import ModelConfig
+    from tests.backends import reference as ref
+
+    s = layout_state(ctx, layout)
+    llama_dir = os.path.join(ctx.inputs, "llama")
+    llama = s.Megatron(ModelConfig(path=llama_dir), None, s.engine_config)
+    with torch.no_grad():
+        expected = ref.ref_outputs(AutoModelForCausalLM.from_pretrained(llama_dir), s.share)
+    out = llama.forward(s.share, ("log_probs", "entropy")).batch
+    assert_close(out["log_probs"], expected["log_probs"], "llama log_probs")
+    assert_close(out["entropy"], expected["entropy"], "llama entropy")
+
+
+def check_critic(ctx, layout):
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    from backends.config import EngineConfig, ModelConfig
+    from tests.backends import reference as ref
+
+    s = layout_state(ctx, layout)
+    torch.manual_seed(7)
+    config = AutoConfig.from_pretrained(s.model_dir, num_labels=1)
+    config.classifier_dropout = 0.0
+    critic_ref = AutoModelForTokenClassification.from_pretrained(s.model_dir, config=config)
+    with torch.no_grad():
+        values = ref.ref_values(critic_ref, s.share)["values"]
+    loss, norm = ref.ref_step(critic_ref, s.batch, ref.value_loss, ref.ref_values, s.optim)
+    critic = s.Megatron(
+        ModelConfig(path=s.model_dir, kind="value"),
+        s.optim,
+        EngineConfig(micro_batch_size_per_gpu=s.micro, seed=7, extra={"megatron": s.settings}),
+    )
+    assert_close(critic.forward(s.share, ("values",)).batch["values"], values, "values")
+    metrics = critic.train_step(s.share, ref.value_loss, ("values",))
+    assert_close(torch.tensor(metrics["loss"]), torch.tensor(loss), "value loss")
+    assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(norm), "value grad_norm")
+    weights = exported(critic)
+    assert list(weights) == list(critic_ref.state_dict())
+    for k, v in weights.items():
+        assert_close(v, critic_ref.state_dict()[k], f"critic weight {k}")
+
+
+def check_exact_aggregation(ctx, layout):
+    """1 vs 4 micro-batches vs dynamic bsz against 1 process (tests/backends/exactness.py)."""
+    from backends.config import EngineConfig, ModelConfig
+    from tests.backends.exactness import check_exact_aggregation
+
+    s = layout_state(ctx, layout)
+    check_exact_aggregation(
+        lambda opt, **kw: s.Megatron(
+            ModelConfig(path=s.model_dir), opt, EngineConfig(**kw, extra={"megatron": s.settings})
+        ),
+        s.model_dir,
+        s.engine.dp_rank,
+        s.engine.dp_size,
+    )
+
+
+def check_resume_exact(ctx, layout):
+    from backends.config import ModelConfig
+    from tests.backends import reference as ref
+    from tests.backends.tiny import make_batch
+
+    engine, s = stepped(ctx, layout), layout_state(ctx, layout)
+    ckpt = os.path.join(ctx.work, f"ckpt_{layout}")
+    later = [make_batch(8, 12, 10, seed=seed).select_idxs(s.rows) for seed in (2, 3)]
+    engine.save(ckpt)  # after step 1
+    draw = torch.rand(4)
+    first = [engine.train_step(b, ref.actor_loss, ("log_probs", "entropy")) for b in later]
+    first_weights = exported(engine)
+    fresh = s.Megatron(ModelConfig(path=s.model_dir), s.optim, s.engine_config)
+    fresh.load(ckpt)
+    assert torch.equal(torch.rand(4), draw), "RNG state not restored"
+    assert fresh.global_step == 1
+    second = [fresh.train_step(b, ref.actor_loss, ("log_probs", "entropy")) for b in later]
+    for a, b in zip(first, second):
+        assert a == b, (a, b)
+    assert first[1]["lr"] < first[0]["lr"] < s.optim.lr, first  # the cosine schedule resumed
+    for k, v in exported(fresh).items():
+        assert torch.equal(v, first_weights[k]), k
+
+
+def check_save_hf(ctx, layout):
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from tests.backends import reference as ref
+
+    engine, s = stepped(ctx, layout), layout_state(ctx, layout)
+    hf_dir = os.path.join(ctx.work, f"hf_{layout}")
+    engine.save_hf(hf_dir)
+    weights = exported(engine)
+    out = engine.forward(s.share, ("log_probs",)).batch["log_probs"]
+    if ctx.rank == 0:
+        loaded = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        assert loaded.config.architectures == ["Qwen2ForCausalLM"]
+        for k, v in loaded.state_dict().items():
+            assert torch.equal(v, weights[k]), k
         with torch.no_grad():
-            before = ref.ref_outputs(hf, share)
-        ref_loss, ref_norm = ref.ref_step(hf, batch, ref.actor_loss, ref.ref_outputs, optim)
-        ref_sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-
-        @rank_check(results, f"{layout}/forward")
-        def _():
-            out = engine.forward(share, ("log_probs", "entropy"))
-            assert_close(out.batch["log_probs"], before["log_probs"], "log_probs")
-            assert_close(out.batch["entropy"], before["entropy"], "entropy")
-            pp_last = engine.ps.is_pipeline_last_stage()
-            assert engine.collects_output == (engine.tp_rank == 0 and pp_last)
-
-        @rank_check(results, f"{layout}/train_step")
-        def _():
-            metrics = engine.train_step(share, ref.actor_loss, ("log_probs", "entropy"))
-            assert_step_matches_reference(metrics, metrics["loss"], exported(engine), ref_loss, ref_norm, ref_sd, optim)
-
-        @rank_check(results, f"{layout}/export_buckets")
-        def _():
-            buckets = list(engine.export_weights(40_000))
-            assert len(buckets) > 3
-            for bucket in buckets:
-                size = sum(t.numel() * t.element_size() for _, t in bucket)
-                assert size <= 40_000 or len(bucket) == 1, (size, [n for n, _ in bucket])
-            assert [n for bucket in buckets for n, _ in bucket] == list(ref_sd)
-
-        extra_engine = {  # one more engine per layout, each exercising another path against the reference
-            "tp2_sp": ("bf16", ModelConfig(path=model_dir), dict(mixed_precision="bfloat16")),
-            "pp2": ("dynamic_bsz", ModelConfig(path=model_dir), dict(use_dynamic_bsz=True, max_token_len_per_gpu=40)),
-            "dp2_distopt": ("recompute", ModelConfig(path=model_dir, gradient_checkpointing=True), {}),
-            "tp2_pp2": ("forward_only", ModelConfig(path=model_dir), {}),
-        }[layout]
-
-        @rank_check(results, f"{layout}/{extra_engine[0]}")
-        def _():
-            name, model_config, overrides = extra_engine
-            config = EngineConfig(**{"micro_batch_size_per_gpu": micro, "extra": {"megatron": settings}, **overrides})
-            other = Megatron(model_config, None if name == "forward_only" else optim, config)
-            out = other.forward(share, ("log_probs", "entropy")).batch
-            tol = 0.1 if name == "bf16" else TOL
-            assert_close(out["log_probs"], before["log_probs"], f"{name} log_probs", tol=tol)
-            assert_close(out["entropy"], before["entropy"], f"{name} entropy", tol=tol)
-            if name == "forward_only":
-                assert not any(p.requires_grad for p in other.module.parameters())
-                try:
-                    other.train_step(share, ref.actor_loss)
-                    raise AssertionError("train_step on a forward-only engine must fail")
-                except RuntimeError:
-                    pass
-                return
-            metrics = other.train_step(share, ref.actor_loss, ("log_probs", "entropy"))
-            weights = exported(other)
-            assert all(v.dtype == torch.float32 for v in weights.values())
-            if name == "bf16":
-                assert_close(
-                    torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), "bf16 grad_norm", tol=0.05 * ref_norm
-                )
-                assert max((v - ref_sd[k]).abs().max().item() for k, v in weights.items()) < 3 * optim.lr
-                return
-            assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(ref_norm), f"{name} grad_norm")
-            for k, v in weights.items():
-                assert_close(v, ref_sd[k], f"{name} weight {k}")
-            if name == "dynamic_bsz":  # a non-finite gradient skips the step and leaves the weights alone
-                nan = other.train_step(
-                    share, lambda o, mb: (ref.actor_loss(o, mb)[0] * float("nan"), {}), ("log_probs", "entropy")
-                )
-                assert nan["step_skipped"] == 1.0 and other.global_step == 2, nan
-                for k, v in exported(other).items():
-                    assert torch.equal(v, weights[k]), k
-                assert_empty_batch_refused(other, share, ref.actor_loss, ("log_probs", "entropy"))
-
-        if layout == "tp2_sp":
-
-            @rank_check(results, f"{layout}/llama")
-            def _():  # Llama: no QKV bias, untied head, TP-sharded
-                llama_dir = os.path.join(work, "llama")
-                llama = Megatron(ModelConfig(path=llama_dir), None, engine_config)
-                with torch.no_grad():
-                    expected = ref.ref_outputs(AutoModelForCausalLM.from_pretrained(llama_dir), share)
-                out = llama.forward(share, ("log_probs", "entropy")).batch
-                assert_close(out["log_probs"], expected["log_probs"], "llama log_probs")
-                assert_close(out["entropy"], expected["entropy"], "llama entropy")
-
-        if layout in ("tp2_sp", "tp2_pp2"):
-
-            @rank_check(results, f"{layout}/critic")
-            def _():
-                torch.manual_seed(7)
-                config = AutoConfig.from_pretrained(model_dir, num_labels=1)
-                config.classifier_dropout = 0.0
-                critic_ref = AutoModelForTokenClassification.from_pretrained(model_dir, config=config)
-                with torch.no_grad():
-                    values = ref.ref_values(critic_ref, share)["values"]
-                loss, norm = ref.ref_step(critic_ref, batch, ref.value_loss, ref.ref_values, optim)
-                critic = Megatron(
-                    ModelConfig(path=model_dir, kind="value"),
-                    optim,
-                    EngineConfig(micro_batch_size_per_gpu=micro, seed=7, extra={"megatron": settings}),
-                )
-                assert_close(critic.forward(share, ("values",)).batch["values"], values, "values")
-                metrics = critic.train_step(share, ref.value_loss, ("values",))
-                assert_close(torch.tensor(metrics["loss"]), torch.tensor(loss), "value loss")
-                assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(norm), "value grad_norm")
-                weights = exported(critic)
-                assert list(weights) == list(critic_ref.state_dict())
-                for k, v in weights.items():
-                    assert_close(v, critic_ref.state_dict()[k], f"critic weight {k}")
-
-        if layout in EXACT_LAYOUTS:
-
-            @rank_check(results, f"{layout}/exact_aggregation")
-            def _():  # 1 vs 4 micro-batches vs dynamic bsz against 1 process
-                check_exact_aggregation(
-                    lambda opt, **kw: Megatron(
-                        ModelConfig(path=model_dir), opt, EngineConfig(**kw, extra={"megatron": settings})
-                    ),
-                    model_dir,
-                    dp_rank,
-                    dp_size,
-                )
-
-        if layout in ("tp2_sp", "dp2_distopt", "tp2_pp2"):
-
-            @rank_check(results, f"{layout}/resume_exact")
-            def _():
-                ckpt = os.path.join(work, f"ckpt_{layout}")
-                later = [make_batch(8, 12, 10, seed=s).select_idxs(rows) for s in (2, 3)]
-                engine.save(ckpt)  # after step 1
-                draw = torch.rand(4)
-                first = [engine.train_step(b, ref.actor_loss, ("log_probs", "entropy")) for b in later]
-                first_weights = exported(engine)
-                fresh = Megatron(ModelConfig(path=model_dir), optim, engine_config)
-                fresh.load(ckpt)
-                assert torch.equal(torch.rand(4), draw), "RNG state not restored"
-                assert fresh.global_step == 1
-                second = [fresh.train_step(b, ref.actor_loss, ("log_probs", "entropy")) for b in later]
-                for a, b in zip(first, second):
-                    assert a == b, (a, b)
-                assert first[1]["lr"] < first[0]["lr"] < optim.lr, first  # the cosine schedule resumed
-                for k, v in exported(fresh).items():
-                    assert torch.equal(v, first_weights[k]), k
-
-        if layout == "pp2":
-
-            @rank_check(results, f"{layout}/save_hf")
-            def _():
-                hf_dir = os.path.join(work, "hf_pp2")
-                engine.save_hf(hf_dir)
-                weights = exported(engine)
-                out = engine.forward(share, ("log_probs",)).batch["log_probs"]
-                if rank == 0:
-                    loaded = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-                    assert loaded.config.architectures == ["Qwen2ForCausalLM"]
-                    for k, v in loaded.state_dict().items():
-                        assert torch.equal(v, weights[k]), k
-                    with torch.no_grad():
-                        assert_close(ref.ref_outputs(loaded, share)["log_probs"], out, "save_hf log_probs")
-                dist.barrier()
-
-        dist.barrier()
-        engine.ps.destroy_model_parallel()
-    dist.destroy_process_group()
+            assert_close(ref.ref_outputs(loaded, s.share)["log_probs"], out, "save_hf log_probs")
+    dist.barrier()

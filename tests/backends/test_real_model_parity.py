@@ -4,9 +4,11 @@ eager attention), on one batch of real chat text (the model's tokenizer and chat
 
 - Reference, once in the test process: per-token log-probs / entropy of the batch, and the loss and gradient norm
   of one actor-loss step (tests/backends/reference.py).
-- One launch per backend (a process holds one engine, so the peak memory is one engine's): FSDP2, DeepSpeed ZeRO-3
-  and Megatron PP=2 on 2 ranks, Megatron TP=3 on 3 ranks. Megatron cannot split 9 query heads / 3 KV heads over
-  TP=2 (the engine refuses it, checked below without a launch), so TP=3 is the tensor-parallel layout of this model.
+- One group of ranks per backend, serving its checks one test each (tests/backends/rank_group.py; a process holds
+  one engine, and a backend's group ends before the next one's starts, so the peak memory is one engine's): FSDP2,
+  DeepSpeed ZeRO-3 and Megatron PP=2 on 2 ranks, Megatron TP=3 on 3 ranks. Megatron cannot split 9 query heads /
+  3 KV heads over TP=2 (the engine refuses it, checked below without a launch), so TP=3 is the tensor-parallel
+  layout of this model.
 - Per backend: forward log-probs equal the reference (<= 1e-4; entropy <= 2e-4); one train step (lr 1e-5) gives the
   reference loss and gradient norm; after it, save_hf -> ``from_pretrained`` gives every tensor bit-equal to the
   engine's export, and the reloaded model's log-probs equal the engine's own post-step log-probs (<= 1e-4), which
@@ -15,7 +17,7 @@ eager attention), on one batch of real chat text (the model's tokenizer and chat
   to a TP multiple, PP=2), RoPE settings equal to HF's rotary embedding, clear errors for configs that do not map.
 
 Each rank writes its measured differences and peak memory to ``figures_rank{R}.json``; ``test_backend`` prints them
-(``-s``).
+after a backend's last check (``-s``).
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ import gc
 import json
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.backends.multirank import assert_close, assert_ranks_passed, launch, rank_check, run_checks
+from tests.backends.multirank import assert_close
+from tests.backends.rank_group import RankGroup
 
 TOL = 1e-4
 ENTROPY_TOL = 2e-4  # entropy sums p * log p over 49152 tokens: measured up to 8.7e-5 (log-probs up to 3.1e-5)
@@ -103,7 +107,7 @@ def write_reference(model_dir: str, path: str) -> None:
     torch.save({**before, "loss": float(loss), "grad_norm": float(norm)}, path)
 
 
-# ------------------------------------------------------------------------------------------------ launches
+# ------------------------------------------------------------------------------------------------ the groups
 @pytest.fixture(scope="module")
 def reference_path(smollm2_dir, tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("smollm2_reference") / "reference.pt")
@@ -112,44 +116,52 @@ def reference_path(smollm2_dir, tmp_path_factory) -> str:
     return path
 
 
+@pytest.fixture(scope="module")
+def backend_group(smollm2_dir, reference_path, tmp_path_factory):
+    """``backend_group(backend)``: that backend's serving group; the previous backend's ends first."""
+    work = tmp_path_factory.mktemp("parity")
+    (work / "settings.json").write_text(json.dumps({"model_dir": smollm2_dir, "reference": reference_path}))
+    groups: dict[str, RankGroup] = {}
+
+    def group(backend: str) -> RankGroup:
+        for other in [b for b in groups if b != backend]:
+            groups.pop(other).close()
+        if backend not in groups:
+            groups[backend] = RankGroup("tests.backends.test_real_model_parity", work, WORLD[backend], timeout_s=600)
+        return groups[backend]
+
+    yield group
+    for g in groups.values():
+        g.close()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", list(WORLD))
-def test_backend(backend, smollm2_dir, reference_path, tmp_path):
-    """One launch per backend: a process holds one engine (peak memory of one engine, not of all four)."""
+@pytest.mark.parametrize("backend, check", [(backend, check) for backend in WORLD for check in CHECKS])
+def test_backend(backend, check, backend_group):
     if backend != "fsdp":
         pytest.importorskip("megatron.core" if backend in MEGATRON else backend)
-    settings = {"model_dir": smollm2_dir, "reference": reference_path, "backend": backend}
-    (tmp_path / "settings.json").write_text(json.dumps(settings))
-    results = launch("tests.backends.test_real_model_parity", tmp_path, WORLD[backend], timeout_s=600)
-    figures = {rank: json.loads((tmp_path / f"figures_rank{rank}.json").read_text()) for rank in results}
-    print(f"\n{backend}: {json.dumps(figures)}")
-    for check in CHECKS:
-        assert_ranks_passed(results, check)
+    group = backend_group(backend)
+    group.assert_passed(check, backend)
+    if check == CHECKS[-1]:
+        figures = {r: json.loads((group.run_dir / f"figures_rank{r}.json").read_text()) for r in range(group.world)}
+        print(f"\n{backend}: {json.dumps(figures)}")
 
 
-# ------------------------------------------------------------------------------------------ per-rank checks
-def run_rank(work: str) -> None:
-    run_checks(work, _run_checks)
+# ---------------------------------------------------------------------------------- set-up the checks share
+def engine_state(ctx, backend: str):
+    """The backend's engine on the model, this DP rank's rows, the reference and the figures measured so far."""
 
+    def build():
+        settings = json.loads(open(os.path.join(ctx.inputs, "settings.json")).read())
+        reference = torch.load(settings["reference"])
+        batch = chat_batch(settings["model_dir"])
+        engine = _build_engine(backend, settings["model_dir"])
+        per = len(batch) // engine.dp_size
+        rows = list(range(engine.dp_rank * per, (engine.dp_rank + 1) * per))
+        before = {k: reference[k][rows] for k in ("log_probs", "entropy")}
+        return SimpleNamespace(engine=engine, share=batch.select_idxs(rows), before=before, reference=reference)
 
-def _run_checks(work: str, rank: int, results: dict) -> None:
-    import resource
-
-    import torch.distributed as dist
-
-    settings = json.loads(open(os.path.join(work, "settings.json")).read())
-    reference = torch.load(settings["reference"])
-    batch = chat_batch(settings["model_dir"])
-    figures: dict = {}
-    try:
-        engine = _build_engine(settings["backend"], settings["model_dir"])
-        _check_engine(engine, work, rank, batch, reference, results, figures)
-    finally:
-        figures["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-        with open(os.path.join(work, f"figures_rank{rank}.json"), "w") as f:
-            json.dump(figures, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    return ctx.once(backend, build)
 
 
 def _build_engine(backend: str, model_dir: str):
@@ -162,43 +174,65 @@ def _build_engine(backend: str, model_dir: str):
     return engine_class(ModelConfig(path=model_dir), OptimConfig(lr=LR, grad_clip=1.0), config)
 
 
-def _check_engine(engine, work, rank, batch, reference, results, figures) -> None:
-    """The three checks of one engine; ``figures`` receives the measured differences."""
-    import torch.distributed as dist
+def record(ctx, **figures) -> None:
+    """Adds to this rank's ``figures_rank{R}.json`` (with the peak memory so far)."""
+    import resource
 
-    from tests.backends import reference as ref
+    path = os.path.join(ctx.work, f"figures_rank{ctx.rank}.json")
+    known = json.loads(open(path).read()) if os.path.exists(path) else {}
+    known.update(figures, peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+    with open(path, "w") as f:
+        json.dump(known, f)
 
-    per = len(batch) // engine.dp_size
-    rows = list(range(engine.dp_rank * per, (engine.dp_rank + 1) * per))
-    share = batch.select_idxs(rows)
-    before = {k: reference[k][rows] for k in ("log_probs", "entropy")}
 
-    @rank_check(results, "forward")
-    def _():
-        out = engine.forward(share, ("log_probs", "entropy")).batch
-        figures["forward_log_probs_max_diff"] = _max_diff(out["log_probs"], before["log_probs"])
-        figures["forward_entropy_max_diff"] = _max_diff(out["entropy"], before["entropy"])
-        assert_close(out["log_probs"], before["log_probs"], "log_probs", tol=TOL)
-        assert_close(out["entropy"], before["entropy"], "entropy", tol=ENTROPY_TOL)
+def stepped(ctx, backend: str):
+    """The engine after its one train step, which must give the reference loss and gradient norm."""
 
-    @rank_check(results, "train_step")
-    def _():
-        metrics = engine.train_step(share, ref.actor_loss, ("log_probs", "entropy"))
+    def step():
+        import torch.distributed as dist
+
+        from tests.backends import reference as ref
+
+        s = engine_state(ctx, backend)
+        metrics = s.engine.train_step(s.share, ref.actor_loss, ("log_probs", "entropy"))
         loss = torch.tensor([metrics["loss"]], dtype=torch.float64)
         dist.all_reduce(loss)  # every rank reports the whole batch's loss (backends/accumulation.py): so does the mean
         loss = float(loss) / dist.get_world_size()
-        figures["loss_diff"] = abs(loss - reference["loss"])
-        figures["grad_norm"], figures["ref_grad_norm"] = metrics["grad_norm"], reference["grad_norm"]
+        record(ctx, loss_diff=abs(loss - s.reference["loss"]), grad_norm=metrics["grad_norm"])
+        record(ctx, ref_grad_norm=s.reference["grad_norm"])
         assert metrics["lr"] == LR and metrics["step_skipped"] == 0.0, metrics
-        assert abs(loss - reference["loss"]) <= TOL, (loss, reference["loss"])
-        assert abs(metrics["grad_norm"] - reference["grad_norm"]) <= TOL * reference["grad_norm"], (
+        assert abs(loss - s.reference["loss"]) <= TOL, (loss, s.reference["loss"])
+        assert abs(metrics["grad_norm"] - s.reference["grad_norm"]) <= TOL * s.reference["grad_norm"], (
             metrics["grad_norm"],
-            reference["grad_norm"],
+            s.reference["grad_norm"],
         )
+        return s.engine
 
-    @rank_check(results, "export_reload")
-    def _():
-        _check_export_reload(engine, os.path.join(work, "hf"), rank, share, before, figures)
+    return ctx.once(f"{backend}/stepped", step)
+
+
+# ------------------------------------------------------------------------------------------ per-rank checks
+def check_forward(ctx, backend: str) -> None:
+    s = engine_state(ctx, backend)
+    assert s.engine.global_step == 0, "the engine has stepped already: run the checks in CHECKS' order"
+    out = s.engine.forward(s.share, ("log_probs", "entropy")).batch
+    record(ctx, forward_log_probs_max_diff=_max_diff(out["log_probs"], s.before["log_probs"]))
+    record(ctx, forward_entropy_max_diff=_max_diff(out["entropy"], s.before["entropy"]))
+    assert_close(out["log_probs"], s.before["log_probs"], "log_probs", tol=TOL)
+    assert_close(out["entropy"], s.before["entropy"], "entropy", tol=ENTROPY_TOL)
+
+
+def check_train_step(ctx, backend: str) -> None:
+    stepped(ctx, backend)  # its step is the check
+
+
+def check_export_reload(ctx, backend: str) -> None:
+    engine, s = stepped(ctx, backend), engine_state(ctx, backend)
+    figures: dict = {}
+    try:
+        _check_export_reload(engine, os.path.join(ctx.work, "hf"), ctx.rank, s.share, s.before, figures)
+    finally:
+        record(ctx, **figures)
 
 
 def _check_export_reload(engine, hf_dir, rank, share, before, figures) -> None:

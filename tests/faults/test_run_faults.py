@@ -2,10 +2,13 @@
 Ray, 2 FSDP ranks, the HF rollout, the scoring processes). Each test names the fault it injects; the README's
 "Reliability" table points here.
 
-The runs leave RAY_AUTH_MODE unset, as a user's environment does: they train with Ray's token authentication on.
+The runs the faults hit leave RAY_AUTH_MODE unset, as a user's environment does: they train with Ray's token
+authentication on. A run that resumes after a fault's run runs in this process, on the session's Ray cluster
+(``main_ppo.run``: the resume is its point, not the process).
 """
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -15,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.hang_model import hanging_model
-from tests.trainer.runs import ROOT, command, metrics
+from tests.trainer.runs import ROOT, command, metrics, run_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -127,7 +130,7 @@ def test_stuck_worker_times_out_naming_it_with_every_stack(task, tmp_path):
     assert "in compute_log_prob" in peer  # rank 0 waits in the same call (its collective)
 
 
-def test_sigterm_checkpoints_after_the_step_and_exits_0_then_resumes(task, tmp_path):
+def test_sigterm_checkpoints_after_the_step_and_exits_0_then_resumes(ray_cluster, task, tmp_path, caplog):
     """Fault: the cluster preempts the job (SIGTERM to the driver; SLURM's warning signal is SIGUSR1)."""
     run_dir = tmp_path / "preempted"
     once = ("trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=false")  # saves at the end only
@@ -150,18 +153,19 @@ def test_sigterm_checkpoints_after_the_step_and_exits_0_then_resumes(task, tmp_p
     assert 1 <= stopped < steps
     assert f"preempted by SIGTERM after step {stopped}: checkpoint {run_dir / f'global_step_{stopped}'}" in output
     assert not (run_dir / "hf").exists()  # the run is not finished: no final export
-    resumed = run(args)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {run_dir / f'global_step_{stopped}'} at step {stopped}" in resumed.stdout + resumed.stderr
+    caplog.set_level(logging.INFO, logger="scaletrain")
+    run_in_process(task, run_dir, steps, once)
+    assert f"resumed from {run_dir / f'global_step_{stopped}'} at step {stopped}" in caplog.text
     rows = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     assert rows == list(range(1, steps + 1)), "each step once, none lost"
 
 
-def test_restart_before_the_first_checkpoint_logs_each_step_once(task, tmp_path):
+def test_restart_before_the_first_checkpoint_logs_each_step_once(ray_cluster, task, tmp_path):
     """Fault: the run dies after validation, before any checkpoint, and is restarted (before: metrics.jsonl got a
     second step-0 row, and the two runs mixed)."""
     run_dir = tmp_path / "restarted"
-    args = overridden(task, run_dir, 2, "trainer.save_freq=-1", "trainer.test_freq=-1")
+    no_saves = ("trainer.save_freq=-1", "trainer.test_freq=-1")
+    args = overridden(task, run_dir, 2, *no_saves)
     proc = subprocess.Popen(
         args, env=user_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
@@ -174,8 +178,7 @@ def test_restart_before_the_first_checkpoint_logs_each_step_once(task, tmp_path)
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and all it started: no checkpoint, no clean-up
         proc.wait()
     assert not list(run_dir.glob("global_step_*"))
-    again = run(args)
-    assert again.returncode == 0, again.stderr[-3000:]
+    run_in_process(task, run_dir, 2, no_saves)
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     assert steps == [0, 1, 2], steps
     (previous,) = (run_dir / "previous").iterdir()

@@ -95,7 +95,7 @@ def free_port() -> int:
 @pytest.fixture
 def running_cluster(tmp_path):
     """A Ray head started with `ray start --head --block` (token auth, as launch/run.sh does), in its own process
-    group, stopped at the end by signalling that group only (``ray stop`` would stop every cluster here)."""
+    group, killed at the end with that group only (``ray stop`` would stop every cluster here)."""
     token = secrets.token_hex(32)
     cluster_env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_USAGE_STATS_ENABLED="0")
     port = free_port()
@@ -119,12 +119,8 @@ def running_cluster(tmp_path):
             time.sleep(1)
         yield address, cluster_env
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
+        os.killpg(head.pid, signal.SIGKILL)  # the head's GCS, raylet and workers: its process group
+        head.wait()
 
 
 PROBE = """
