@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.runs import metrics
+from tests.trainer.runs import metrics, run_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -17,31 +17,15 @@ def test_gae_on_megatron_pp2_with_vllm(ray_cluster, task, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from scaletrain.trainer.main_ppo import run as run_ppo
-
     run = tmp_path / "run"
-    overrides = [
+    megatron = [
         "backend=megatron",
         "rollout=vllm",
         "algorithm.adv_estimator=gae",
-        f"actor_rollout_ref.model.path={task['model']}",
-        f"data.train_files={task['train']}",
-        f"data.val_files={task['test']}",
-        "data.train_batch_size=4",
-        "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.actor.optim.lr=1e-3",
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",  # the critic follows the actor's layout
-        "data.max_prompt_length=8",
-        "data.max_response_length=4",
-        "trainer.total_training_steps=2",
         "trainer.save_freq=2",
-        "trainer.test_freq=2",
-        f"trainer.default_local_dir={run}",
-        "trainer.logger=[console,jsonl]",
     ]
-    run_ppo(overrides)
+    run_in_process(task, run, 2, megatron)  # the resume test's run, on megatron
     rows = metrics(run)
     assert sorted(rows) == [0, 1, 2]
     for step in (1, 2):
