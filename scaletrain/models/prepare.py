@@ -15,6 +15,7 @@ Each model is one ``PretrainedSpec`` in the ``PRETRAINED_MODELS`` registry.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import logging
@@ -153,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        path = prepare_model(args.name, args.output, args.dtype)
+        # stdout carries the path alone (scripts read it: MODEL=$(python -m scaletrain.models.prepare ...)); libraries
+        # print there while converting (DeepSpeed's accelerator line, pulled in through transformers)
+        with contextlib.redirect_stdout(sys.stderr):
+            path = prepare_model(args.name, args.output, args.dtype)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

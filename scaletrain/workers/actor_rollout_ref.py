@@ -21,7 +21,7 @@ import threading
 from dataclasses import replace
 
 from backends.base import DISABLE_ADAPTER, TrainEngine, get_backend
-from backends.dist import MICRO_BATCHING
+from backends.dist import MICRO_BATCHING, peak_memory_metrics
 from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.controller.weight_transport import WeightBuckets, put_buckets, read_buckets
@@ -259,7 +259,7 @@ class ActorRolloutRefWorker(Worker):
                 totals.setdefault(key, []).append(float(value))
         metrics = {k: sum(v) / len(v) for k, v in totals.items()}
         metrics = {(k if "/" in k else f"actor/{k}"): v for k, v in metrics.items()}
-        return metrics
+        return {**metrics, **peak_memory_metrics()}  # colocated: the rollout's peak is this process's too
 
     # ---------------------------------------------------------------------------------------- checkpoints
     @register(Dispatch.ONE_TO_ALL)

@@ -36,10 +36,17 @@ register_dispatch_mode(
 )
 
 
+PEAK_METRICS = "perf/max_memory"  # peaks (backends.dist.peak_memory_metrics): the largest rank's, not the mean
+
+
 def reduce_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Mean of each metric over the ranks that reported it."""
+    """Mean of each metric over the ranks that reported it (the maximum for the peak-memory ones)."""
     keys = {k for m in per_rank for k in m}
-    return {k: sum(m[k] for m in per_rank if k in m) / sum(1 for m in per_rank if k in m) for k in sorted(keys)}
+    reduced = {}
+    for k in sorted(keys):
+        values = [m[k] for m in per_rank if k in m]
+        reduced[k] = max(values) if k.startswith(PEAK_METRICS) else sum(values) / len(values)
+    return reduced
 
 
 def declare_engine_mesh(worker, engine) -> None:

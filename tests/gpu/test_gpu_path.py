@@ -4,14 +4,16 @@
   the default bf16 mixed precision within 5e-2 relative on the loss and grad norm;
 - after a weight sync, vLLM (bf16, CUDA graphs, sleep mode) samples with log-probs the trainer reproduces within
   a mean |diff| of 2e-2 per token (bf16 on both sides), going through the real sleep / wake lifecycle;
-- 5 GRPO steps per backend on SmolLM2-135M-Instruct with vLLM in bf16 (the recipe of launch/recipes);
+- 5 GRPO steps per backend on SmolLM2-135M-Instruct in bf16 (the recipe of launch/recipes), with vLLM where its
+  CUDA build is installed, else transformers' generate (named in the figures);
 - rollout TP=2 where 2 GPUs exist.
-Figures (actor MFU, rollout tokens/s, weight-sync GiB/s) are printed and written to
+Figures (actor MFU, rollout tokens/s, weight-sync GiB/s, peak GPU memory) are printed and written to
 ``$SCALETRAIN_GPU_REPORT`` (default: gpu_report.json in the pytest temp dir).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -199,11 +201,14 @@ def _prompts(tokenizer):
 # ---------------------------------------------------------------------------------------- GRPO on SmolLM2
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grpo_five_steps_smollm2(backend, smollm2_dir, tmp_path):
-    pytest.importorskip("vllm")
+    # vLLM where it is installed; else transformers' generate (a GPU machine without vLLM's CUDA build), named in
+    # the figures: the update, the sync and the log-prob agreement are the trainer's either way
+    rollout = "vllm" if importlib.util.find_spec("vllm") else "hf"
     env = dict(
         os.environ,
         PYTHON=sys.executable,
         BACKEND=backend,
+        ROLLOUT=rollout,
         STEPS="5",
         TEST_FREQ="-1",
         TRAIN_SIZE="64",
@@ -237,14 +242,19 @@ def test_grpo_five_steps_smollm2(backend, smollm2_dir, tmp_path):
     steps = [row for row in rows if row["step"] > 0]
     assert [row["step"] for row in steps] == [1, 2, 3, 4, 5]
     last = steps[-1]
-    assert last["rollout_corr/log_prob_abs_diff_mean"] < 2e-2, last["rollout_corr/log_prob_abs_diff_mean"]
-    record(f"{backend}_actor_mfu", last["perf/mfu/actor"])
+    name = f"{backend}_{rollout}"
+    record(f"{name}_log_prob_abs_diff_mean", last["rollout_corr/log_prob_abs_diff_mean"])
+    record(f"{name}_actor_mfu", last["perf/mfu/actor"])
     tokens = last["response_length/mean"] * 16 * 8
-    record(f"{backend}_rollout_tokens_per_s", tokens / last["timing_s/gen"])
-    record(f"{backend}_step_s", last["timing_s/step"])
+    record(f"{name}_rollout_tokens_per_s", tokens / last["timing_s/gen"])
+    record(f"{name}_step_s", last["timing_s/step"])
+    record(f"{name}_weight_sync_gib_per_s", last["perf/weight_sync_bytes"] / last["perf/weight_sync_s"] / 2**30)
+    record(f"{name}_peak_allocated_gib", max(row["perf/max_memory_allocated_gb"] for row in steps))
+    record(f"{name}_peak_reserved_gib", max(row["perf/max_memory_reserved_gb"] for row in steps))
+    assert last["rollout_corr/log_prob_abs_diff_mean"] < 2e-2, last["rollout_corr/log_prob_abs_diff_mean"]
 
 
-# --------------------------------------------------------------------------------------------- rollout TP=2
+# -------------------------------------------------------------------------------------------- rollout TP=2
 def test_rollout_tp2_on_two_gpus(smollm2_dir, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip(f"rollout TP=2 needs 2 GPUs, this machine has {torch.cuda.device_count()}")

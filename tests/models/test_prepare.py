@@ -107,3 +107,18 @@ def test_check_causal_lm(tmp_path, smollm2_dir):
         r"\(architectures: \['BertModel'\], model_type: bert\)",
     ):
         check_causal_lm(tmp_path, "actor_rollout_ref.model.path")
+
+
+def test_cli_prints_the_path_alone(monkeypatch, capsys):
+    """Scripts read stdout (MODEL=$(python -m scaletrain.models.prepare smollm2)); a fresh conversion pulls DeepSpeed
+    in through transformers, and its accelerator line went to stdout, into the path (the first GPU run's recipe).
+    Whatever the conversion prints goes to stderr."""
+
+    def converting(name, output=None, dtype="float32"):
+        print("[WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU.")
+        return "/cache/models/smollm2"
+
+    monkeypatch.setattr(prepare, "prepare_model", converting)
+    assert prepare.main(["smollm2"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "/cache/models/smollm2\n" and "Setting accelerator" in out.err
