@@ -41,8 +41,12 @@ install: $(VENV)/.installed-$(EXTRAS)
 run: install
 	OMP_NUM_THREADS=1 $(PY) -m scaletrain.trainer.main_ppo $(GROUP_ARGS) $(ARGS)
 
+# Two pytest workers (pytest-xdist), each a whole test file at a time: one worker leaves a third of the two cores idle
+# (waits on Ray, subprocesses and fault timeouts), two keep both busy. --dist loadfile keeps a module's fixtures (its
+# rank group, its Ray actors) on one worker; each worker has its own Ray cluster. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15 $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) --durations=15 $(ARGS)
 
 # ruff's lint and format check (rules in pyproject.toml); `make format` rewrites the tree to pass the format check
 lint: install

