@@ -152,10 +152,9 @@ def vllm_rank(work: str) -> None:
         actor.train_step(batch, _nll, ("log_probs",))
     rollout.release()
     start = time.perf_counter()
-    rollout.push_weights()
+    nbytes = rollout.push_weights()  # the bytes the actor exported (its fp32 weights), not an assumed dtype's
     torch.cuda.synchronize()
     sync_s = time.perf_counter() - start
-    nbytes = sum(p.numel() * 2 for p in actor.model.parameters())  # bf16 on the wire
     prompts = _prompts(tokenizer)
     start = time.perf_counter()
     out = rollout.generate(prompts, SamplingConfig(n=8, temperature=1.0, max_new_tokens=128, seed=1))
@@ -255,37 +254,26 @@ def test_grpo_five_steps_smollm2(backend, smollm2_dir, tmp_path):
 
 
 # -------------------------------------------------------------------------------------------- rollout TP=2
-def test_rollout_tp2_on_two_gpus(smollm2_dir, tmp_path):
+def test_rollout_tp2_on_two_gpus(task, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip(f"rollout TP=2 needs 2 GPUs, this machine has {torch.cuda.device_count()}")
     pytest.importorskip("vllm")
-    # SmolLM2 has 9 attention heads, which 2 ranks cannot split: the tiny Qwen2 of the CPU test, trained 2 steps
-    from tests.backends.tiny import save_tiny_qwen2
+    # SmolLM2's 9 attention heads cannot be split by 2 ranks: the embedded task's model (4 heads, 2 KV heads) with its
+    # own data (a model of another tokenizer made every prompt longer than the data's max_prompt_length)
+    from tests.trainer.runs import command, env, metrics
 
-    model = save_tiny_qwen2(
-        str(tmp_path / "model"),
-        seed=5,
-        hidden_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.1,
-    )
+    run_dir = tmp_path / "run"
+    extra = [
+        "rollout=vllm",
+        "trainer.n_gpus_per_node=2",
+        "trainer.device=cuda",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "trainer.plot_at_end=false",
+    ]
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scaletrain.trainer.main_ppo",
-            f"actor_rollout_ref.model.path={model}",
-            "trainer.n_gpus_per_node=2",
-            "trainer.device=cuda",
-            "trainer.total_training_steps=2",
-            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-            "trainer.plot_at_end=false",
-            f"trainer.default_local_dir={tmp_path / 'run'}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
+        command(task, run_dir, 2, extra), env=env(), cwd=ROOT, capture_output=True, text=True, timeout=400
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    steps = metrics(run_dir)
+    assert [s for s in sorted(steps) if s > 0] == [1, 2]
+    assert steps[2]["rollout_corr/log_prob_abs_diff_mean"] < 2e-2
