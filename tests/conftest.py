@@ -4,14 +4,24 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def ray_auth_token():
+    """Ray's token authentication on for the whole session, as in a user's run: a fresh token of this pytest process
+    (each xdist worker its own) in a 0600 file, named by RAY_AUTH_TOKEN_PATH for its Ray cluster and every process
+    it starts (scaletrain/utils/ray_token.py). A developer's RAY_AUTH_MODE=disabled or own token is kept."""
+    from scaletrain.utils.ray_token import private_cluster_token
+
+    with private_cluster_token() as path:
+        yield path
+
+
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster(ray_auth_token):
     """A local Ray cluster with 16 CPUs and 8 fake GPUs declared (CPU torch ignores CUDA_VISIBLE_DEVICES)."""
     import ray
 

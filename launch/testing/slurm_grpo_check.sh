@@ -54,7 +54,7 @@ RUN_DIR=$STATE/run
 # run.sh adds trainer.nnodes=2 trainer.n_gpus_per_node=$SLURM_GPUS_ON_NODE=1: 2 ranks, which the resource pool
 # pins to distinct nodes.
 # as in a user's shell: run.sh makes the job's Ray token (the test session itself runs Ray without one)
-unset RAY_AUTH_MODE RAY_AUTH_TOKEN
+unset RAY_AUTH_MODE RAY_AUTH_TOKEN RAY_AUTH_TOKEN_PATH
 JOB_ID=$("$CLUSTER" run "$STATE" sbatch --parsable --nodes=2 --gpus-per-node=1 --cpus-per-task=2 --time=15 \
   --chdir="$ROOT" --output="$STATE/job-%j.out" \
   --export="ALL,PATH=$(dirname "$PYTHON"):$PATH,PYTHON=$PYTHON,OMP_NUM_THREADS=1,RAY_OBJECT_STORE_BYTES=300000000,RAY_NUM_CPUS=4,RAY_WAIT_S=120" \

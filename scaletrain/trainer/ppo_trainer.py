@@ -210,9 +210,11 @@ class RayPPOTrainer:
                         metrics.update(self.rollouts.before_validation(last))
                         val_metrics = self.validate(tracking)
                         metrics.update(val_metrics)
+                    # the step's metrics before its checkpoint: a kill between the two then loses no line (a
+                    # resume from the previous checkpoint drops the lines of the steps it re-runs, tracking.py)
+                    tracking.log(metrics, step=self.global_step)
                     if self._due(cfg.trainer.save_freq, last) or watch.requested:
                         self.save_checkpoint()
-                    tracking.log(metrics, step=self.global_step)
                     self.last_metrics = metrics
             finally:
                 self.rollouts.close()

@@ -8,8 +8,9 @@
   from the environment or ``~/.ray`` (launch/run.sh makes one per job), and only disconnects at the end: a cluster
   this run did not start keeps running;
 - otherwise a private local cluster (``address="local"``: never a stale or foreign one by accident), shut down at
-  the end. Ray's token authentication stays on: such a cluster makes its own token (since Ray 2.59 its ports
-  listen on every interface, so without one anyone reaching them could run code as this user).
+  the end. Ray's token authentication stays on (since Ray 2.59 its ports listen on every interface, so without it
+  anyone reaching them could run code as this user), with a fresh token of the run's own in a 0600 file, not
+  Ray's per-user ``~/.ray/auth_token`` (scaletrain/utils/ray_token.py); a token the user exported is used as given.
 
 Before leaving, ``timeline_json_file`` receives the cluster's Ray timeline (chrome://tracing JSON).
 ``ray_kwargs.ray_init.runtime_env`` is merged over the run log's (console.py): ``env_vars`` key by key, null
@@ -26,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from scaletrain.trainer.config import RayInitConfig, RayKwargsConfig
+from scaletrain.utils.ray_token import private_cluster_token
 from scaletrain.utils.typed_config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -96,21 +98,27 @@ def ray_cluster(ray_kwargs: RayKwargsConfig, world_size: int, device: str) -> It
     import ray
 
     connected = ray.is_initialized()
-    if connected:
-        ignored = [f.name for f in dataclasses.fields(RayInitConfig)]
-        ignored = [k for k in ignored if getattr(ray_kwargs.ray_init, k) != getattr(RayInitConfig(), k)]
-        if ignored:
-            logger.warning(
-                "this process is already connected to Ray: ray_kwargs.ray_init.%s ignored", ", ".join(ignored)
-            )
-    else:
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        ray.init(**ray_init_arguments(ray_kwargs.ray_init, world_size, device))
-    try:
-        yield
-    finally:
-        if ray_kwargs.timeline_json_file:
-            ray.timeline(filename=ray_kwargs.timeline_json_file)
-            logger.info("Ray timeline of the run: %s", ray_kwargs.timeline_json_file)
-        if not connected:  # a joined cluster keeps running: shutdown only disconnects this driver from it
-            ray.shutdown()
+    with contextlib.ExitStack() as stack:
+        if connected:
+            _log_ignored(ray_kwargs.ray_init)
+        else:
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            kwargs = ray_init_arguments(ray_kwargs.ray_init, world_size, device)
+            if kwargs["address"] == "local":  # a cluster of this run alone: a token of its own, gone with it
+                stack.enter_context(private_cluster_token())
+            ray.init(**kwargs)
+        try:
+            yield
+        finally:
+            if ray_kwargs.timeline_json_file:
+                ray.timeline(filename=ray_kwargs.timeline_json_file)
+                logger.info("Ray timeline of the run: %s", ray_kwargs.timeline_json_file)
+            if not connected:  # a joined cluster keeps running: shutdown only disconnects this driver from it
+                ray.shutdown()
+
+
+def _log_ignored(ri: RayInitConfig) -> None:
+    ignored = [f.name for f in dataclasses.fields(RayInitConfig)]
+    ignored = [k for k in ignored if getattr(ri, k) != getattr(RayInitConfig(), k)]
+    if ignored:
+        logger.warning("this process is already connected to Ray: ray_kwargs.ray_init.%s ignored", ", ".join(ignored))

@@ -2,9 +2,9 @@
 Ray, 2 FSDP ranks, the HF rollout, the scoring processes). Each test names the fault it injects; the README's
 "Reliability" table points here.
 
-The runs the faults hit leave RAY_AUTH_MODE unset, as a user's environment does: they train with Ray's token
-authentication on. A run that resumes after a fault's run runs in this process, on the session's Ray cluster
-(``main_ppo.run``: the resume is its point, not the process).
+The runs the faults hit have no Ray auth settings, as a user's environment does: they train with Ray's token
+authentication on, each with a token of its own. A run that resumes after a fault's run runs in this process, on
+the session's Ray cluster (``main_ppo.run``: the resume is its point, not the process).
 """
 
 import json
@@ -28,7 +28,8 @@ SECRET = "sk-live-fault-suite-0042"
 
 def user_env():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
-    env.pop("RAY_AUTH_MODE", None)  # the test session disables it for its own cluster; a user's shell does not
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"):  # the session's token (conftest.py); a user's shell has none
+        env.pop(name, None)
     return env
 
 

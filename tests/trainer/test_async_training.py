@@ -93,6 +93,7 @@ def test_kill_9_and_resume(mode, task, sync_run, tmp_path, caplog):
     overrides = [*SPLIT, *extra, f"trainer.rollout_data_dir={run / 'dump'}"]
     caught = kill_after_checkpoint(command(task, run, 4, overrides), run, 2)
     assert caught < 4, "the run finished before it was killed"
+    assert set(range(caught + 1)) <= set(metrics(run)), "a checkpointed step's metrics line lost to the kill"
     caplog.set_level(logging.INFO, logger="scaletrain")
     run_in_process(task, run, 4, overrides)  # resumed in this process, on the session's cluster
     assert f"resumed from {run / f'global_step_{caught}'}" in caplog.text

@@ -62,7 +62,7 @@ WORKER = textwrap.dedent(
 
 def run_script(script: str, run_dir: Path, verbose: bool) -> tuple[str, str]:
     """(console output, run.log) of ``script`` run with the run directory and the verbosity as arguments."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
     out = subprocess.run(
         [sys.executable, "-c", script, str(run_dir), "1" if verbose else "0"],
         env=env,

@@ -1,6 +1,7 @@
 """The PPO trainer end to end: outputs, exact resume after kill -9 and a dead rank (subprocesses, like a user runs
 it: the process is the point), the GAE path (in this process, on the session's Ray cluster)."""
 
+import json
 import logging
 import os
 import signal
@@ -46,10 +47,14 @@ def test_uninterrupted_vs_killed_and_resumed(ray_cluster, task, tmp_path, caplog
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started
         proc.wait()
     caught = 2 if not (part / "global_step_2" / "trainer_state.json").exists() else 3  # the save cut short
+    # the step being saved was logged before its save began: a kill in the save loses no metrics line
+    assert sorted(metrics(part)) == list(range(caught + 1))
     caplog.set_level(logging.INFO, logger="scaletrain")
     run_in_process(task, part, 4)
     assert f"resumed from {part / f'global_step_{caught - 1}'}" in caplog.text
     after = metrics(part)
+    lines = (part / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3, 4]  # the re-run step once, not twice
     for step in (3, 4):
         for key in COMPARED:
             assert after[step][key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-7), (step, key)

@@ -98,6 +98,7 @@ def running_cluster(tmp_path):
     group, killed at the end with that group only (``ray stop`` would stop every cluster here)."""
     token = secrets.token_hex(32)
     cluster_env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_USAGE_STATS_ENABLED="0")
+    cluster_env.pop("RAY_AUTH_TOKEN_PATH", None)  # the session's own token (conftest.py): this cluster's is the job's
     port = free_port()
     ray_bin = Path(sys.executable).with_name("ray")
     head = subprocess.Popen(
