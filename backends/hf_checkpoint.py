@@ -1,11 +1,9 @@
-"""Checkpoint files on disk: durable, atomic directory writes, safe loading, and the Hugging Face export.
+"""Checkpoint files on disk: durable, atomic directory writes and the Hugging Face export.
 
 Durable writes: the export is published with ``scaletrain/utils/durable.py`` (fsync'd, then renamed), as the run
 checkpoints are (scaletrain/trainer/checkpoint.py).
 
-Safe loading: ``load_rank_file`` reads the engines' per-rank files with ``torch.load(weights_only=True)``
-(tensors, containers, numbers, strings: nothing a file could use to run code), plus plain NumPy arrays, which
-checkpoints written before the RNG-state formats were unified hold.
+Safe loading of the engines' own files is backends/safe_load.py's.
 
 The HF export: ``write_hf_checkpoint`` consumes an iterator of buckets of (HF name, full tensor) on every rank
 (the gathers behind it are collective) and, on the writing rank, saves each bucket as one safetensors shard as it
@@ -22,12 +20,9 @@ import copy
 import json
 import logging
 import os
-import pickle
-import re
 import shutil
 from collections.abc import Callable, Iterable
 
-import numpy as np
 import torch
 
 from scaletrain.utils.durable import fsync_tree, replace_dir, restore_aside
@@ -45,34 +40,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-
-# What an uint32 NumPy array (the NumPy RNG key of the earlier engine format) needs beyond weights_only's defaults.
-# These rebuild an array from its dtype and raw bytes; an object array's items still go through the restricted
-# unpickler, so nothing here lets a file name arbitrary code.
-_NUMPY_ARRAY_GLOBALS = [
-    (getattr(np, "_core", None) or np.core).multiarray._reconstruct,
-    np.ndarray,
-    np.dtype,
-    np.dtypes.UInt32DType,
-]
-
-
-# ------------------------------------------------------------------------------------------------ safe loading
-def load_rank_file(path: str, map_location=None):
-    """``torch.load(path, weights_only=True)``, also accepting plain NumPy arrays; a file holding other Python
-    objects is refused with an error naming the file and the object."""
-    try:
-        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
-            return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch names the refused object in a few phrasings
-        what = f"the object {found.group(1)}" if found else "Python objects"
-        raise RuntimeError(
-            f"{path}: refusing to load {what}: checkpoints are loaded with torch.load(weights_only=True), which "
-            "accepts only tensors, containers, numbers, strings and NumPy arrays. The file was written by an older "
-            "version or another program; if you trust it, load it with torch.load(weights_only=False) and save its "
-            "content again as tensors and lists"
-        ) from e
 
 
 # ------------------------------------------------------------------------------------------------ the HF export

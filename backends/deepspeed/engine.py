@@ -21,7 +21,9 @@ config (top-level keys; "zero_optimization" merged key by key).
 Checkpoints: DeepSpeed's own ``save_checkpoint`` / ``load_checkpoint`` (partitioned model + optimizer + LR
 scheduler, tag "state") plus one ``extra_rank{R}.pt`` per rank with the RNG states and the step counter. A
 forward-only engine (no optimizer: DeepSpeed cannot checkpoint it) saves each rank's parameter partitions instead.
-The extra and partition files load with ``torch.load(weights_only=True)``; DeepSpeed reads its own files itself.
+Every file loads with ``torch.load(weights_only=True)`` (backends/safe_load.py): the extra and partition files
+directly, DeepSpeed's own through its checkpoint engine's ``load``, replaced on this engine's instance (DeepSpeed's
+loads with ``weights_only=False``), with the two DeepSpeed classes its optimizer states hold allowed.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ import torch.distributed as dist
 
 from backends.base import register_backend
 from backends.config import EngineConfig, ModelConfig, OptimConfig
-from backends.hf_checkpoint import load_rank_file
 from backends.hf_engine import HFTrainEngine
 from backends.lora_weights import Item
 from backends.optim import build_lr_scheduler, build_optimizer
+from backends.safe_load import load_rank_file
 from scaletrain.utils.net import free_port
 from scaletrain.utils.seeding import rng_state, set_rng_state
 
@@ -94,6 +96,15 @@ def deepspeed_config(optim_config: OptimConfig | None, engine_config: EngineConf
     config["zero_optimization"].update(extra.pop("zero_optimization", {}))
     config.update(extra)
     return config
+
+
+def _load_deepspeed_file(path: str, map_location=None):
+    """DeepSpeed's checkpoint-engine ``load`` with ``weights_only=True``: its optimizer states hold a ZeRO stage
+    enum and a loss scaler (attributes set on an instance: no constructor or method of theirs runs)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return load_rank_file(path, map_location, allowed=(ZeroStageEnum, LossScaler, DynamicLossScaler))
 
 
 @register_backend("deepspeed")
@@ -176,6 +187,7 @@ class DeepSpeedEngine(HFTrainEngine):
                 for name, part in self._partitions().items():
                     part.copy_(saved[name])
         else:
+            self.ds.checkpoint_engine.load = _load_deepspeed_file  # weights_only, not DeepSpeed's plain torch.load
             load_path, _ = self.ds.load_checkpoint(
                 path,
                 tag=CKPT_TAG,

@@ -6,6 +6,7 @@ Layout under the checkpoint directory:
   extra_rank{R}.pt        per rank: LR scheduler state, the engine's step counter, and the RNG states (torch CPU,
                           CUDA, Python, NumPy), so a resumed run draws the same random numbers; plain tensors,
                           lists and numbers only, loaded with ``torch.load(weights_only=True)``
+Loading runs nothing from the files: DCP's metadata and byte items are checked by allow-lists (safe_dcp.py).
 Resuming reproduces the run bit for bit on the same world size. A forward-only engine (no optimizer, no
 scheduler) saves and loads the model alone. A LoRA engine saves its trainable parameters alone (the adapters, a
 value head) and their optimizer state: the frozen base is the model path's, rebuilt by every run.
@@ -26,7 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from backends.hf_checkpoint import load_rank_file
+from backends.fsdp.safe_dcp import safe_dcp_load
+from backends.safe_load import load_rank_file
 from scaletrain.utils.seeding import rng_state, set_rng_state
 
 
@@ -74,7 +76,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler, trainable_only: bool
     if not os.path.isfile(extra_file):
         raise FileNotFoundError(f"{extra_file} not found: was the checkpoint written with a different world size?")
     state = _sharded_state(model, optimizer, trainable_only)
-    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+    safe_dcp_load(state, os.path.join(path, "dcp"))  # no code runs from a tampered file: safe_dcp.py
     options = _options(trainable_only)
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=options)

@@ -31,7 +31,7 @@ from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, adapter_di
 from backends.batching import restore_order
 from backends.config import EngineConfig, ModelConfig, OptimConfig, resolve_precision
 from backends.dist import init_distributed, local_device
-from backends.hf_checkpoint import load_rank_file, save_engine_hf
+from backends.hf_checkpoint import save_engine_hf
 from backends.hf_model import build_model, check_outputs, torch_dtype
 from backends.megatron.export import export_groups, gather_hf_buckets
 from backends.megatron.hf_mapping import layout_from_hf
@@ -39,6 +39,7 @@ from backends.megatron.model import build_gpt_model, load_hf_weights, transforme
 from backends.megatron.ops import prepare_micro_batch, response_outputs
 from backends.megatron.parallel import MegatronParallelConfig, init_model_parallel
 from backends.optim import SCHEDULES, lr_multiplier
+from backends.safe_load import load_rank_file
 from backends.train_step import finish_train_step, partition_batch, require_trainable
 from scaletrain.protocol import DataProto
 from scaletrain.utils.seeding import rng_state, set_rng_state

@@ -8,7 +8,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from scaletrain.reward.loader import DEFAULT_FN_NAME, load_custom_reward_fn
+from scaletrain.reward.loader import DEFAULT_FN_NAME, DEFAULT_LOAD_TIMEOUT_S, load_custom_reward_fn
 from scaletrain.reward.managers import RewardManager, get_reward_manager
 
 
@@ -17,6 +17,7 @@ def build_reward_manager(
     reward_manager: str = "naive",
     custom_reward_function: Mapping[str, Any] | None = None,
     num_examine: int = 0,
+    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
     **manager_kwargs: Any,
 ) -> RewardManager:
     """``custom_reward_function``: ``{path, name (default compute_score), reward_kwargs (optional, bound to
@@ -25,7 +26,7 @@ def build_reward_manager(
     compute_score = None
     if custom_reward_function and custom_reward_function.get("path"):
         compute_score = load_custom_reward_fn(
-            custom_reward_function["path"], custom_reward_function.get("name") or DEFAULT_FN_NAME
+            custom_reward_function["path"], custom_reward_function.get("name") or DEFAULT_FN_NAME, load_timeout_s
         )
         reward_kwargs = custom_reward_function.get("reward_kwargs")
         if reward_kwargs:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.config import LoraSettings, OptimConfig
+from scaletrain.reward.loader import DEFAULT_LOAD_TIMEOUT_S
 from scaletrain.utils.typed_config import build
 from scaletrain.workers.config import ActorConfig, FSDPConfig, MegatronConfig, RefConfig, RolloutWorkerConfig
 
@@ -111,6 +112,8 @@ class RewardModelSection:
     reward_manager: str = "naive"  # naive | prime | batch | dapo | multi
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 30.0  # seconds one scorer call may take (the sample scores 0, counted as a timeout)
+    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S  # seconds the reward file's top-level code may take to
+    # import (in a thread of its own: the driver fails naming the file, never freezes)
     num_processes: int = 2
     step_timeout_s: float | None = 600.0  # seconds the scoring of one step may take; unscored samples get 0
     # and count as timeouts; null: no bound
@@ -194,7 +197,9 @@ class TrainerSection:
     device: str = "auto"  # auto | cpu | cuda
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     default_local_dir: str | None = None  # the run directory; null: checkpoints/<project_name>/<experiment_name>
-    save_freq: int = -1  # steps between checkpoints; -1: only at the end
+    save_freq: int = -1  # steps between checkpoints; -1: only at the end (and by save_freq_minutes)
+    save_freq_minutes: float | None = 30.0  # also a checkpoint after the first step ending this long after the
+    # run's start or its last checkpoint, so a crash loses at most about this much training; null: by steps only
     test_freq: int = -1  # steps between validations; -1: only at the end
     val_before_train: bool = True
     resume_mode: str = "auto"  # auto | disable | resume_path

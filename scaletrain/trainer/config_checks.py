@@ -101,6 +101,11 @@ def _validate_trainer(cfg: PPOConfig) -> None:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
     _validate_generation_outputs(trainer)
     _validate_deadlines(cfg)
+    if trainer.save_freq_minutes is not None and not trainer.save_freq_minutes > 0:
+        raise ConfigError(
+            f"trainer.save_freq_minutes must be > 0 (or null: checkpoints by trainer.save_freq alone), "
+            f"got {trainer.save_freq_minutes}"
+        )
     if trainer.critic_warmup < 0:
         raise ConfigError(f"trainer.critic_warmup must be >= 0, got {trainer.critic_warmup}")
     if trainer.critic_warmup and not cfg.use_critic:

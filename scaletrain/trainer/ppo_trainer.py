@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -79,6 +80,7 @@ class RayPPOTrainer:
             tokenizer,
             rm.reward_manager,
             to_dict(cfg.custom_reward_function),
+            load_timeout_s=rm.load_timeout_s,
             timeout_s=rm.timeout_s,
             num_processes=rm.num_processes,
             step_timeout_s=rm.step_timeout_s,
@@ -88,6 +90,7 @@ class RayPPOTrainer:
             rm.max_error_rate, rm.max_error_steps, self.reward_fn.pool.fn_repr, lambda: self.reward_fn.last_error
         )
         self.checkpoints = CheckpointManager(plan.run_dir, cfg.trainer.max_ckpt_to_keep)
+        self.last_save_time = time.monotonic()  # trainer.save_freq_minutes counts from here, then from each save
         self.global_step = 0
         self.device = cfg.trainer.device
         self.initial_val_metrics: dict[str, float] = {}  # validation before the first step
@@ -213,7 +216,7 @@ class RayPPOTrainer:
                     # the step's metrics before its checkpoint: a kill between the two then loses no line (a
                     # resume from the previous checkpoint drops the lines of the steps it re-runs, tracking.py)
                     tracking.log(metrics, step=self.global_step)
-                    if self._due(cfg.trainer.save_freq, last) or watch.requested:
+                    if self._due(cfg.trainer.save_freq, last) or watch.requested or self._save_overdue():
                         self.save_checkpoint()
                     self.last_metrics = metrics
             finally:
@@ -233,6 +236,10 @@ class RayPPOTrainer:
 
     def _due(self, freq: int, last: bool) -> bool:
         return last or (freq > 0 and self.global_step % freq == 0)
+
+    def _save_overdue(self) -> bool:
+        minutes = self.cfg.trainer.save_freq_minutes
+        return minutes is not None and time.monotonic() - self.last_save_time >= minutes * 60
 
     def rollout_batch(self, batch: DataProto, step: int, gen_index: int, timings: dict[str, float]) -> Scored:
         """n samples per prompt of ``batch`` (plus ReMax's greedy baseline), scored, for training step ``step``.
@@ -375,7 +382,9 @@ class RayPPOTrainer:
 
         data = self.rollouts.data_state() if self.rollouts else self.loader.state_dict()  # after the last trained batch
         state = {"dataloader": data, "kl_coef": self.kl_ctrl.value, "weight_version": self.weight_sync.version}
-        return self.checkpoints.save(self.global_step, save_workers, state)
+        path = self.checkpoints.save(self.global_step, save_workers, state)
+        self.last_save_time = time.monotonic()
+        return path
 
     def _resume(self) -> None:
         path = self.plan.resume_path  # trainer.resume_mode's checkpoint, found once (plan.py)

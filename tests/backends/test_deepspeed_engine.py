@@ -34,6 +34,7 @@ CHECKS = (
     "reward_scores",
     "exact_aggregation",
     "resume_exact",
+    "tampered_checkpoint_refused",
     "save_hf",
     "nonfinite_grad_skips_step",
     "empty_batch_refused",
@@ -243,6 +244,23 @@ def check_resume_exact(ctx):
     assert first[1]["lr"] < first[0]["lr"] < b.optim.lr, first  # the cosine schedule resumed
     for k, v in exported(again).items():
         assert torch.equal(v, first_weights[k]), k
+
+
+def check_tampered_checkpoint_refused(ctx):
+    """DeepSpeed's optimizer-state file of each rank carrying a pickled call (DeepSpeed itself would load it with
+    weights_only=False): loading fails naming the file, and the call never ran (tests/backends/tampering.py)."""
+    import torch.distributed as dist
+
+    from backends.config import EngineConfig, ModelConfig
+    from tests.backends import tampering as t
+
+    b = base(ctx)
+    path, marker = t.copy_checkpoint(stepped(ctx), ctx.work, "tampered")
+    optim_file = os.path.join(path, "state", f"zero_pp_rank_{ctx.rank}_mp_rank_00_optim_states.pt")
+    t.inject_into_torch_file(optim_file, marker)
+    dist.barrier()
+    fresh = b.DS(ModelConfig(path=b.model_dir), b.optim, EngineConfig(micro_batch_size_per_gpu=3))
+    t.assert_refused(lambda: fresh.load(path), [optim_file], marker)
 
 
 def check_save_hf(ctx):

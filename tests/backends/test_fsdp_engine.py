@@ -35,6 +35,7 @@ CHECKS = (
     "reward_model",
     "exact_aggregation",
     "resume_exact",
+    "tampered_checkpoint_refused",
     "save_hf",
 )
 TOL = 1e-5
@@ -394,6 +395,26 @@ def check_resume_exact(ctx):
     assert first[1]["lr"] < first[0]["lr"] < b.optim.lr, first  # the cosine schedule resumed
     for k, v in exported(fresh).items():
         assert torch.equal(v, first_weights[k]), k
+
+
+def check_tampered_checkpoint_refused(ctx):
+    """A checkpoint whose DCP ``.metadata``, or one of whose byte items, is a pickled call: loading it fails on
+    both ranks naming the file, and the call never ran (tests/backends/tampering.py)."""
+    import torch.distributed as dist
+
+    from backends.config import EngineConfig, ModelConfig
+    from tests.backends import tampering as t
+
+    b, engine = base(ctx), stepped_engine(ctx)
+    fresh = b.FSDP(ModelConfig(path=b.model_dir), b.optim, EngineConfig(micro_batch_size_per_gpu=3))
+    for name, tamper in (("metadata", t.replace_dcp_metadata), ("bytes_item", t.redirect_dcp_bytes_item)):
+        path, marker = t.copy_checkpoint(engine, ctx.work, f"tampered_{name}")
+        dcp_dir = os.path.join(path, "dcp")
+        if ctx.rank == 0:
+            tamper(dcp_dir, marker)
+        dist.barrier()
+        named = [os.path.join(dcp_dir, ".metadata")] if name == "metadata" else [dcp_dir, "param_groups"]
+        t.assert_refused(lambda path=path: fresh.load(path), named, marker)
 
 
 def check_save_hf(ctx):

@@ -46,6 +46,7 @@ CHECKS = {
         *(["critic"] if layout in ("tp2_sp", "tp2_pp2") else []),
         *(["exact_aggregation"] if layout in EXACT_LAYOUTS else []),
         *(["resume_exact"] if layout in ("tp2_sp", "dp2_distopt", "tp2_pp2") else []),
+        *(["tampered_checkpoint_refused"] if layout == "tp2_sp" else []),
         *(["save_hf"] if layout == "pp2" else []),
     ]
     for layout in LAYOUTS
@@ -436,6 +437,18 @@ def check_resume_exact(ctx, layout):
     assert first[1]["lr"] < first[0]["lr"] < s.optim.lr, first  # the cosine schedule resumed
     for k, v in exported(fresh).items():
         assert torch.equal(v, first_weights[k]), k
+
+
+def check_tampered_checkpoint_refused(ctx, layout):
+    """Each rank's checkpoint file carrying a pickled call: loading fails naming the file before anything of the
+    engine changes, and the call never ran (tests/backends/tampering.py)."""
+    from tests.backends import tampering as t
+
+    engine = stepped(ctx, layout)
+    path, marker = t.copy_checkpoint(engine, ctx.work, f"tampered_{layout}")
+    rank_file = os.path.join(path, f"rank{ctx.rank}.pt")
+    t.inject_into_torch_file(rank_file, marker)
+    t.assert_refused(lambda: engine.load(path), [rank_file], marker)
 
 
 def check_save_hf(ctx, layout):

@@ -5,7 +5,9 @@
 - every file of a save and its directories are fsync'd before the rename, the root after it (seen with strace);
 - a full disk (a 2 MiB tmpfs, or RLIMIT_FSIZE in a child) fails the save with an error naming the directory and
   leaves the previous checkpoint loadable; an HF export failing midway leaves the previous one, nothing partial;
-- per-rank files load with ``weights_only=True``: old NumPy RNG states still load, pickled code is refused.
+- per-rank files load with ``weights_only=True``: old NumPy RNG states still load, pickled code is refused; so
+  does the allow-list unpickler of DCP's metadata (each engine's own checkpoint, tampered, is refused by its
+  ``tampered_checkpoint_refused`` check in tests/backends/).
 Run as ``python -m tests.faults.test_checkpoint_faults <mode> ...``, this module is the child of those tests.
 """
 
@@ -29,7 +31,8 @@ import numpy as np
 import pytest
 import torch
 
-from backends.hf_checkpoint import load_rank_file, write_hf_checkpoint
+from backends.hf_checkpoint import write_hf_checkpoint
+from backends.safe_load import UnsafeCheckpointError, load_pickle_allowing, load_rank_file
 from scaletrain.trainer.checkpoint import POINTER, CheckpointManager
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -410,6 +413,20 @@ def test_rank_files_load_weights_only(tmp_path):
     torch.save({"rng": _payload(marker)}, evil)
     with pytest.raises(RuntimeError, match=rf"{re.escape(evil)}: refusing to load the object \S*makedirs"):
         load_rank_file(evil)
+    assert not os.path.exists(marker)
+
+
+def test_allow_list_unpickler_resolves_only_what_it_is_told(tmp_path):
+    import io
+    import pickle
+
+    marker = str(tmp_path / "ran")
+    allowed = {("torch", "Size")}.__contains__
+    sizes = {"a": torch.Size([2, 3])}
+    assert load_pickle_allowing(io.BytesIO(pickle.dumps(sizes)), lambda m, n: allowed((m, n)), "x") == sizes
+    for payload in (_payload(marker), {"nested": [_payload(marker)]}):
+        with pytest.raises(UnsafeCheckpointError, match=r"where\.pkl: refusing to load the object os\.makedirs"):
+            load_pickle_allowing(io.BytesIO(pickle.dumps(payload)), lambda m, n: allowed((m, n)), "where.pkl")
     assert not os.path.exists(marker)
 
 

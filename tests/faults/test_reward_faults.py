@@ -82,3 +82,18 @@ def test_guard_resets_on_a_good_step_and_adds_up_a_steps_batches():
     guard.observe(6, {"rm/score": 1.0}, 10)  # no rule-manager metrics: not counted
     with pytest.raises(RewardFailureError, match="up to step 6"):
         guard.observe(6, _metrics(10), 10)
+
+
+def test_a_reward_file_that_never_finishes_importing_fails_the_run_naming_it(ray_cluster, task, tmp_path):
+    """The trainer's own load (an in-process run on the session's cluster): ``reward_model.load_timeout_s``
+    bounds the file's top-level code, and the run fails naming the file instead of freezing the driver."""
+    from tests.trainer.runs import run_in_process
+
+    stuck = tmp_path / "stuck_reward.py"
+    stuck.write_text("import time\nwhile True:\n    time.sleep(0.05)\n\ndef compute_score(*a, **k):\n    return 0.0\n")
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"stuck_reward\.py took more than 2 s"):
+        run_in_process(
+            task, tmp_path / "run", 1, [f"custom_reward_function.path={stuck}", "reward_model.load_timeout_s=2"]
+        )
+    assert time.monotonic() - start < 120

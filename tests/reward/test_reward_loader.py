@@ -65,3 +65,29 @@ def test_build_reward_manager(tokenizer, test_scorers_path):
         assert manager.compute_score("d", "7", "7") == 3.0
     with build_reward_manager(tokenizer, "naive", {"path": None, "name": "compute_score"}) as manager:
         assert manager.compute_score.__name__ == "default_compute_score"
+
+
+def test_a_file_whose_top_level_never_finishes_fails_naming_it(tmp_path):
+    """A careless reward file (a loop at import, a download that hangs) fails within the limit, naming the file;
+    the caller's thread goes on, and the stuck import is a daemon thread (it cannot hold the process open)."""
+    import threading
+    import time
+
+    f = _write(tmp_path / "stuck.py", "import time\nwhile True:\n    time.sleep(0.05)\n")
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"stuck\.py took more than 1 s.*reward_model\.load_timeout_s"):
+        load_custom_reward_fn(f, load_timeout_s=1.0)
+    assert time.monotonic() - start < 10
+    stuck = [t for t in threading.enumerate() if t.name == "import stuck.py"]
+    assert stuck and all(t.daemon for t in stuck)
+
+
+def test_sys_exit_at_import_is_an_import_error(tmp_path):
+    f = _write(tmp_path / "quits.py", "import sys\nsys.exit(3)\n")
+    with pytest.raises(ImportError, match=r"quits\.py failed: SystemExit: 3"):
+        load_custom_reward_fn(f)
+
+
+def test_the_limit_travels_with_the_pickled_function(tmp_path):
+    f = _write(tmp_path / "r.py", "def compute_score(*a, **k):\n    return 1.0\n")
+    assert pickle.loads(pickle.dumps(load_custom_reward_fn(f, load_timeout_s=7.0))).load_timeout_s == 7.0

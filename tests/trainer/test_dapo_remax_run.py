@@ -45,6 +45,8 @@ def test_remax_dynamic_sampling_and_overlong_filtering(ray_cluster, task, tmp_pa
     run_in_process(task, run_dir, 3, overrides)
     steps = metrics(run_dir)
     assert sorted(steps) == [1, 2, 3]
+    # save_freq=-1 and a run shorter than trainer.save_freq_minutes (30): one checkpoint, at the end
+    assert [p.name for p in run_dir.glob("global_step_*")] == ["global_step_3"]
     for m in steps.values():
         # ReMax: the greedy responses were scored and subtracted from every token's return (the row's score)
         baseline = m["critic/remax_baseline/mean"]

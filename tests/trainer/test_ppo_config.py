@@ -51,6 +51,7 @@ def test_yaml_defaults_build_and_validate():
         (["+data.nope=1"], "unknown config key 'data.nope'"),
         (["trainer.critic_warmup=2"], "trainer.critic_warmup=2 warms up a critic, but this run has none"),
         (["trainer.critic_warmup=-1", "algorithm.adv_estimator=gae"], "trainer.critic_warmup must be >= 0"),
+        (["trainer.save_freq_minutes=0"], "trainer.save_freq_minutes must be > 0 (or null"),
         (
             ["actor_rollout_ref.rollout.tensor_model_parallel_size=3"],
             "actor_rollout_ref.rollout.tensor_model_parallel_size (3) must divide the 2 ranks",

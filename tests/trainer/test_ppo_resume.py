@@ -149,3 +149,15 @@ def test_gae_path_with_critic_and_kl_in_reward(ray_cluster, task, tmp_path):
     assert (run / "global_step_2" / "critic").is_dir()
     # trainer.critic_warmup=1: step 1 trained only the critic (no actor update, no weight sync)
     assert "critic/vf_loss" in rows[1] and "actor/pg_loss" not in rows[1] and "timing_s/sync_weights" not in rows[1]
+
+
+def test_time_based_checkpoints_bound_what_a_crash_loses(ray_cluster, task, tmp_path):
+    """``trainer.save_freq=-1`` (verl's "only at the end") with ``save_freq_minutes`` elapsed at every step: each
+    step is checkpointed; a run shorter than the default 30 minutes saves at the end only
+    (tests/trainer/test_dapo_remax_run.py)."""
+    run = tmp_path / "timed"
+    quiet = ["trainer.val_before_train=false", "data.val_files=null", "trainer.save_hf_at_end=false"]
+    timed = ["trainer.save_freq=-1", "trainer.save_freq_minutes=1e-9", "trainer.max_ckpt_to_keep=null"]
+    run_in_process(task, run, 3, [*quiet, "trainer.plot_at_end=false", *timed])
+    assert sorted(p.name for p in run.glob("global_step_*")) == [f"global_step_{s}" for s in (1, 2, 3)]
+    assert sorted(metrics(run)) == [1, 2, 3]
