@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for_ready
 from typing import Any
 
+from scaletrain.utils.secrets import redact_text
+
 logger = logging.getLogger(__name__)
 
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
@@ -188,7 +190,7 @@ class ScoringPool:
                 f"reward function {fn!r} cannot be sent to reward worker processes ({type(e).__name__}: {e}); use "
                 "a module-level function, or load it with load_custom_reward_fn(path, name)"
             ) from e
-        self.fn_repr = repr(fn)
+        self.fn_repr = redact_text(repr(fn))  # named in errors: without the secrets bound to it (an API key)
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.start_timeout_s = float(start_timeout_s)

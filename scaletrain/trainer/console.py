@@ -30,6 +30,8 @@ from logging.handlers import MemoryHandler
 from pathlib import Path
 from typing import Any
 
+from scaletrain.utils.secrets import ScrubFilter
+
 RUN_LOG_NAME = "run.log"
 RUN_LOG_ENV = "SCALETRAIN_RUN_LOG"  # the run log's absolute path, for the workers
 VERBOSE_ENV = "SCALETRAIN_VERBOSE"  # "1": workers show INFO on the console too
@@ -145,6 +147,7 @@ def _configure_root(handlers: list[logging.Handler]) -> None:
         root.removeHandler(handler)
         handler.close()
     for handler in handlers:
+        handler.addFilter(ScrubFilter())  # no secret in any log line (scaletrain/utils/secrets.py)
         root.addHandler(handler)
     root.setLevel(logging.INFO)
     route_library_loggers()
@@ -176,6 +179,7 @@ def start_run_log(run_dir: str | os.PathLike) -> Path | None:
     path = Path(run_dir).resolve() / RUN_LOG_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
     to_file = _file_handler(path, "driver")
+    to_file.addFilter(ScrubFilter())
     root = logging.getLogger()
     root.addHandler(to_file)
     _early_records.setTarget(to_file)

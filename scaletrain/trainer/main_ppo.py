@@ -25,6 +25,7 @@ from scaletrain.trainer.config import PPOConfig, load_ppo_config
 from scaletrain.trainer.config_checks import check_config
 from scaletrain.trainer.plan import resolve_config
 from scaletrain.trainer.run_identity import claim_run_dir
+from scaletrain.utils.secrets import install_scrubbing, remember_secrets
 
 if TYPE_CHECKING:
     from scaletrain.trainer.run import RunResult
@@ -94,7 +95,9 @@ def main(config: DictConfig) -> None:
 
     setup_console(bool(config.trainer.verbose))  # the library logs' INFO lines go to the run log only
     explicit = explicit_keys(HydraConfig.get().overrides.task)
-    result = run_ppo(OmegaConf.to_container(config, resolve=True), explicit)
+    plain = OmegaConf.to_container(config, resolve=True)
+    remember_secrets(plain)  # a YAML file's or ${oc.env:...}'s secrets, out of every output too
+    result = run_ppo(plain, explicit)
     logger.info("result: %s", result, extra=FILE_ONLY)  # the console gets the table
     print_summary(result)
     if result.preempted:  # exit 0: the job did what it was asked before the stop; a rerun resumes
@@ -124,6 +127,7 @@ if __name__ == "__main__":
     from scaletrain.utils.fast_exit import run_and_exit
     from scaletrain.utils.typed_config import ConfigError
 
+    install_scrubbing(sys.argv[1:])  # no secret of the command line in any output, Hydra's echo included
     try:
         sys.argv[1:] = verl_overrides(sys.argv[1:])
     except ConfigError as error:

@@ -12,6 +12,7 @@ validated (unknown keys, wrong types, batch sizes, files) before Ray starts; see
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from scaletrain.trainer.sft_config import load_sft_config
 from scaletrain.trainer.sft_trainer import run_sft
+from scaletrain.utils.secrets import install_scrubbing, remember_secrets
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +31,9 @@ def main(config: DictConfig) -> dict:
     from scaletrain.trainer.console import setup_console, start_run_log
 
     setup_console(bool(config.trainer.verbose))  # the library logs' INFO lines go to the run log only
-    cfg = load_sft_config(OmegaConf.to_container(config, resolve=True))
+    plain = OmegaConf.to_container(config, resolve=True)
+    remember_secrets(plain)  # out of every output (scaletrain/utils/secrets.py)
+    cfg = load_sft_config(plain)
     start_run_log(cfg.output_dir)  # <output_dir>/run.log, before run_sft starts Ray
     summary = run_sft(cfg)
     logger.info(
@@ -51,4 +55,5 @@ def run(overrides: Sequence[str] = ()) -> dict[str, Any]:
 if __name__ == "__main__":
     from scaletrain.utils.fast_exit import run_and_exit
 
+    install_scrubbing(sys.argv[1:])
     run_and_exit(main)

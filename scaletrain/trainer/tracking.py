@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.utils.registry import Registry
-from scaletrain.utils.secrets import redact_secrets
+from scaletrain.utils.secrets import redact_secrets, scrubbed_argv
 
 logger = logging.getLogger(__name__)
 
@@ -368,9 +368,10 @@ class WandbLogger(LoggerBackend):
         if mode != "online":
             os.environ.setdefault("WANDB_ERROR_REPORTING", "false")  # no crash reports sent from offline runs
         self.wandb = require_module("wandb", "wandb", "wandb")
-        self.wandb_run = self.wandb.init(
-            project=run.project_name, name=run.experiment_name, config=run.config, dir=str(run.log_dir), mode=mode
-        )
+        with scrubbed_argv():  # wandb records the command line in its run's metadata
+            self.wandb_run = self.wandb.init(
+                project=run.project_name, name=run.experiment_name, config=run.config, dir=str(run.log_dir), mode=mode
+            )
         self.generation_rows: list[list] = []  # every validation's samples so far: one table shows them all
 
     def log(self, metrics: dict[str, float], step: int) -> None:

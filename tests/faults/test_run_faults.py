@@ -45,32 +45,65 @@ def reward(name, *kwargs):
     return [f"custom_reward_function.path={FAULT_FNS}", f"custom_reward_function.name={name}", *kwargs]
 
 
-def test_reward_raising_on_every_sample_stops_the_run_naming_it(task, tmp_path):
-    """Fault: a custom reward function that raises on every sample (before: 3 steps on all-zero rewards)."""
-    run_dir = tmp_path / "raises"
+SECRETS = {  # a careless user's secrets on the command line, in three shapes the redaction must catch
+    "+custom_reward_function.reward_kwargs.api_key": SECRET,  # by its key's name
+    "+custom_reward_function.reward_kwargs.credentials": "no-prefix-at-all-1234",  # a name the first version missed
+    "+custom_reward_function.reward_kwargs.endpoint": "https://bob:pw-in-url-5678@judge.local/v1",  # by its value
+}
+LEAKS = (SECRET, "no-prefix-at-all-1234", "pw-in-url-5678")
+
+
+def assert_nothing_leaked(out, *dirs):
+    for leak in LEAKS:
+        assert leak not in out.stdout + out.stderr, leak
+        for root in dirs:
+            for path in root.rglob("*"):
+                if path.is_file():
+                    assert leak.encode() not in path.read_bytes(), (leak, path)
+
+
+def test_reward_raising_on_every_sample_stops_the_run_naming_it(task, tmp_path, monkeypatch):
+    """Fault: a custom reward function that raises on every sample (before: 3 steps on all-zero rewards). Also:
+    the secrets bound to it (custom_reward_function.reward_kwargs) appear nowhere, though the run fails (Hydra
+    echoes its overrides then) and names the function (whose repr holds them), and wandb records the command line."""
+    run_dir, wandb_home = tmp_path / "raises", tmp_path / "wandb-home"
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(wandb_home))
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # the logger's default: offline, files in the run directory
+    secrets = [f"{key}={value}" for key, value in SECRETS.items()]
     out = run(
         overridden(
             task,
             run_dir,
             6,
-            *reward("raises_always"),
+            *reward("raises_always", *secrets),
             "reward_model.max_error_steps=2",
             "trainer.val_before_train=false",
+            "trainer.logger=[console,jsonl,wandb]",
         )
     )
     text = out.stdout + out.stderr
     assert out.returncode != 0
-    assert f"the reward function CustomRewardFn('{FAULT_FNS}', 'raises_always') failed on more than 50%" in text
+    named = f"the reward function functools.partial(CustomRewardFn('{FAULT_FNS}', 'raises_always'), api_key='"
+    assert named in text and "failed on more than 50%" in text
     assert "2 steps in a row (up to step 2: 100%, 100%)" in text and "ValueError: scorer bug: cannot parse" in text
+    assert "Error executing job with overrides" in text and "***redacted***" in text
     assert (run_dir / "latest_checkpointed_iteration.txt").read_text() == "1"  # step 1's checkpoint is kept
     assert sorted(metrics(run_dir)) == [1]  # step 2 was not trained on its zero rewards
+    recorded = b"".join(p.read_bytes() for p in run_dir.glob("wandb/*/run-*.wandb"))
+    assert b"reward_kwargs.api_key=***redacted***" in recorded, "wandb recorded no (redacted) command line"
+    assert_nothing_leaked(out, run_dir, wandb_home)
 
     # One run, one directory: auto-resuming that directory with other settings fails before Ray, naming them
-    other = run(overridden(task, run_dir, 6, *reward("raises_always"), "trainer.seed=9"), timeout=120)
+    started = "Started a local Ray instance"  # what Ray logs on starting one (verbose: on the console too)
+    assert started in (run_dir / "run.log").read_text()
+    verbose = "trainer.verbose=true"
+    other = run(overridden(task, run_dir, 6, *reward("raises_always", *secrets), "trainer.seed=9", verbose), 120)
     assert other.returncode != 0
     assert f"{run_dir} holds a run with other settings" in other.stderr
     assert "trainer.seed: 1 there, 9 now" in other.stderr
-    assert "Started a local Ray instance" not in other.stdout + other.stderr
+    assert started not in other.stdout + other.stderr
+    assert_nothing_leaked(other, run_dir)
 
 
 def test_reward_hanging_on_half_the_samples_is_bounded_per_step(task, tmp_path):
