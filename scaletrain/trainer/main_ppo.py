@@ -38,6 +38,7 @@ def run_ppo(raw: dict[str, Any], explicit: Iterable[str] = ()) -> RunResult:
     recipe leaves them alone)."""
     from scaletrain.trainer.console import start_run_log
     from scaletrain.trainer.embedded_default import apply_embedded_overlay, resolve_embedded_default
+    from scaletrain.trainer.preemption import PreemptionWatch
     from scaletrain.trainer.ray_cluster import ray_cluster
     from scaletrain.trainer.run import train
 
@@ -45,10 +46,13 @@ def run_ppo(raw: dict[str, Any], explicit: Iterable[str] = ()) -> RunResult:
     if applied:
         logger.info("embedded default: configs/recipe/embedded.yaml sets %s", ", ".join(applied))
     cfg = check_config(resolve_config(load_ppo_config(raw)))  # everything checkable, once, before heavy work
-    claim_run_dir(cfg)  # resumes only its own run; a fresh run moves an earlier one's outputs aside
-    start_run_log(cfg.trainer.default_local_dir)  # before Ray starts, so that every worker process writes to it
-    with ray_cluster(cfg.ray_kwargs, cfg.world_size, cfg.trainer.device):
-        return train(resolve_embedded_default(cfg))  # may run the embedded SFT warm-up on this Ray cluster
+    # from here on SIGTERM / SIGUSR1 end the run cleanly, start-up included (preemption.py)
+    with PreemptionWatch() as watch:
+        claim_run_dir(cfg)  # resumes only its own run; a fresh run moves an earlier one's outputs aside
+        start_run_log(cfg.trainer.default_local_dir)  # before Ray starts, so that every worker process writes to it
+        with ray_cluster(cfg.ray_kwargs, cfg.world_size, cfg.trainer.device):
+            watch.take_back()  # from Ray's own SIGTERM handler, which ray.init installed
+            return train(resolve_embedded_default(cfg), watch)  # may run the embedded SFT warm-up on this cluster
 
 
 def run(overrides: Sequence[str] = ()) -> RunResult:
@@ -102,12 +106,17 @@ def main(config: DictConfig) -> None:
     print_summary(result)
     if result.preempted:  # exit 0: the job did what it was asked before the stop; a rerun resumes
         stop = result.preempted
-        logger.warning(
-            "preempted by %s after step %d: checkpoint %s; run the same command again to resume from it",
-            stop["signal"],
-            stop["step"],
-            stop["checkpoint"],
-        )
+        if stop["checkpoint"] is None:
+            logger.warning(
+                "preempted by %s before its first checkpoint: run the same command again to start it", stop["signal"]
+            )
+        else:
+            logger.warning(
+                "preempted by %s after step %d: checkpoint %s; run the same command again to resume from it",
+                stop["signal"],
+                stop["step"],
+                stop["checkpoint"],
+            )
 
 
 def verl_overrides(argv: list[str]) -> list[str]:

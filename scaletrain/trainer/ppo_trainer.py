@@ -188,41 +188,47 @@ class RayPPOTrainer:
         return out, out.meta_info.pop("metrics", {})
 
     # ---------------------------------------------------------------------------------------------------- fit
-    def fit(self, tracking: Tracking) -> dict[str, float]:
+    def fit(self, tracking: Tracking, watch: PreemptionWatch | None = None) -> dict[str, float]:
         """Train for ``total_steps``; returns the last validation metrics. Each step's batch comes from the
         rollout source of ``async_training.mode`` (rollout_sources.py). SIGTERM / SIGUSR1 end it after the
-        current step with a checkpoint (``self.preempted`` then says where; preemption.py)."""
+        current step with a checkpoint (``self.preempted`` then says where; preemption.py); ``watch``: the run's,
+        noting signals since start-up (one that came already: no step, nothing to save), else fit()'s own."""
+        if watch is None:
+            with PreemptionWatch() as own:
+                return self.fit(tracking, own)
         cfg = self.cfg
+        if watch.requested:  # during start-up: the latest checkpoint (if any) is where a rerun starts
+            self.preempted = {"signal": watch.signal_name, "step": (self.plan.resume_step or 1) - 1}
+            return {}
         self._resume()
         val_metrics: dict[str, float] = {}
-        if cfg.trainer.val_before_train and self.global_step == 0:
+        if cfg.trainer.val_before_train and self.global_step == 0 and not watch.requested:
             val_metrics = self.initial_val_metrics = self.validate(tracking)
             tracking.log(val_metrics, step=0)
         if self.global_step >= self.total_steps:
             logger.info("step %d of %d reached already: nothing to train", self.global_step, self.total_steps)
             return self.validate()
         self.rollouts = self._rollout_source()
-        with PreemptionWatch() as watch:
-            try:
-                while self.global_step < self.total_steps and not watch.requested:
-                    metrics = self.train_step()
-                    if metrics is None:  # fully_async: the rollouter generated all it was allowed to
-                        break
-                    last = self.global_step >= self.total_steps
-                    if self._due(cfg.trainer.test_freq, last):
-                        metrics.update(self.rollouts.before_validation(last))
-                        val_metrics = self.validate(tracking)
-                        metrics.update(val_metrics)
-                    # the step's metrics before its checkpoint: a kill between the two then loses no line (a
-                    # resume from the previous checkpoint drops the lines of the steps it re-runs, tracking.py)
-                    tracking.log(metrics, step=self.global_step)
-                    if self._due(cfg.trainer.save_freq, last) or watch.requested or self._save_overdue():
-                        self.save_checkpoint()
-                    self.last_metrics = metrics
-            finally:
-                self.rollouts.close()
-            if watch.requested and self.global_step < self.total_steps:
-                self.preempted = {"signal": watch.signal_name, "step": self.global_step}
+        try:
+            while self.global_step < self.total_steps and not watch.requested:
+                metrics = self.train_step()
+                if metrics is None:  # fully_async: the rollouter generated all it was allowed to
+                    break
+                last = self.global_step >= self.total_steps
+                if self._due(cfg.trainer.test_freq, last):
+                    metrics.update(self.rollouts.before_validation(last))
+                    val_metrics = self.validate(tracking)
+                    metrics.update(val_metrics)
+                # the step's metrics before its checkpoint: a kill between the two then loses no line (a
+                # resume from the previous checkpoint drops the lines of the steps it re-runs, tracking.py)
+                tracking.log(metrics, step=self.global_step)
+                if self._due(cfg.trainer.save_freq, last) or watch.requested or self._save_overdue():
+                    self.save_checkpoint()
+                self.last_metrics = metrics
+        finally:
+            self.rollouts.close()
+        if watch.requested and self.global_step < self.total_steps:
+            self.preempted = {"signal": watch.signal_name, "step": self.global_step}
         return val_metrics
 
     def _rollout_source(self):

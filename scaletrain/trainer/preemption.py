@@ -3,7 +3,10 @@
 A cluster that is about to stop a job warns it first (SLURM: ``--signal=B:USR1@<seconds>``, forwarded to the
 driver by launch/run.sh; a scheduler's or a user's SIGTERM). ``PreemptionWatch`` notes the signal; ``fit()`` finishes
 the step in progress, writes a checkpoint and returns, and the command exits 0 saying where the checkpoint is, so
-the same command (or the requeued job) resumes from it. A second signal while that checkpoint is written is not
+the same command (or the requeued job) resumes from it. The CLI enters the watch before Ray starts (main_ppo.py),
+and takes the signals back from the handler ``ray.init`` installs (Ray's aborts the process): a signal during
+start-up, a resume or the first validation ends the run before its first step, exit 0, nothing new written. A
+second signal while that checkpoint is written is not
 waited for: the default action (termination) applies, and the previous checkpoint stays the latest complete one
 (checkpoint.py). The warning's lead time must cover the rest of a step plus a checkpoint save.
 """
@@ -47,6 +50,12 @@ class PreemptionWatch:
             for signum in PREEMPTION_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._on_signal)
         return self
+
+    def take_back(self) -> None:
+        """Handle the signals again after a library replaced the handlers (``ray.init``: Ray's core worker installs
+        one for SIGTERM that prints a stack and aborts the process)."""
+        for signum in self._previous:
+            signal.signal(signum, self._on_signal)
 
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self._previous.items():

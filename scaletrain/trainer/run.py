@@ -15,6 +15,7 @@ from scaletrain.trainer.checkpoint import CheckpointManager
 from scaletrain.trainer.config import PPOConfig
 from scaletrain.trainer.plan import RunPlan, log_plan, plan_run
 from scaletrain.trainer.ppo_trainer import RayPPOTrainer
+from scaletrain.trainer.preemption import PreemptionWatch
 from scaletrain.trainer.tracking import Tracking
 from scaletrain.utils.typed_config import to_dict
 from scaletrain.workers.actor_rollout_ref import merged_dir
@@ -54,9 +55,10 @@ class RunResult:
     wall_s: float = 0.0
 
 
-def train(cfg: PPOConfig) -> RunResult:
+def train(cfg: PPOConfig, watch: PreemptionWatch | None = None) -> RunResult:
     """Datasets, workers, fit() and the final export; everything the run placed on the cluster is freed before it
-    returns or raises (the cluster may be shared: ray_cluster.py)."""
+    returns or raises (the cluster may be shared: ray_cluster.py). ``watch``: the caller's, entered before Ray
+    started (a signal during start-up ends the run before its first step); None: fit()'s own."""
     start = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
     train_set = _dataset(cfg.data.train_files, tokenizer, cfg, cfg.data.max_samples)
@@ -68,12 +70,14 @@ def train(cfg: PPOConfig) -> RunResult:
     os.makedirs(plan.run_dir, exist_ok=True)
     try:
         trainer.init_workers()
-        return _fit(cfg, plan, trainer, start)
+        return _fit(cfg, plan, trainer, start, watch)
     finally:
         trainer.close()
 
 
-def _fit(cfg: PPOConfig, plan: RunPlan, trainer: RayPPOTrainer, start: float) -> RunResult:
+def _fit(
+    cfg: PPOConfig, plan: RunPlan, trainer: RayPPOTrainer, start: float, watch: PreemptionWatch | None
+) -> RunResult:
     tracking = Tracking(
         cfg.trainer.project_name,
         cfg.trainer.experiment_name,
@@ -84,7 +88,7 @@ def _fit(cfg: PPOConfig, plan: RunPlan, trainer: RayPPOTrainer, start: float) ->
         resume_step=plan.resume_step,  # the jsonl log drops lines from steps the resumed run will redo
     )
     with tracking:
-        val_metrics = trainer.fit(tracking)
+        val_metrics = trainer.fit(tracking, watch)
     result = RunResult(
         steps=trainer.global_step,
         run_dir=plan.run_dir,
@@ -99,7 +103,8 @@ def _fit(cfg: PPOConfig, plan: RunPlan, trainer: RayPPOTrainer, start: float) ->
         result.hf_checkpoint = trainer.save_hf(os.path.join(plan.run_dir, "hf"))
         if cfg.trainer.save_merged and cfg.actor_rollout_ref.model.lora_rank > 0:
             result.hf_merged = merged_dir(result.hf_checkpoint)
-    if cfg.trainer.plot_at_end and "jsonl" in cfg.trainer.logger:
+    trained = not (trainer.preempted and not trainer.last_metrics)  # a signal during start-up: nothing to plot
+    if cfg.trainer.plot_at_end and "jsonl" in cfg.trainer.logger and trained:
         from scaletrain.plot import plot_run
 
         result.plots = [str(p) for p in plot_run(plan.run_dir)]

@@ -30,6 +30,8 @@ SECRET_WORDS = r"token|key|passw(?:or)?d|secret|credential|auth(?!ors?\b)|bearer
 SECRET_NAME = re.compile(SECRET_WORDS, re.IGNORECASE)
 NOT_SECRET = frozenset({"prompt_key", "input_tokenizer", "tokenizer", "tokenizer_path"})
 REDACTED = "***redacted***"
+# a name ending so names a setting about a secret, not the secret (RAY_AUTH_MODE=disabled, token_path=/x)
+SETTING_NAME = re.compile(r"(?i)(mode|type|path|file|dir|name)$")
 MIN_KNOWN_LENGTH = 6  # shorter config values are not searched for in free text (too many false matches)
 
 VALUE_PATTERNS = (
@@ -76,7 +78,8 @@ def redact_secrets(obj: Any) -> Any:
 
 
 def _keep_named(name: str, value: str) -> bool:
-    if name.rsplit(".", 1)[-1].lstrip("+~") in NOT_SECRET or value == REDACTED:
+    last = name.rsplit(".", 1)[-1].lstrip("+~")
+    if last in NOT_SECRET or SETTING_NAME.search(last) or value == REDACTED:
         return True
     return value.lower() in ("true", "false", "none", "null") or re.fullmatch(r"[-+]?[\d.e_]+", value) is not None
 

@@ -35,3 +35,15 @@ def test_second_signal_terminates_at_once():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "noted SIGTERM"
     assert out.returncode == -signal.SIGTERM
+
+
+def test_take_back_handles_the_signals_again_after_a_library_replaced_the_handler():
+    before = signal.getsignal(signal.SIGUSR1)
+    with PreemptionWatch() as watch:
+        signal.signal(signal.SIGUSR1, lambda *_: None)  # what ray.init does to SIGTERM (its handler aborts)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert not watch.requested
+        watch.take_back()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert watch.requested and watch.signal_name == "SIGUSR1"
+    assert signal.getsignal(signal.SIGUSR1) is before
