@@ -164,8 +164,8 @@ def install_scrubbing(overrides: Sequence[str] = ()) -> None:
     ``${oc.env:...}``'s) are for the entry point to ``remember_secrets`` once it has them."""
     for override in overrides:
         key, sep, value = override.partition("=")
-        if sep and is_secret(key.lstrip("+~"), value) and len(value) >= MIN_KNOWN_LENGTH:
-            _known.add(value)
+        if sep:
+            remember_secrets(value, key.lstrip("+~"))
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if not isinstance(stream, ScrubbedStream):
