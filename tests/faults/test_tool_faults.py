@@ -1,7 +1,9 @@
 """Tools cannot take the driver down (issue 16, item 6): the calculator bounds an expression's cost before
-evaluating it; code_runner streams and caps output, caps concurrent runs, processes (a pids cgroup, since root
-ignores RLIMIT_NPROC) and file sizes, and reports (or refuses) a run without network isolation; a tool whose
-create / release hangs is cut off by the agent loop. Real subprocesses, real asyncio."""
+evaluating it; code_runner streams and caps output, caps concurrent runs, processes (a pids cgroup, or
+RLIMIT_NPROC on the sandbox's uid) and file sizes, in the sandbox and, forced with ``allow_unsandboxed`` where
+there is none, without it (where it reports or refuses a run without network isolation); a tool whose create /
+release hangs is cut off by the agent loop. Real subprocesses, real bubblewrap, real asyncio. The attacks on the
+sandbox itself are in ``test_sandbox_escapes.py``."""
 
 import asyncio
 import json
@@ -15,7 +17,7 @@ from scaletrain.agent import BaseTool, ToolAgentLoop, ToolResponse
 from scaletrain.agent.tools import code_runner
 from scaletrain.agent.tools.calculator import CalculatorTool, evaluate
 from scaletrain.agent.tools.code_runner import CodeRunnerTool, pids_cgroup_parent
-from tests.agent.helpers import ScriptedServer, config, make_agent_tokenizer
+from tests.agent.helpers import SET_NAME, ScriptedServer, config, make_agent_tokenizer, pids_named
 from tests.agent.test_parser_tools import execute
 
 TOK = make_agent_tokenizer()
@@ -125,49 +127,73 @@ def test_forks_beyond_max_processes_are_refused():
     assert "code_runner/no_process_limit" not in metrics
 
 
-def test_without_a_cgroup_root_is_not_limited_and_the_run_says_so(monkeypatch):
+def test_without_a_cgroup_the_sandboxs_uid_is_limited_by_rlimit_nproc(monkeypatch):
+    monkeypatch.setattr(code_runner.RunCgroup, "make", classmethod(lambda cls, n: None))  # no cgroup available
+    text, _, metrics = execute(CodeRunnerTool({"timeout": 10, "max_processes": 16}), code=FORKS)
+    words = text.text.split()
+    assert words[:2] == ["refused", "after"] and int(words[2]) < 16, text.text
+    assert "code_runner/no_process_limit" not in metrics and "code_runner/unsandboxed" not in metrics
+
+
+def test_unsandboxed_without_a_cgroup_root_is_not_limited_and_the_run_says_so(monkeypatch, no_sandbox):
     """What RLIMIT_NPROC does as root, measured: nothing (the kernel exempts uid 0); the run reports it."""
     if os.geteuid() != 0:
         pytest.skip("RLIMIT_NPROC binds a non-root user")
     monkeypatch.setattr(code_runner.RunCgroup, "make", classmethod(lambda cls, n: None))  # no cgroup available
-    response, _, metrics = execute(CodeRunnerTool({"timeout": 10, "max_processes": 16}), code=FORKS)
+    tool = CodeRunnerTool({"timeout": 10, "max_processes": 16, "allow_unsandboxed": True})
+    response, _, metrics = execute(tool, code=FORKS)
     assert response.text.strip() == "forked 100" and metrics["code_runner/no_process_limit"] == 1.0
+    assert metrics["code_runner/unsandboxed"] == 1.0
 
 
-def test_a_process_that_left_the_session_is_killed_with_its_cgroup():
-    if pids_cgroup_parent() is None:
+@pytest.fixture(params=["sandboxed", "unsandboxed"])
+def settings(request) -> dict:
+    """A code_runner config for the sandbox, and for a machine without one where the key forces a run."""
+    if request.param == "unsandboxed":
+        request.getfixturevalue("no_sandbox")
+    return {"allow_unsandboxed": request.param == "unsandboxed"}
+
+
+def test_a_process_that_left_the_session_is_killed_with_its_cgroup(settings):
+    if pids_cgroup_parent() is None and settings["allow_unsandboxed"]:
         pytest.skip("no writable pids cgroup")
-    code = (
-        "import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    print(os.getpid(), flush=True)\n"
+    name = f"left{os.getpid() % 10000}"
+    code = SET_NAME.format(name=name) + (
+        "import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    print('forked', flush=True)\n"
         "    os.close(1); os.close(2)\n    time.sleep(60)\n"
     )
-    response, _, _ = execute(CodeRunnerTool({"timeout": 10}), code=code)
-    pid = int(response.text.split()[0])
-    status = code_runner._read(f"/proc/{pid}/status")
-    assert status == "" or "State:\tZ" in status  # gone (or a zombie waiting for init)
-    mine = [d for d in os.listdir(pids_cgroup_parent()) if d.startswith(f"scaletrain-code-{os.getpid()}-")]
-    assert mine == []
+    response, _, _ = execute(CodeRunnerTool({"timeout": 10, **settings}), code=code)
+    assert response.text.split() == ["forked"], response.text
+    time.sleep(0.1)  # SIGKILL is asynchronous
+    assert pids_named(name) == []
+    if pids_cgroup_parent() is not None:
+        assert [d for d in os.listdir(pids_cgroup_parent()) if d.startswith(f"scaletrain-code-{os.getpid()}-")] == []
 
 
 @pytest.mark.parametrize("cgroup", [True, False])
-def test_a_cancelled_run_kills_its_child(tmp_path, monkeypatch, cgroup):
-    if not cgroup:  # the process-group kill alone
+def test_a_cancelled_run_kills_its_child(monkeypatch, cgroup, settings):
+    if not cgroup:  # the process-group kill (and, sandboxed, the pid namespace) alone
         monkeypatch.setattr(code_runner.RunCgroup, "make", classmethod(lambda cls, n: None))
-    pid_file = tmp_path / "pid"
-    code = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)"
+    name = f"cancel{os.getpid() % 10000}"
+    code = SET_NAME.format(name=name) + "import time\ntime.sleep(60)"
 
     async def go():
-        with pytest.raises(asyncio.TimeoutError):  # as the agent loop's tool_timeout_s would cancel it
-            await asyncio.wait_for(CodeRunnerTool({"timeout": 30}).execute("i", {"code": code}), 1.0)
+        task = asyncio.create_task(CodeRunnerTool({"timeout": 30, **settings}).execute("i", {"code": code}))
+        for _ in range(500):  # until the program runs
+            await asyncio.sleep(0.01)
+            if pids_named(name):
+                break
+        assert pids_named(name), "the program never started"
+        task.cancel()  # as the agent loop's tool_timeout_s would
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
     asyncio.run(go())
-    pid = int(pid_file.read_text())
     for _ in range(100):  # SIGKILL is asynchronous: give the kernel a moment
-        status = code_runner._read(f"/proc/{pid}/status")
-        if status == "" or "State:\tZ" in status:
+        if not pids_named(name):
             break
         time.sleep(0.01)
-    assert status == "" or "State:\tZ" in status
+    assert pids_named(name) == []
 
 
 def _has_cap_sys_admin() -> bool:
@@ -175,27 +201,35 @@ def _has_cap_sys_admin() -> bool:
     return bool(caps) and bool(int(caps[0].split()[1], 16) & (1 << 21))
 
 
-def test_the_child_has_no_network_interface_but_loopback():
+def test_the_sandbox_has_no_network_interface_but_loopback():
     code = "print(' '.join(line.split(':')[0].strip() for line in open('/proc/net/dev').readlines()[2:]))"
     response, _, metrics = execute(CodeRunnerTool(), code=code)
+    assert response.text.split() == ["lo"] and NO_NET not in metrics, response.text
+
+
+def test_unsandboxed_the_child_gets_a_network_namespace_and_the_prelude(no_sandbox):
+    code = "print(' '.join(line.split(':')[0].strip() for line in open('/proc/net/dev').readlines()[2:]))"
+    tool = CodeRunnerTool({"allow_unsandboxed": True})
+    response, _, metrics = execute(tool, code=code)
     if NO_NET in metrics:
         assert not _has_cap_sys_admin(), "root with CAP_SYS_ADMIN should always get a network namespace"
         pytest.skip("no network namespace on this machine (reported, as tested below)")
     assert set(response.text.split()) <= {"lo"}, response.text
-    net = execute(CodeRunnerTool(), code="import socket\nsocket.socket()")[0].text
+    net = execute(tool, code="import socket\nsocket.socket()")[0].text
     assert "network access is disabled" in net
 
 
-def test_missing_network_isolation_is_reported_or_refused(monkeypatch, caplog):
+def test_missing_network_isolation_is_reported_or_refused(monkeypatch, caplog, no_sandbox):
     monkeypatch.setattr(code_runner, "UNSHARE_ATTEMPTS", (0x1,))  # an invalid flag: every unshare fails
     monkeypatch.setattr(code_runner, "_WARNED", set())
     caplog.set_level(logging.WARNING, logger="scaletrain.agent.tools.code_runner")
-    tool = CodeRunnerTool()
+    tool = CodeRunnerTool({"allow_unsandboxed": True})
     for _ in range(2):
         response, _, metrics = execute(tool, code="print('ran')")
         assert response.text == "ran\n" and metrics[NO_NET] == 1.0 and "error" not in metrics
     assert sum("no network namespace" in r.getMessage() for r in caplog.records) == 1  # warned once
-    strict = CodeRunnerTool({"require_network_isolation": True})
+    assert sum("WITHOUT a sandbox" in r.getMessage() for r in caplog.records) == 1
+    strict = CodeRunnerTool({"require_network_isolation": True, "allow_unsandboxed": True})
     response, _, metrics = execute(strict, code="print('ran')")
     assert response.text.startswith("Error: code_runner could not isolate the network (Invalid argument)")
     assert "the code was not run" in response.text and "ran\n" not in response.text

@@ -1,26 +1,26 @@
-"""``code_runner``: runs Python code in a fresh interpreter subprocess with time, memory, output, process and
-file-size limits, at most ``max_concurrency`` at once per tool.
+"""``code_runner``: runs model-written Python code in a sandbox (``sandbox.py``: bubblewrap, an unprivileged uid,
+its own pid / network / mount namespaces, nothing of the trainer's visible) with time, memory, output, process,
+file-size and disk limits, at most ``max_concurrency`` at once per tool.
 
-The child runs ``python -I`` (no user site, no env-driven imports) in an empty temporary directory, in its own
-session, with ``RLIMIT_AS`` (``memory_mb``), ``RLIMIT_CPU``, ``RLIMIT_FSIZE`` (``max_file_mb``: a bigger write
-fails with ``OSError: File too large``), no core dumps and a wall-clock ``timeout``. Its output (stdout + stderr)
-is streamed and kept up to ``max_output_chars``: a program that prints more is stopped there ("...(truncated)"),
-so the driver's memory stays bounded whatever the child prints.
+Where no sandbox can be made (bubblewrap missing, user namespaces refused) the tool refuses to be built, naming why,
+unless its config sets ``allow_unsandboxed: true``: then the code runs as the trainer's own user with the limits
+below only (``python -I`` in an empty temporary directory, a fresh network namespace where one can be had, a
+prelude making socket creation raise), and each call reports the metric ``code_runner/unsandboxed`` = 1.0.
 
-Processes: ``max_processes`` bounds the child and everything it forks. Root ignores ``RLIMIT_NPROC``, even in a
-fresh user namespace (its kernel uid stays 0), so where a cgroup ``pids`` controller is writable (v1 ``pids``
-hierarchy, or v2 with ``pids`` in our cgroup's ``subtree_control``) each run gets its own cgroup with ``pids.max``
-= ``max_processes``, which binds root too; at the end every process in it is killed (also those that left the
-process group with ``setsid``) and the cgroup removed. Otherwise ``RLIMIT_NPROC`` = ``max_processes`` is set,
-which binds a non-root driver only (and counts all the user's processes and threads). A run with neither
-reports the metric ``code_runner/no_process_limit`` = 1.0 (warning logged once).
+Limits, in both modes: ``RLIMIT_AS`` (``memory_mb``), ``RLIMIT_CPU``, ``RLIMIT_FSIZE`` (``max_file_mb``: a bigger
+write fails with ``OSError: File too large``), no core dumps, a wall-clock ``timeout``; the sandbox's ``/tmp`` holds
+at most ``disk_mb``. Output (stdout + stderr) is streamed and kept up to ``max_output_chars``: a program that prints
+more is stopped there ("...(truncated)"), so the driver's memory stays bounded whatever the child prints.
 
-Network: the child enters a fresh network namespace (plain as root; user + network namespaces otherwise, when
-the kernel allows unprivileged ones), i.e. no interface but a down ``lo``, and in any case the code runs after a
-prelude that makes every socket creation raise. Whether the namespace was obtained is reported by the child
-itself, before it execs, through a pipe the code cannot reach; when it was not: ``require_network_isolation``
-false (default) -> metric ``code_runner/no_network_isolation`` = 1.0 and a warning logged once, true -> the code
-is not run (error text + metric). A timeout, a crash or a limit comes back to the model as text.
+Processes: ``max_processes`` bounds the child and everything it forks: a per-run ``pids`` cgroup where one is
+writable (``pids_cgroup.py``; at the end every process in it is killed, also those that left the session), else
+``RLIMIT_NPROC`` (binding the sandbox's uid; unsandboxed it binds a non-root driver only and counts all of the
+user's processes, and root without a cgroup reports ``code_runner/no_process_limit`` = 1.0).
+
+Network (unsandboxed mode): whether the namespace was obtained is reported by the child before it execs, through a
+pipe the code cannot reach; without it, ``require_network_isolation`` false (default) -> metric
+``code_runner/no_network_isolation`` = 1.0 and a warning logged once, true -> the code is not run. A timeout, a
+crash or a limit comes back to the model as text.
 """
 
 from __future__ import annotations
@@ -30,25 +30,25 @@ import codecs
 import contextlib
 import ctypes
 import errno
-import functools
 import logging
 import os
 import resource
 import signal
 import sys
 import tempfile
-import uuid
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from scaletrain.agent.tools import sandbox
 from scaletrain.agent.tools.base import BaseTool, ToolResponse, register_tool
+from scaletrain.agent.tools.pids_cgroup import RunCgroup, pids_cgroup_parent, read_text
 
 logger = logging.getLogger(__name__)
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
-# tried in order: a plain network namespace (needs CAP_SYS_ADMIN, e.g. root), then user + network namespaces
-# (unprivileged). Module-level so that a test can make every attempt fail.
+# unsandboxed mode, tried in order: a plain network namespace (needs CAP_SYS_ADMIN, e.g. root), then user + network
+# namespaces (unprivileged). Module-level so that a test can make every attempt fail.
 UNSHARE_ATTEMPTS = (CLONE_NEWNET, CLONE_NEWUSER | CLONE_NEWNET)
 PRELUDE = (
     "import socket as _s\n"
@@ -62,8 +62,16 @@ _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child should not d
 _WARNED: set[str] = set()
 # run_python's limits and their defaults (also the tool's config keys)
 LIMITS: dict[str, Any] = dict(
-    timeout=5.0, memory_mb=512, max_output_chars=2000, max_processes=64, max_file_mb=16, require_network_isolation=False
+    timeout=5.0,
+    memory_mb=512,
+    max_output_chars=2000,
+    max_processes=64,
+    max_file_mb=16,
+    disk_mb=64,
+    require_network_isolation=False,
+    allow_unsandboxed=False,
 )
+__all__ = ["CodeRunnerTool", "RunCgroup", "RunResult", "pids_cgroup_parent", "read_text", "run_python"]
 
 
 @dataclass
@@ -71,94 +79,25 @@ class RunResult:
     text: str
     ok: bool  # False on timeout, non-zero exit, output over the cap, a refused or failed start
     network_isolated: bool | None = None  # None: the child never got that far
-    process_limit: str | None = None  # "cgroup", "rlimit" (non-root) or "none"; None: the child never started
-
-
-# ------------------------------------------------------------------------------------------- process limits
-def _read(path: str) -> str:
-    """The file's text; "" when it cannot be read (a cgroup file of a kernel without that feature)."""
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def _cgroup_candidates() -> list[str]:
-    """Our own pids-controlled cgroup directory for each mounted hierarchy that has the controller."""
-    mounts = [line.split() for line in _read("/proc/self/mounts").splitlines()]
-    own = [line.split(":", 2) for line in _read("/proc/self/cgroup").splitlines()]
-    v1 = [m[1] for m in mounts if len(m) > 3 and m[2] == "cgroup" and "pids" in m[3].split(",")]
-    v2 = [m[1] for m in mounts if len(m) > 3 and m[2] == "cgroup2"]
-    found = []
-    for _, controllers, path in (entry for entry in own if len(entry) == 3):
-        if "pids" in controllers.split(","):
-            found += [mount + path for mount in v1]
-        elif controllers == "":
-            found += [mount + path for mount in v2]
-    return found
-
-
-@functools.lru_cache(maxsize=1)
-def pids_cgroup_parent() -> str | None:
-    """A cgroup directory under which a per-run ``pids`` cgroup can be made, or None. In v2 the controller must
-    already be delegated (``subtree_control``): enabling it ourselves would clash with the rule that a cgroup
-    with controllers for its children holds no processes (we are in it)."""
-    for path in _cgroup_candidates():
-        control = os.path.join(path, "cgroup.subtree_control")  # exists in v2 only
-        if os.access(path, os.W_OK) and (not os.path.exists(control) or "pids" in _read(control).split()):
-            return path
-    return None
-
-
-class RunCgroup:
-    """A per-run ``pids`` cgroup: at most ``max_processes`` tasks in it (root included); ``close`` kills them all."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.procs = os.path.join(path, "cgroup.procs")
-
-    @classmethod
-    def make(cls, max_processes: int) -> RunCgroup | None:
-        parent = pids_cgroup_parent()
-        if parent is None:
-            return None
-        path = os.path.join(parent, f"scaletrain-code-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        try:
-            os.mkdir(path)
-            with open(os.path.join(path, "pids.max"), "w") as f:
-                f.write(str(max_processes))
-        except OSError as exc:
-            logger.debug("code_runner: cannot make the pids cgroup %s: %s", path, exc)
-            with contextlib.suppress(OSError):
-                os.rmdir(path)
-            return None
-        return cls(path)
-
-    def kill_all(self) -> None:
-        for pid in (int(line) for line in _read(self.procs).split()):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-    async def close(self) -> None:
-        """Kill every process in the cgroup (again and again: a fork bomb forks while it is killed) and remove
-        it; a cgroup that will not go is logged and left."""
-        for _ in range(200):
-            self.kill_all()
-            try:
-                os.rmdir(self.path)
-                return
-            except OSError as exc:
-                if exc.errno != errno.EBUSY:
-                    break
-            await asyncio.sleep(0.01)
-        logger.warning("code_runner: could not remove the cgroup %s (processes left in it?)", self.path)
+    process_limit: str | None = None  # "cgroup", "rlimit" or "none"; None: the child never started
+    sandboxed: bool = False
 
 
 # -------------------------------------------------------------------------------------------------- child
-def _child_setup(limits: dict[int, tuple[int, int]], cgroup_procs: str | None, status_fd: int, require_isolation: bool):
-    """preexec_fn: runs in the child between fork and exec. Reports "net=<errno> cg=<0|1>" on ``status_fd``
-    (closed at exec, so the code cannot write there)."""
+@dataclass
+class Launch:
+    """How one run starts: the command, where, the descriptors it inherits and whether it is the sandbox."""
+
+    argv: list[str]
+    cwd: str
+    pass_fds: tuple[int, ...]
+    sandboxed: bool
+
+
+def _child_setup(limits: dict[int, tuple[int, int]], cgroup_procs: str | None, status_fd: int, sandboxed: bool,
+                 require_isolation: bool):  # fmt: skip
+    """preexec_fn: runs in the child (bwrap, or the bare interpreter) between fork and exec. Reports
+    "net=<errno> cg=<0|1>" on ``status_fd`` (closed at exec, so the code cannot write there)."""
 
     def apply() -> None:
         os.setsid()
@@ -168,8 +107,11 @@ def _child_setup(limits: dict[int, tuple[int, int]], cgroup_procs: str | None, s
                 with open(cgroup_procs, "w") as f:
                     f.write(str(os.getpid()))
                 joined = 1
-        err = errno.EINVAL
-        for flags in UNSHARE_ATTEMPTS:
+        with contextlib.suppress(OSError):  # the OOM killer's first pick; set while privileged, so it stays
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
+        err = 0 if sandboxed else errno.EINVAL  # bwrap makes the namespaces itself (and fails if it cannot)
+        for flags in () if sandboxed else UNSHARE_ATTEMPTS:
             if _LIBC.unshare(flags) == 0:
                 err = 0
                 break
@@ -178,7 +120,10 @@ def _child_setup(limits: dict[int, tuple[int, int]], cgroup_procs: str | None, s
         if err and require_isolation:
             raise OSError(err, "network isolation unavailable")
         for limit, soft_hard in limits.items():
-            resource.setrlimit(limit, soft_hard)
+            # the sandbox's uid is shared by the runs going on at once: with the run's own cgroup bounding its
+            # processes, RLIMIT_NPROC (a count over the uid) would let one run's forks refuse another's start
+            if not (sandboxed and joined and limit == resource.RLIMIT_NPROC):
+                resource.setrlimit(limit, soft_hard)
 
     return apply
 
@@ -240,7 +185,9 @@ def _read_status(fd: int) -> tuple[int | None, bool]:
     return (int(net) if net and net.isdigit() else None), words.get("cg") == "1"
 
 
-def _exit_text(returncode: int) -> str:
+def _exit_text(returncode: int, sandboxed: bool) -> str:
+    if sandboxed and returncode > 128 and returncode - 128 in signal.valid_signals():
+        returncode = 128 - returncode  # bwrap passes a signal death on as exit status 128 + the signal
     if -returncode in signal.valid_signals():
         return f"Error: killed by signal {signal.Signals(-returncode).name}"
     return f"Error: exit code {returncode}"
@@ -257,23 +204,23 @@ def _rlimits(opts: dict[str, Any]) -> dict[int, tuple[int, int]]:
     }
 
 
-async def _start(path: str, workdir: str, cgroup: RunCgroup | None, opts: dict[str, Any]):
+async def _start(launch: Launch, cgroup: RunCgroup | None, opts: dict[str, Any]):
     """(process or None, unshare errno or None, joined the cgroup, error text when it did not start)."""
     status_r, status_w = os.pipe()
     os.set_blocking(status_r, False)
     require = opts["require_network_isolation"]
-    preexec = _child_setup(_rlimits(opts), cgroup.procs if cgroup else None, status_w, require)
+    cgroup_procs = cgroup.procs if cgroup else None
+    preexec = _child_setup(_rlimits(opts), cgroup_procs, status_w, launch.sandboxed, require)
     try:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-I",
-            path,
-            cwd=workdir,
+            *launch.argv,
+            cwd=launch.cwd,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
             preexec_fn=preexec,
+            pass_fds=launch.pass_fds,
         )
     except Exception as exc:
         os.close(status_w)
@@ -287,12 +234,13 @@ async def _start(path: str, workdir: str, cgroup: RunCgroup | None, opts: dict[s
     return (proc, *_read_status(status_r), "")
 
 
-async def _run(path: str, workdir: str, cgroup: RunCgroup | None, opts: dict[str, Any]) -> RunResult:
-    proc, net_err, joined, error = await _start(path, workdir, cgroup, opts)
+async def _run(launch: Launch, cgroup: RunCgroup | None, opts: dict[str, Any]) -> RunResult:
+    proc, net_err, joined, error = await _start(launch, cgroup, opts)
     isolated = None if net_err is None else net_err == 0
     if proc is None:
-        return RunResult(error, False, network_isolated=isolated)
-    limit = "cgroup" if joined else ("rlimit" if os.geteuid() != 0 else "none")
+        return RunResult(error, False, network_isolated=isolated, sandboxed=launch.sandboxed)
+    # the sandbox's uid is never root, so RLIMIT_NPROC binds it; unsandboxed root is exempt from it
+    limit = "cgroup" if joined else ("rlimit" if launch.sandboxed or os.geteuid() != 0 else "none")
     out, timed_out = CappedOutput(opts["max_output_chars"]), False
 
     async def collect() -> None:
@@ -314,27 +262,48 @@ async def _run(path: str, workdir: str, cgroup: RunCgroup | None, opts: dict[str
     elif timed_out:
         text += f"\nError: timed out after {opts['timeout']} s"
     elif returncode != 0:
-        text += "\n" + _exit_text(returncode)
+        text += "\n" + _exit_text(returncode, launch.sandboxed)
     ok = not (timed_out or out.truncated or returncode)
-    return RunResult(text if ok else text.strip(), ok, isolated, limit)
+    return RunResult(text if ok else text.strip(), ok, isolated, limit, launch.sandboxed)
 
 
-async def run_python(code: str, **limits: Any) -> RunResult:
-    """Run ``code`` in a limited child interpreter; ``limits``: keys of ``LIMITS`` (see the module docstring)."""
-    unknown = set(limits) - set(LIMITS)
-    if unknown:
-        raise TypeError(f"run_python: unknown limits {sorted(unknown)}; known: {', '.join(LIMITS)}")
-    opts = {**LIMITS, **limits}
+async def _run_sandboxed(code: str, cgroup: RunCgroup | None, opts: dict[str, Any]) -> RunResult:
+    """The code goes in through a memfd (no file of ours on disk, copied read-only into the jail)."""
+    code_fd = os.memfd_create("scaletrain-code")
+    try:
+        with open(code_fd, "wb", closefd=False) as f:
+            f.write(code.encode("utf-8", errors="surrogatepass"))
+        os.lseek(code_fd, 0, os.SEEK_SET)
+        launch = Launch(sandbox.jail_argv(code_fd, opts["disk_mb"]), "/", (code_fd,), True)
+        return await _run(launch, cgroup, opts)
+    finally:
+        os.close(code_fd)
+
+
+async def _run_unsandboxed(code: str, cgroup: RunCgroup | None, opts: dict[str, Any]) -> RunResult:
     with tempfile.TemporaryDirectory(prefix="scaletrain-code-") as workdir:
         path = os.path.join(workdir, "main.py")
         with open(path, "w") as f:
             f.write(PRELUDE + code)
-        cgroup = RunCgroup.make(opts["max_processes"])
-        try:
-            return await _run(path, workdir, cgroup, opts)
-        finally:
-            if cgroup is not None:
-                await cgroup.close()
+        return await _run(Launch([sys.executable, "-I", path], workdir, (), False), cgroup, opts)
+
+
+async def run_python(code: str, **limits: Any) -> RunResult:
+    """Run ``code`` in the sandbox with the limits; ``limits``: keys of ``LIMITS`` (see the module docstring)."""
+    unknown = set(limits) - set(LIMITS)
+    if unknown:
+        raise TypeError(f"run_python: unknown limits {sorted(unknown)}; known: {', '.join(LIMITS)}")
+    opts = {**LIMITS, **limits}
+    problem = sandbox.sandbox_problem()
+    if problem and not opts["allow_unsandboxed"]:
+        return RunResult(f"Error: code_runner has no sandbox here ({problem}): the code was not run", False)
+    cgroup = RunCgroup.make(opts["max_processes"])
+    try:
+        run = _run_unsandboxed if problem else _run_sandboxed
+        return await run(code, cgroup, opts)
+    finally:
+        if cgroup is not None:
+            await cgroup.close()
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -346,7 +315,9 @@ def _warn_once(key: str, message: str) -> None:
 @register_tool("code_runner")
 class CodeRunnerTool(BaseTool):
     """Config: ``timeout`` (s, 5), ``memory_mb`` (512), ``max_output_chars`` (2000), ``max_concurrency`` (4),
-    ``max_processes`` (64), ``max_file_mb`` (16), ``require_network_isolation`` (false)."""
+    ``max_processes`` (64), ``max_file_mb`` (16), ``disk_mb`` (64), ``allow_unsandboxed`` (false),
+    ``require_network_isolation`` (false; unsandboxed mode only). Built only where the sandbox works, unless
+    ``allow_unsandboxed`` is set."""
 
     default_schema = {
         "type": "function",
@@ -361,6 +332,16 @@ class CodeRunnerTool(BaseTool):
         super().__init__(config, tool_schema)
         self.options = {key: self._setting(key, default) for key, default in LIMITS.items()}
         self.max_concurrency = self._setting("max_concurrency", 4)
+        problem = sandbox.sandbox_problem()
+        if problem and not self.options["allow_unsandboxed"]:
+            raise RuntimeError(
+                f"code_runner runs model-written code only in a sandbox, and {problem}. Install bubblewrap "
+                "(`apt-get install bubblewrap`; `make install` does it when run as root) and allow user namespaces, "
+                "or set `allow_unsandboxed: true` in this tool's config to run the code as your own user with "
+                "resource limits only (it could then read your files and signal your processes)"
+            )
+        if problem:
+            _warn_once("sandbox", f"code_runner: model code runs WITHOUT a sandbox (allow_unsandboxed): {problem}")
         # an asyncio.Semaphore belongs to the loop it is first used on; a tool may serve several loops in turn
         self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -388,6 +369,8 @@ class CodeRunnerTool(BaseTool):
         async with self._semaphore():
             result = await run_python(code, **self.options)
         metrics = {} if result.ok else {"error": 1.0}
+        if not result.sandboxed:
+            metrics["code_runner/unsandboxed"] = 1.0
         if result.network_isolated is False:
             metrics["code_runner/no_network_isolation"] = 1.0
             _warn_once("net", "code_runner: no network namespace could be made; only the socket prelude blocks it")
