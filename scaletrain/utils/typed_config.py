@@ -104,6 +104,18 @@ def to_dict(obj: Any) -> Any:
     return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
 
 
+def execution_only(cls) -> frozenset[str]:
+    """The fields of dataclass ``cls`` marked as changing only how a run executes, not its results (micro-batches,
+    offloading, timeouts, logging, where outputs go): the names in the ``EXECUTION_ONLY`` class attribute of
+    ``cls`` and of its bases ("*": all of its fields). Every other field counts as result-changing, so a new key
+    is checked on resume until someone marks it (scaletrain/trainer/run_identity.py)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        marked = vars(klass).get("EXECUTION_ONLY", ())
+        names |= {f.name for f in dataclasses.fields(klass)} if "*" in marked else set(marked)
+    return frozenset(names)
+
+
 def leaf_fields(cls, prefix: str = ""):
     """(dotted key, declaring dataclass, field) of each leaf field of dataclass ``cls``, nested dataclasses walked
     (a dict-typed field is a leaf)."""

@@ -37,6 +37,9 @@ class MegatronConfig:
     (the critic's to the actor's layout: colocated roles share megatron's per-process parallel state; the trainer
     resolves the one layout before Ray starts), then to the engine's defaults (1, 1, false, false)."""
 
+    # the layout a checkpoint is sharded for (tensor / pipeline sizes, the distributed optimizer) changes results
+    EXECUTION_ONLY = ("sequence_parallel", "param_offload", "optimizer_offload", "grad_offload")
+
     tensor_model_parallel_size: int | None = None
     pipeline_model_parallel_size: int | None = None
     sequence_parallel: bool | None = None
@@ -79,6 +82,8 @@ class FSDPConfig:
     """``*.fsdp_config.*`` (verl's name; backends fsdp and deepspeed): keep the role's parameters / optimizer
     state in CPU memory between uses. Null: the backend section's ``param_offload`` / ``optimizer_offload``."""
 
+    EXECUTION_ONLY = ("*",)
+
     param_offload: bool | None = None
     optimizer_offload: bool | None = None
 
@@ -98,6 +103,8 @@ def with_megatron(engine: EngineConfig, backend: str, section: MegatronConfig) -
 
 @dataclass
 class ActorConfig:
+    EXECUTION_ONLY = ("ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu")
+
     strategy: str | None = None  # verl's backend selector: fsdp | fsdp2 | deepspeed | megatron; null:
     # the backend group's (configs/backend, the `backend=` short form)
     ppo_mini_batch_size: int = 256  # prompts per mini-batch (x rollout.n rows), over all DP ranks
@@ -126,6 +133,8 @@ class ActorConfig:
 class MultiTurnConfig:
     """``actor_rollout_ref.rollout.multi_turn``: the agent-loop rollout path (scaletrain/agent)."""
 
+    EXECUTION_ONLY = ("tool_timeout_s", "max_batch_wait_ms")
+
     enable: bool = False  # true: rollouts go through the agent loops (as does rollout.mode=async)
     format: str = "hermes"  # registered ToolParser
     default_agent_loop: str | None = None  # rows without agent_name; null: tool_agent if enable, else single_turn
@@ -144,6 +153,19 @@ class MultiTurnConfig:
 class RolloutWorkerConfig(RolloutEngineSettings):
     """``actor_rollout_ref.rollout``: sampling, lengths, layout and the rollout path; the engine's memory and
     kernel settings (dtype, gpu_memory_utilization, free_cache_engine, ...) come from RolloutEngineSettings."""
+
+    EXECUTION_ONLY = (
+        "tensor_model_parallel_size",
+        "total_rollout_steps",
+        "log_prob_micro_batch_size_per_gpu",
+        "log_prob_use_dynamic_bsz",
+        "log_prob_max_token_len_per_gpu",
+        "weight_bucket_bytes",
+        "lora_sync",
+        "offload_train_during_rollout",
+        "val_kwargs",
+        "async_engine",
+    )
 
     name: str = "vllm"  # vllm | hf
     mode: str = "sync"  # sync: one batched generate | async: agent loops (see multi_turn)
@@ -212,6 +234,8 @@ def log_prob_micro_batching(section) -> dict[str, Any]:
 
 @dataclass
 class RefConfig:
+    EXECUTION_ONLY = ("log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
+
     log_prob_micro_batch_size_per_gpu: int = 8
     log_prob_use_dynamic_bsz: bool | None = None  # null: actor.use_dynamic_bsz
     log_prob_max_token_len_per_gpu: int | None = None  # null: actor.ppo_max_token_len_per_gpu

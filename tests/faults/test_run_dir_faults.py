@@ -2,14 +2,16 @@
 fails naming the keys), a fresh start moves an earlier run's outputs aside instead of mixing with them, and keep-N
 pruning cannot reach them. The CLI runs of the same faults are in test_run_faults.py."""
 
+import dataclasses
 import json
 
 import pytest
 
 from scaletrain.trainer.checkpoint import CheckpointManager
+from scaletrain.trainer.config import PPOConfig
 from scaletrain.trainer.plan import resolve_config
-from scaletrain.trainer.run_identity import RUN_CONFIG, claim_run_dir, fingerprint, result_settings
-from scaletrain.utils.typed_config import ConfigError
+from scaletrain.trainer.run_identity import RUN_CONFIG, claim_run_dir, fingerprint, result_keys, result_settings
+from scaletrain.utils.typed_config import ConfigError, execution_only, leaf_fields
 from tests.trainer.test_ppo_config import composed
 
 
@@ -80,3 +82,61 @@ def test_result_settings_leave_out_what_only_changes_execution():
     assert {"actor_rollout_ref.actor.optim.lr", "data.train_batch_size", "actor_rollout_ref.rollout.n"} <= keys
     for key in ("trainer.total_training_steps", "trainer.logger", "trainer.save_freq", "reward_model.timeout_s"):
         assert key not in keys
+    assert not any(key.startswith("ray_kwargs.") for key in keys)
+
+
+def test_result_keys_are_every_key_but_the_marked_ones():
+    """Derived, not listed: every leaf counts unless its dataclass marks it execution-only, so the keys a hand list
+    once missed are checked, and a key added tomorrow is checked until someone marks it."""
+    keys = set(result_keys())
+    every = {key for key, _, _ in leaf_fields(PPOConfig)}
+    assert keys < every and every - keys == {k for k, o, f in leaf_fields(PPOConfig) if f.name in execution_only(o)}
+    for key in ("critic.loss_agg_mode", "trainer.balance_batch", "actor_rollout_ref.rollout.name"):
+        assert key in keys
+
+    @dataclasses.dataclass
+    class Tomorrow(PPOConfig):
+        new_knob: int = 0
+
+    assert "new_knob" in result_keys(Tomorrow)
+
+
+def test_every_execution_only_mark_names_a_field():
+    owners = {owner for _, owner, _ in leaf_fields(PPOConfig)}
+    for owner in owners:
+        for klass in owner.__mro__:
+            marked = set(vars(klass).get("EXECUTION_ONLY", ())) - {"*"}
+            names = {f.name for f in dataclasses.fields(klass)} if dataclasses.is_dataclass(klass) else set()
+            assert marked <= names, f"{klass.__name__}.EXECUTION_ONLY names no field: {marked - names}"
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("critic.loss_agg_mode=seq-mean-token-sum", "critic.loss_agg_mode"),
+        ("trainer.balance_batch=true", "trainer.balance_batch"),
+        ("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.name"),
+        ("actor_rollout_ref.rollout.multi_turn.max_tool_response_length=7", "multi_turn.max_tool_response_length"),
+    ],
+)
+def test_auto_resume_refuses_a_change_of_a_key_the_old_hand_list_missed(tmp_path, override, key):
+    claim_run_dir(config(tmp_path))
+    save(tmp_path, 1)
+    with pytest.raises(ConfigError) as info:
+        claim_run_dir(config(tmp_path, override))
+    assert key in str(info.value)
+
+
+def test_a_run_config_of_another_config_version_is_checked_on_the_keys_both_know(tmp_path, caplog):
+    claim_run_dir(config(tmp_path))
+    save(tmp_path, 1)
+    record = json.loads((tmp_path / RUN_CONFIG).read_text())
+    del record["settings"]["trainer.balance_batch"]  # written before the key was checked
+    record["settings"]["trainer.retired_key"] = 3  # a key this version no longer has
+    (tmp_path / RUN_CONFIG).write_text(json.dumps(record))
+    claim_run_dir(config(tmp_path))  # resumes
+    assert "trainer.balance_batch, trainer.retired_key" in caplog.text
+    record["settings"]["data.seed"] = 99
+    (tmp_path / RUN_CONFIG).write_text(json.dumps(record))
+    with pytest.raises(ConfigError, match="data.seed: 99 there, 1 now"):
+        claim_run_dir(config(tmp_path))
