@@ -161,3 +161,27 @@ def test_time_based_checkpoints_bound_what_a_crash_loses(ray_cluster, task, tmp_
     run_in_process(task, run, 3, [*quiet, "trainer.plot_at_end=false", *timed])
     assert sorted(p.name for p in run.glob("global_step_*")) == [f"global_step_{s}" for s in (1, 2, 3)]
     assert sorted(metrics(run)) == [1, 2, 3]
+
+
+# a run stopped after its step-2 checkpoint and extended to 3 steps resumes every engine's state (the critic's
+# too): its step 3 equals the uninterrupted run's
+RESUMED = {
+    "megatron_critic": ["backend=megatron", "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1"],
+    "deepspeed_vllm": ["backend=deepspeed", "rollout=vllm"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(RESUMED))
+def test_resume_equals_the_uninterrupted_run(ray_cluster, task, tmp_path, caplog, name):
+    extra = [*RESUMED[name], "trainer.val_before_train=false", "trainer.save_hf_at_end=false"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    run_in_process(task, full, 3, extra)
+    run_in_process(task, part, 2, extra)
+    caplog.set_level(logging.INFO, logger="scaletrain")
+    run_in_process(task, part, 3, extra)  # the same run, extended (total_training_steps changes no result)
+    assert f"resumed from {part / 'global_step_2'}" in caplog.text
+    reference, resumed = metrics(full), metrics(part)
+    assert sorted(resumed) == [1, 2, 3]
+    compared = [*COMPARED, *(["critic/vf_loss", "critic/values/mean"] if "critic" in name else [])]
+    for key in compared:
+        assert resumed[3][key] == pytest.approx(reference[3][key], rel=1e-6, abs=1e-7), key
