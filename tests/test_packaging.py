@@ -1,13 +1,16 @@
 """A non-editable install ships both packages and the Hydra configs."""
 
+import json
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
+PYPI = "https://pypi.org/simple"  # torch's CUDA wheels (a local find-links folder may hold CPU builds)
 
 
 @pytest.mark.slow
@@ -87,28 +90,30 @@ def _make_variable(name: str, flavor: str) -> str:
     return out.stdout.strip()
 
 
-@pytest.mark.slow
-def test_the_cuda_pins_agree_with_the_vllm_wheels_declared_requirements(tmp_path):
-    """What vLLM's CUDA wheel itself declares (its metadata, fetched by pip from the index: no wheel downloaded)
-    against what the CUDA flavor installs: the torch it pins is the Makefile's, and the torchvision / torchaudio /
-    torchcodec it requires are kept, not uninstalled. Fails when either side moves alone."""
-    (requirement,) = _setup_vllm_requirement("cuda")
+def _declared_requirements(requirement: str, tmp_path: Path, *pip_args: str) -> list[Requirement]:
+    """What ``requirement``'s wheel declares (its metadata, fetched by pip from the index: no wheel downloaded);
+    skips, saying why, where the index cannot be reached."""
     report = tmp_path / "report.json"
     done = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "-q",
-         "--report", str(report), requirement],
+         "--report", str(report), requirement, *pip_args],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     if done.returncode != 0 and "No matching distribution" not in done.stderr:
         pytest.skip(f"the package index cannot be reached from here: {done.stderr.strip()[-300:]}")
     assert done.returncode == 0, done.stderr
-    import json
-
-    from packaging.requirements import Requirement
-
     (item,) = json.loads(report.read_text())["install"]
-    declared = {Requirement(r).name: Requirement(r) for r in item["metadata"]["requires_dist"]}
-    declared = {name: r for name, r in declared.items() if r.marker is None or r.marker.evaluate({"extra": ""})}
+    return [Requirement(r) for r in item["metadata"]["requires_dist"]]
+
+
+@pytest.mark.slow
+def test_the_cuda_pins_agree_with_the_vllm_wheels_declared_requirements(tmp_path):
+    """What vLLM's CUDA wheel itself declares against what the CUDA flavor installs: the torch it pins is the
+    Makefile's, and the torchvision / torchaudio / torchcodec it requires are kept, not uninstalled. Fails when
+    either side moves alone."""
+    (requirement,) = _setup_vllm_requirement("cuda")
+    requirements = _declared_requirements(requirement, tmp_path)
+    declared = {r.name: r for r in requirements if r.marker is None or r.marker.evaluate({"extra": ""})}
     torch_version = _make_variable("TORCH_VERSION", "cuda")
     assert declared["torch"].specifier.contains(torch_version), (declared["torch"], torch_version)
     assert _make_variable("TORCH_VERSION", "cpu") == "2.13.0"
@@ -116,14 +121,6 @@ def test_the_cuda_pins_agree_with_the_vllm_wheels_declared_requirements(tmp_path
     assert kept, "vLLM no longer declares torchvision / torchaudio / torchcodec: revisit the CPU flavor's uninstall"
     assert "uninstall" not in _install_commands("cuda")  # the CUDA flavor keeps what vLLM requires
     # that torch is a CUDA 13 build (the driver line of the README's GPU section)
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "-q",
-         "--report", str(report), f"torch=={torch_version}", "--index-url", "https://pypi.org/simple"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    if done.returncode != 0 and "No matching distribution" not in done.stderr:
-        pytest.skip(f"PyPI cannot be reached from here: {done.stderr.strip()[-300:]}")
-    assert done.returncode == 0, done.stderr
-    (item,) = json.loads(report.read_text())["install"]
-    cuda = {Requirement(r).name for r in item["metadata"]["requires_dist"] if Requirement(r).name.startswith("nvidia-")}
+    torch_requirements = _declared_requirements(f"torch=={torch_version}", tmp_path, "--index-url", PYPI)
+    cuda = {r.name for r in torch_requirements if r.name.startswith("nvidia-")}
     assert cuda and all(name.endswith("-cu13") for name in cuda), sorted(cuda)

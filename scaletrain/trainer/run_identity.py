@@ -120,10 +120,11 @@ def claim_run_dir(cfg: PPOConfig) -> None:
     latest = CheckpointManager(run_dir).latest()
     resuming = tr.resume_mode == "resume_path" or (tr.resume_mode == "auto" and latest is not None)
     if resuming and tr.resume_mode == "auto":
+        differences = [] if stored is None else _differences(stored, current)
         if stored is None:
             logger.warning("%s has no %s (an older run): resuming without checking its settings", run_dir, RUN_CONFIG)
-        elif _differences(stored, current):
-            differ = "\n  ".join(_differences(stored, current))
+        elif differences:
+            differ = "\n  ".join(differences)
             raise ConfigError(
                 f"trainer.resume_mode=auto: {run_dir} holds a run with other settings, so it is not resumed:\n"
                 f"  {differ}\nUse another trainer.experiment_name (or trainer.default_local_dir) for a new run, or "

@@ -15,3 +15,12 @@ def no_sandbox(monkeypatch):
     yield
     monkeypatch.undo()
     sandbox.sandbox_problem.cache_clear()
+
+
+@pytest.fixture(params=["sandboxed", "unsandboxed"])
+def unsandboxed(request) -> bool:
+    """A code_runner test both ways: in the sandbox, and where there is none and ``allow_unsandboxed`` forces a run
+    (for the attacks, the control: there they must succeed)."""
+    if request.param == "unsandboxed":
+        request.getfixturevalue("no_sandbox")
+    return request.param == "unsandboxed"

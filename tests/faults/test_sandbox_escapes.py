@@ -26,14 +26,6 @@ from tests.agent.helpers import SET_NAME, ScriptedServer, config, make_agent_tok
 from tests.agent.test_parser_tools import execute
 
 
-@pytest.fixture(params=["sandboxed", "unsandboxed"])
-def unsandboxed(request) -> bool:
-    """Each attack both ways: in the sandbox, and (the control) where there is none and the key forces a run."""
-    if request.param == "unsandboxed":
-        request.getfixturevalue("no_sandbox")
-    return request.param == "unsandboxed"
-
-
 def run(code: str, unsandboxed: bool = False, **settings) -> str:
     tool = CodeRunnerTool({"timeout": 10, **settings, "allow_unsandboxed": unsandboxed})
     response, _, metrics = execute(tool, code=textwrap.dedent(code))

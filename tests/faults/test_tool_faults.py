@@ -146,23 +146,15 @@ def test_unsandboxed_without_a_cgroup_root_is_not_limited_and_the_run_says_so(mo
     assert metrics["code_runner/unsandboxed"] == 1.0
 
 
-@pytest.fixture(params=["sandboxed", "unsandboxed"])
-def settings(request) -> dict:
-    """A code_runner config for the sandbox, and for a machine without one where the key forces a run."""
-    if request.param == "unsandboxed":
-        request.getfixturevalue("no_sandbox")
-    return {"allow_unsandboxed": request.param == "unsandboxed"}
-
-
-def test_a_process_that_left_the_session_is_killed_with_its_cgroup(settings):
-    if pids_cgroup_parent() is None and settings["allow_unsandboxed"]:
+def test_a_process_that_left_the_session_is_killed_with_its_cgroup(unsandboxed):
+    if pids_cgroup_parent() is None and unsandboxed:
         pytest.skip("no writable pids cgroup")
     name = f"left{os.getpid() % 10000}"
     code = SET_NAME.format(name=name) + (
         "import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    print('forked', flush=True)\n"
         "    os.close(1); os.close(2)\n    time.sleep(60)\n"
     )
-    response, _, _ = execute(CodeRunnerTool({"timeout": 10, **settings}), code=code)
+    response, _, _ = execute(CodeRunnerTool({"timeout": 10, "allow_unsandboxed": unsandboxed}), code=code)
     assert response.text.split() == ["forked"], response.text
     time.sleep(0.1)  # SIGKILL is asynchronous
     assert pids_named(name) == []
@@ -171,14 +163,15 @@ def test_a_process_that_left_the_session_is_killed_with_its_cgroup(settings):
 
 
 @pytest.mark.parametrize("cgroup", [True, False])
-def test_a_cancelled_run_kills_its_child(monkeypatch, cgroup, settings):
+def test_a_cancelled_run_kills_its_child(monkeypatch, cgroup, unsandboxed):
     if not cgroup:  # the process-group kill (and, sandboxed, the pid namespace) alone
         monkeypatch.setattr(code_runner.RunCgroup, "make", classmethod(lambda cls, n: None))
     name = f"cancel{os.getpid() % 10000}"
     code = SET_NAME.format(name=name) + "import time\ntime.sleep(60)"
 
     async def go():
-        task = asyncio.create_task(CodeRunnerTool({"timeout": 30, **settings}).execute("i", {"code": code}))
+        tool = CodeRunnerTool({"timeout": 30, "allow_unsandboxed": unsandboxed})
+        task = asyncio.create_task(tool.execute("i", {"code": code}))
         for _ in range(500):  # until the program runs
             await asyncio.sleep(0.01)
             if pids_named(name):
