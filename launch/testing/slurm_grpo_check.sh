@@ -40,7 +40,13 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-fail() { echo "FAIL: $*" >&2; exit 1; }
+fail() {
+  echo "FAIL: $*" >&2
+  if [[ -n ${info:-} ]]; then echo "----- scontrol show job -----"; echo "$info"; fi
+  echo "----- slurmctld.log, slurmd logs (last lines) -----"
+  tail -n 25 "$STATE"/log/slurmctld.log "$STATE"/log/slurmd-node*.log 2> /dev/null || true
+  exit 1
+}
 
 # The embedded task and its tiny random-init model (built and cached on first use, ~seconds). Passing the model
 # path skips the SFT warm-up (up to 1,200 steps, minutes on a cold cache): this checks the launch path, not learning.
@@ -83,8 +89,10 @@ while (( SECONDS < deadline )); do
     COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY | PREEMPTED | BOOT_FAIL | DEADLINE) break ;;
   esac
   # SLURM holds a requeued job for ~2 min (its begin time); what is checked is that it requeues and resumes, so
-  # start it now
+  # start it as soon as both nodes are idle again (released while a node was still completing the first run, the
+  # requeued job once failed at launch without a line of output: CI, 2026-12-05)
   if [[ $state == PENDING && -z $released ]] && grep -q "run.sh: requeueing job" "$STATE/job-$JOB_ID.out" 2> /dev/null \
+    && [[ $("$CLUSTER" run "$STATE" sinfo -h -N -o %T 2> /dev/null | sort -u) == idle ]] \
     && "$CLUSTER" run "$STATE" scontrol update JobId="$JOB_ID" StartTime=now > /dev/null 2>&1; then
     released=1
     echo "requeued job $JOB_ID released at ${SECONDS}s (StartTime=now)"

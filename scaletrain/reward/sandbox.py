@@ -34,6 +34,7 @@ import traceback
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from multiprocessing.connection import wait as wait_for_ready
 from typing import Any
 
@@ -45,6 +46,7 @@ OK, ERROR, TIMEOUT = "ok", "error", "timeout"
 _MAX_ERROR_CHARS = 4000
 PROGRESS_EVERY_S = 10.0  # a map running longer logs how far it got at this interval
 _PR_SET_PDEATHSIG = 1
+_GROUP_STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}  # the preemption signals (trainer/preemption.py)
 
 
 @dataclass
@@ -71,6 +73,7 @@ def _die_with_parent() -> None:
 def _worker_main(conn: Any, fn_bytes: bytes) -> None:
     if hasattr(os, "setpgrp"):
         os.setpgrp()  # lead a process group: the parent kills the whole group on timeout; no terminal SIGINT
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _GROUP_STOP_SIGNALS)  # blocked at start (_Worker), out of the group now
     _die_with_parent()
     try:
         fn = pickle.loads(fn_bytes)
@@ -97,11 +100,25 @@ def _worker_main(conn: Any, fn_bytes: bytes) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ parent side
+def _start_blocking_group_signals(process: Any) -> None:
+    """Start ``process`` so that a preemption signal to the caller's process group (``kill -TERM -PGID``) does not
+    stop the scoring of the step being finished: the fork server (started by the first worker's start, in the
+    caller's group) and a spawned worker inherit the signals blocked, through exec. In this thread they stay
+    pending and arrive once unblocked (another thread may take them first): the caller loses none. The resource
+    tracker is started first because starting it unblocks SIGTERM in the calling thread (it ignores SIGTERM)."""
+    resource_tracker.ensure_running()
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _GROUP_STOP_SIGNALS)
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
 class _Worker:
     def __init__(self, ctx: Any, fn_bytes: bytes):
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=_worker_main, args=(child_conn, fn_bytes), name="scaletrain-reward-worker")
-        self.process.start()
+        _start_blocking_group_signals(self.process)
         child_conn.close()
         self.started_at = time.monotonic()
         self.ready = False

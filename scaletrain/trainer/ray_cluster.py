@@ -11,6 +11,8 @@
   the end. Ray's token authentication stays on (since Ray 2.59 its ports listen on every interface, so without it
   anyone reaching them could run code as this user), with a fresh token of the run's own in a 0600 file, not
   Ray's per-user ``~/.ray/auth_token`` (scaletrain/utils/ray_token.py); a token the user exported is used as given.
+  Its GCS server, raylet and log monitor lead process groups of their own, so that a preemption signal to the
+  run's process group reaches the driver and not them (``children_in_a_process_group_of_their_own``).
 
 Before leaving, ``timeline_json_file`` receives the cluster's Ray timeline (chrome://tracing JSON).
 ``ray_kwargs.ray_init.runtime_env`` is merged over the run log's (console.py): ``env_vars`` key by key, null
@@ -21,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,7 +110,10 @@ def ray_cluster(ray_kwargs: RayKwargsConfig, world_size: int, device: str) -> It
             kwargs = ray_init_arguments(ray_kwargs.ray_init, world_size, device)
             if kwargs["address"] == "local":  # a cluster of this run alone: a token of its own, gone with it
                 stack.enter_context(private_cluster_token())
-            ray.init(**kwargs)
+                with children_in_a_process_group_of_their_own():
+                    ray.init(**kwargs)
+            else:
+                ray.init(**kwargs)
         try:
             yield
         finally:
@@ -115,6 +122,39 @@ def ray_cluster(ray_kwargs: RayKwargsConfig, world_size: int, device: str) -> It
                 logger.info("Ray timeline of the run: %s", ray_kwargs.timeline_json_file)
             if not connected:  # a joined cluster keeps running: shutdown only disconnects this driver from it
                 ray.shutdown()
+
+
+_SEPARATE_CHILDREN = threading.Event()
+
+
+def _leave_the_parents_process_group() -> None:
+    if _SEPARATE_CHILDREN.is_set():
+        os.setpgid(0, 0)
+
+
+@functools.cache
+def _register_fork_hook() -> None:
+    os.register_at_fork(after_in_child=_leave_the_parents_process_group)
+
+
+@contextlib.contextmanager
+def children_in_a_process_group_of_their_own() -> Iterator[None]:
+    """Processes this process starts in the block lead a process group of their own.
+
+    ``ray.init`` starts the private cluster's GCS server, raylet and log monitor in the driver's process group, so
+    a signal to the group (``kill -TERM -PGID``, systemd, a job step's signal) used to stop them along with the
+    driver: the step in progress lost its objects and the driver waited out Ray's 60 s reconnection deadline, then
+    exited 1. Outside the group they keep serving while the driver finishes its step, checkpoints and exits 0
+    (preemption.py); they still die with the driver (Ray sets their parent-death signal) and with its shutdown.
+    Ray starts them through ``subprocess.Popen`` with a ``preexec_fn``, so the child runs Python's after-fork
+    hooks (``os.register_at_fork``) before exec; that is where each one moves to a group of its own.
+    """
+    _register_fork_hook()
+    _SEPARATE_CHILDREN.set()
+    try:
+        yield
+    finally:
+        _SEPARATE_CHILDREN.clear()
 
 
 def _log_ignored(ri: RayInitConfig) -> None:

@@ -10,10 +10,13 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def misbehaving(data_source, solution_str, ground_truth, extra_info=None):
-    """ground_truth picks the failure: "hang" sleeps (almost) forever, "boom" raises, "die" kills the worker,
-    "nan" returns NaN, "text" returns a string; otherwise exact match."""
+    """ground_truth picks the failure: "hang" sleeps (almost) forever, "slow" takes 2 s, "boom" raises, "die" kills
+    the worker, "nan" returns NaN, "text" returns a string; otherwise exact match."""
     if ground_truth == "hang":
         time.sleep(3600)
+    if ground_truth == "slow":
+        time.sleep(2)
+        return 1.0
     if ground_truth == "boom":
         raise RuntimeError("scorer exploded")
     if ground_truth == "die":

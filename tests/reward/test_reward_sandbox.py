@@ -1,12 +1,17 @@
 """The timed worker pool: errors and timeouts per call, hung workers killed (with their children) and
 replaced, results in order, the pool reusable afterwards."""
 
+import json
 import os
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
 
 from scaletrain.reward import ScoringPool, load_custom_reward_fn
+from tests.reward.conftest import TEST_SCORERS
 
 
 @pytest.fixture
@@ -73,3 +78,39 @@ def test_closed_pool_refuses(misbehaving):
     assert all(not p.is_alive() for p in workers)
     with pytest.raises(RuntimeError, match="closed"):
         pool.map(_calls(["1"]))
+
+
+GROUP_SIGNALLED = textwrap.dedent(
+    """
+    import json, os, signal, sys, threading
+    from scaletrain.reward import ScoringPool, load_custom_reward_fn
+
+    caught = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))  # the driver's preemption handler
+    fn = load_custom_reward_fn(sys.argv[1], "misbehaving")
+    with ScoringPool(fn, num_workers=2, timeout_s=30) as pool:
+        pool.map([(("d", "1", "1"), {})])  # the workers (and the fork server) are up
+        # as `kill -TERM -PGID` sends it, one second into a map of 2 s calls
+        threading.Timer(1.0, os.killpg, (0, signal.SIGTERM)).start()
+        out = pool.map([(("d", "", "slow"), {})] * 2)
+        print(json.dumps({"statuses": [o.status for o in out], "errors": [o.error for o in out],
+                          "restarts": pool.restarts, "caught": len(caught)}))
+    """
+)
+
+
+def test_a_preemption_signal_to_the_process_group_does_not_stop_the_scoring():
+    """Fault: the run's process group gets SIGTERM (a preemption) while the step's rewards are scored; the driver
+    handles it and finishes the step (preemption.py), so the scoring must finish too (before: the fork server, in
+    the driver's group, died, its workers with it, and the calls in flight scored 0 as errors)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", GROUP_SIGNALLED, str(TEST_SCORERS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,  # the group signalled is this script's alone
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["caught"] == 1  # the signal did reach the group
+    assert report["statuses"] == ["ok", "ok"] and report["restarts"] == 0, report

@@ -2,10 +2,11 @@
 killed are subprocesses, the others in-process runs of the CLI's): one train rank and one rollout rank, weights
 pushed through the object store.
 
-- one_step_off (the agent loops on vLLM's AsyncLLM in the rollout worker) and fully_async, each killed with
-  SIGKILL after its step-2 checkpoint and resumed: every step trains the prompts the synchronous run trained at
-  that step (nothing skipped, nothing twice), no batch lags more weight versions than allowed, and the
-  weight-version counter continues.
+- one_step_off (the agent loops on vLLM's AsyncLLM in the rollout worker), preempted by a SIGTERM to its whole
+  process group after its step-2 checkpoint (it checkpoints the step in progress and exits 0), and fully_async,
+  killed with SIGKILL there, each resumed: every step trains the prompts the synchronous run trained at that step
+  (nothing skipped, nothing twice), no batch lags more weight versions than allowed, and the weight-version counter
+  continues.
 - fully_async with staleness_threshold=0 and a push every step trains exactly what the synchronous trainer
   trains, metric for metric, across the kill and resume too.
 - fully_async with staleness_threshold=1 and partial rollout (segments of 2 tokens through the agent loops on
@@ -62,26 +63,38 @@ def test_split_sync_pushes_weights_and_measures_them(sync_run):
         assert rows[step]["perf/weight_push_bytes"] > 1e6 and rows[step]["perf/weight_push_gib_per_s"] > 0
 
 
-def kill_after_checkpoint(args, run: Path, step: int) -> int:
-    """Start the run, SIGKILL its whole process group once the checkpoint pointer reaches ``step``; returns the
-    step the pointer names at the kill (the checkpoint a resume starts from)."""
-    proc = subprocess.Popen(
-        args, env=env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+def stopped_after_checkpoint(args, run: Path, step: int, sig: int = signal.SIGKILL) -> int:
+    """Start the run, send ``sig`` to its whole process group once the checkpoint pointer reaches ``step``; returns
+    the step the pointer names once the run is gone (the checkpoint a resume starts from). SIGKILL: nothing cleans
+    up. SIGTERM (a preemption, as ``kill -TERM -PGID`` sends it: the private Ray cluster's processes get it too): the
+    run must finish its step, checkpoint it and exit 0 saying so."""
+    log = run.parent / f"{run.name}-output.txt"
+    with log.open("w") as out:
+        proc = subprocess.Popen(args, env=env(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     pointer = run / "latest_checkpointed_iteration.txt"
     deadline = time.monotonic() + 300
     try:
         while not (pointer.exists() and int(pointer.read_text() or 0) >= step):
-            assert proc.poll() is None, "the run ended before it was killed"
+            assert proc.poll() is None, "the run ended before it was signalled"
             assert time.monotonic() < deadline, f"no checkpoint {step} within 300 s"
             time.sleep(0.02)
+        os.killpg(proc.pid, sig)
+        returncode = proc.wait(timeout=300)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    return int(pointer.read_text())
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    caught = int(pointer.read_text())
+    if sig != signal.SIGKILL:
+        output = log.read_text()
+        assert returncode == 0, output[-3000:]
+        name = signal.Signals(sig).name
+        assert f"preempted by {name} after step {caught}: checkpoint {run / f'global_step_{caught}'}" in output
+    return caught
 
 
-MODES = {  # extra overrides, the staleness bound, whether every step must equal the synchronous run's
+MODES = {  # extra overrides, the staleness bound
+    # preempted by a SIGTERM to its process group (the others are killed with SIGKILL)
     "one_step_off": (["async_training.mode=one_step_off", "rollout=vllm", "actor_rollout_ref.rollout.mode=async"], 1),
     # staleness 0, a push every step: the synchronous schedule, so the resumed run equals sync metric for metric
     "fully_async": (["async_training.mode=fully_async", "data.train_batch_size=0"], 0),  # verl's 0: the mini-batch
@@ -107,8 +120,9 @@ def test_kill_9_and_resume(mode, task, sync_run, tmp_path, caplog):
     extra, max_staleness = MODES[mode]
     run = tmp_path / mode
     overrides = [*SPLIT, *extra, f"trainer.rollout_data_dir={run / 'dump'}"]
-    caught = kill_after_checkpoint(command(task, run, 4, overrides), run, 2)
-    assert caught < 4, "the run finished before it was killed"
+    sig = signal.SIGTERM if mode == "one_step_off" else signal.SIGKILL
+    caught = stopped_after_checkpoint(command(task, run, 4, overrides), run, 2, sig)
+    assert caught < 4, "the run finished before it was stopped"
     assert set(range(caught + 1)) <= set(metrics(run)), "a checkpointed step's metrics line lost to the kill"
     caplog.set_level(logging.INFO, logger="scaletrain")
     run_in_process(task, run, 4, overrides)  # resumed in this process, on the session's cluster

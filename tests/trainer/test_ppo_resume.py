@@ -28,25 +28,7 @@ def test_uninterrupted_vs_killed_and_resumed(ray_cluster, task, tmp_path, caplog
     # same run on the command line, killed with SIGKILL in the middle of a save (step 2's, or step 3's if step 2's
     # was too quick to catch), then resumed: it continues from the last complete checkpoint
     part = tmp_path / "part"
-    proc = subprocess.Popen(
-        command(task, part, 4),
-        env=env(),
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 300
-    try:
-        while not any((part / f".global_step_{s}.incomplete").exists() for s in (2, 3)):
-            assert proc.poll() is None, "the run ended before it was killed"
-            assert time.monotonic() < deadline, "no save within 300 s"
-            assert not (part / "global_step_3" / "trainer_state.json").exists(), "no save caught mid-way"
-            time.sleep(0.002)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started
-        proc.wait()
-    caught = 2 if not (part / "global_step_2" / "trainer_state.json").exists() else 3  # the save cut short
+    caught = killed_in_a_save(command(task, part, 4), part)
     # the step being saved was logged before its save began: a kill in the save loses no metrics line
     assert sorted(metrics(part)) == list(range(caught + 1))
     caplog.set_level(logging.INFO, logger="scaletrain")
@@ -59,6 +41,26 @@ def test_uninterrupted_vs_killed_and_resumed(ray_cluster, task, tmp_path, caplog
         for key in COMPARED:
             assert after[step][key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-7), (step, key)
     assert after[4]["val/scaletrain/arithmetic/acc"] == reference[4]["val/scaletrain/arithmetic/acc"]
+
+
+def killed_in_a_save(args, run) -> int:
+    """Run ``args`` (a CLI run saving every step) and SIGKILL its whole process group while the engines write step
+    2's checkpoint (or step 3's if step 2's was too quick to catch): the save marker is there, the checkpoint's
+    last file is not. Returns the step whose save was cut short."""
+    proc = subprocess.Popen(
+        args, env=env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.monotonic() + 300
+    try:
+        while not any((run / f".global_step_{s}.incomplete").exists() for s in (2, 3)):
+            assert proc.poll() is None, "the run ended before it was killed"
+            assert time.monotonic() < deadline, "no save within 300 s"
+            assert not (run / "global_step_3" / "trainer_state.json").exists(), "no save caught mid-way"
+            time.sleep(0.002)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started
+        proc.wait()
+    return 2 if not (run / "global_step_2" / "trainer_state.json").exists() else 3
 
 
 def test_bad_config_fails_before_ray_naming_the_key(task, tmp_path):
@@ -163,8 +165,8 @@ def test_time_based_checkpoints_bound_what_a_crash_loses(ray_cluster, task, tmp_
     assert sorted(metrics(run)) == [1, 2, 3]
 
 
-# a run stopped after its step-2 checkpoint and extended to 3 steps resumes every engine's state (the critic's
-# too): its step 3 equals the uninterrupted run's
+# a run killed with SIGKILL while its engines write a checkpoint (step 2's or step 3's), resumed: it continues from
+# the previous complete one, with every engine's state (the critic's too), and its steps equal the uninterrupted run's
 RESUMED = {
     "megatron_critic": ["backend=megatron", "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1"],
     "deepspeed_vllm": ["backend=deepspeed", "rollout=vllm"],
@@ -176,12 +178,13 @@ def test_resume_equals_the_uninterrupted_run(ray_cluster, task, tmp_path, caplog
     extra = [*RESUMED[name], "trainer.val_before_train=false", "trainer.save_hf_at_end=false"]
     full, part = tmp_path / "full", tmp_path / "part"
     run_in_process(task, full, 3, extra)
-    run_in_process(task, part, 2, extra)
+    caught = killed_in_a_save(command(task, part, 3, extra), part)  # the engines' own writers, cut short
     caplog.set_level(logging.INFO, logger="scaletrain")
-    run_in_process(task, part, 3, extra)  # the same run, extended (total_training_steps changes no result)
-    assert f"resumed from {part / 'global_step_2'}" in caplog.text
+    run_in_process(task, part, 3, extra)
+    assert f"resumed from {part / f'global_step_{caught - 1}'}" in caplog.text
     reference, resumed = metrics(full), metrics(part)
     assert sorted(resumed) == [1, 2, 3]
     compared = [*COMPARED, *(["critic/vf_loss", "critic/values/mean"] if "critic" in name else [])]
-    for key in compared:
-        assert resumed[3][key] == pytest.approx(reference[3][key], rel=1e-6, abs=1e-7), key
+    for step in range(caught, 4):
+        for key in compared:
+            assert resumed[step][key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-7), (step, key)
