@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     wall = {}
+    earlier = args.out / "seeds.json"
+    if args.report_only and earlier.exists():  # the wall times the runs were measured with
+        wall = {int(seed): s for seed, s in json.loads(earlier.read_text()).get("wall_s", {}).items()}
     for seed in args.seeds:
         if not args.report_only:
             wall[seed] = round(run_seed(seed, args.out, args.overrides), 1)
@@ -114,10 +117,10 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{seed:>6} {run['start']:7.3f} {run['end']:7.3f} {run['gain']:+7.3f} {best:>13} {wall.get(seed, '-'):>7}"
         )
-    s, e, g = summary["start"], summary["end"], summary["gain"]
+    spread = {key: summary[key] for key in ("start", "end", "gain")}
     print(
-        f"{metric} over {len(curves)} seeds: median {s['median']:.3f} -> {e['median']:.3f} "
-        f"({100 * g['median']:+.1f} points; gain {100 * g['min']:+.1f} to {100 * g['max']:+.1f})"
+        f"{metric} over {len(curves)} seeds (median, min to max): "
+        + ", ".join(f"{key} {v['median']:.3f} ({v['min']:.3f} to {v['max']:.3f})" for key, v in spread.items())
     )
     (args.out / "seeds.json").write_text(json.dumps(summary, indent=1))
     title = " ".join(args.overrides) or "embedded default"

@@ -12,8 +12,8 @@
 #   PYTHON      Python to run                                          default: .venv/bin/python, else python
 #   TASK        reasoning-gym task                                     default: chain_sum
 #   TASK_KWARGS its generator's settings (JSON)                        default: two terms of 1-2 digits
-#   TRAIN_SIZE  training problems / TEST_SIZE held-out problems        default: 2000 / 128
-#   STEPS       GRPO steps / TEST_FREQ steps between validations       default: 40 / 10
+#   TRAIN_SIZE  training problems / TEST_SIZE held-out problems        default: 2000 / 100
+#   STEPS       GRPO steps / TEST_FREQ steps between validations       default: 16 / 4
 #   BACKEND     fsdp | deepspeed | megatron                            default: fsdp
 #   ROLLOUT     vllm | hf (transformers' generate)                     default: vllm
 #   LORA_RANK   > 0: LoRA adapters of this rank on the frozen model    default: 0 (full fine-tuning)

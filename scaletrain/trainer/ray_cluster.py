@@ -139,12 +139,13 @@ def _register_fork_hook() -> None:
 
 @contextlib.contextmanager
 def children_in_a_process_group_of_their_own() -> Iterator[None]:
-    """Processes this process starts in the block lead a process group of their own.
+    """Children started in the block through a Python-level fork (``subprocess.Popen`` with a ``preexec_fn``,
+    ``os.fork``) lead a process group of their own.
 
     ``ray.init`` starts the private cluster's GCS server, raylet and log monitor in the driver's process group, so
-    a signal to the group (``kill -TERM -PGID``, systemd, a job step's signal) used to stop them along with the
-    driver: the step in progress lost its objects and the driver waited out Ray's 60 s reconnection deadline, then
-    exited 1. Outside the group they keep serving while the driver finishes its step, checkpoints and exits 0
+    a signal to the group (``kill -TERM -PGID``, systemd's stop) used to stop them along with the driver: the
+    step in progress lost its objects and the driver waited out Ray's 60 s reconnection deadline, then exited 1.
+    Outside the group they keep serving while the driver finishes its step, checkpoints and exits 0
     (preemption.py); they still die with the driver (Ray sets their parent-death signal) and with its shutdown.
     Ray starts them through ``subprocess.Popen`` with a ``preexec_fn``, so the child runs Python's after-fork
     hooks (``os.register_at_fork``) before exec; that is where each one moves to a group of its own.
