@@ -64,8 +64,9 @@ def killed_in_a_save(args, run) -> int:
 
 
 def test_bad_config_fails_before_ray_naming_the_key(task, tmp_path):
+    # verbose: Ray's start line would reach the console (the default console hides the libraries' INFO lines)
     out = subprocess.run(
-        command(task, tmp_path / "bad", 1, ["actor_rollout_ref.actor.ppo_mini_batch_size=3"]),
+        command(task, tmp_path / "bad", 1, ["actor_rollout_ref.actor.ppo_mini_batch_size=3", "trainer.verbose=true"]),
         env=env(),
         cwd=ROOT,
         capture_output=True,
