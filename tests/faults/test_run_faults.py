@@ -204,9 +204,9 @@ def started(args):
 
 
 def terminated_when(proc, ready, what: str) -> str:
-    """SIGTERM to the run's process group once ``ready()`` (as ``kill -TERM -PGID``, systemd or a job step's
-    signal sends it: the driver and every process it started in its group); returns the output (the whole group is
-    SIGKILLed if it outlives 300 s, or if ``what`` did not come within 300 s)."""
+    """SIGTERM to the run's process group once ``ready()`` (as ``kill -TERM -PGID`` or systemd's stop sends it:
+    the driver and every process it started in its group); returns the output (the whole group is SIGKILLed if it
+    outlives 300 s, or if ``what`` did not come within 300 s)."""
     try:
         deadline = time.monotonic() + 300
         while not ready():
