@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from backends.config import DEFAULT_FORWARD, ForwardOptions
 from scaletrain.protocol import DataProto
 from scaletrain.utils.registry import Registry
 
@@ -32,20 +33,16 @@ Buckets = Iterator[list[tuple[str, torch.Tensor]]]
 # the batch keys an engine's forward reads (the layout above)
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 
-# ``batch.meta_info[DISABLE_ADAPTER] = True``: ``forward`` runs the frozen base model of a LoRA engine (its adapters
-# disabled), so the reference policy's log-probs need no second model; refused by an engine without adapters
-DISABLE_ADAPTER = "disable_adapter"
 
-
-def adapter_disabled(batch: DataProto, has_adapter: bool) -> bool:
-    """Whether ``batch`` asks for the base model's outputs (``DISABLE_ADAPTER``); an error where there is none."""
-    disabled = bool(batch.meta_info.get(DISABLE_ADAPTER, False))
-    if disabled and not has_adapter:
+def base_model_only(options: ForwardOptions, has_adapter: bool) -> bool:
+    """Whether ``options`` ask for the frozen base model's outputs (``ForwardOptions.base_model``: the reference
+    policy of a LoRA engine without a second model); an error for an engine without adapters."""
+    if options.base_model and not has_adapter:
         raise ValueError(
-            f"meta_info['{DISABLE_ADAPTER}'] asks for the base model of a LoRA engine, but this engine has no "
+            "ForwardOptions(base_model=True) asks for the base model of a LoRA engine, but this engine has no "
             "adapters (model.lora_rank is 0): use a separate reference engine"
         )
-    return disabled
+    return options.base_model
 
 
 def bucketed(items: Iterable[tuple[str, int, Callable[[], torch.Tensor]]], bucket_bytes: int) -> Buckets:
@@ -65,8 +62,11 @@ def bucketed(items: Iterable[tuple[str, int, Callable[[], torch.Tensor]]], bucke
 
 class TrainEngine(ABC):
     @abstractmethod
-    def forward(self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",)) -> DataProto:
-        """No-grad forward over micro-batches; returns a DataProto with the requested (B, R) outputs."""
+    def forward(
+        self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",), options: ForwardOptions = DEFAULT_FORWARD
+    ) -> DataProto:
+        """No-grad forward over micro-batches (``options``: this call's micro-batching, the base model of a LoRA
+        engine); returns a DataProto with the requested (B, R) outputs."""
 
     @abstractmethod
     def train_step(self, mini_batch: DataProto, loss_fn: LossFn, outputs: tuple[str, ...] = ("log_probs",)) -> dict:

@@ -52,6 +52,29 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
 
 
+@dataclass(frozen=True)
+class MicroBatching:
+    """One call's micro-batch settings over the engine's own (``EngineConfig``'s keys of the same names): e.g. the
+    log-prob passes' ``log_prob_micro_batch_size_per_gpu`` / ``log_prob_use_dynamic_bsz`` /
+    ``log_prob_max_token_len_per_gpu``."""
+
+    micro_batch_size_per_gpu: int
+    use_dynamic_bsz: bool
+    max_token_len_per_gpu: int
+
+
+@dataclass(frozen=True)
+class ForwardOptions:
+    """How one ``TrainEngine.forward`` call computes, passed beside the batch (its ``meta_info`` holds facts about the
+    data, such as the temperature the rows were sampled at)."""
+
+    micro_batching: MicroBatching | None = None  # None: the engine's own settings
+    base_model: bool = False  # a LoRA engine's frozen base model (adapters disabled): a reference policy for free
+
+
+DEFAULT_FORWARD = ForwardOptions()  # the engine's own micro-batching, the trained model
+
+
 @dataclass
 class EngineConfig:
     """How a training engine batches and shards; shared by every backend (backend-specific knobs in extra)."""

@@ -12,6 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from backends.config import MicroBatching
 from scaletrain.utils.net import free_port
 
 logger = logging.getLogger(__name__)
@@ -77,19 +78,14 @@ def sum_over_ranks(values: list[float], device: torch.device, group=None) -> lis
     return [float(x) for x in t.tolist()]
 
 
-# batch.meta_info key: micro-batch settings of one call (micro_batch_size_per_gpu / use_dynamic_bsz /
-# max_token_len_per_gpu) over the engine's own, e.g. the log-prob passes' log_prob_micro_batch_size_per_gpu
-MICRO_BATCHING = "micro_batching"
-
-
-def agreed_partition(batch, cfg, device: torch.device, group=None):
-    """Micro-batches of ``batch`` (fixed size or token budget, per ``cfg`` and ``meta_info[MICRO_BATCHING]``), with
-    the same count on every rank of ``group``: a rank with fewer micro-batches would leave the others waiting in a
-    parameter gather forever."""
+def agreed_partition(batch, cfg, device: torch.device, group=None, call: MicroBatching | None = None):
+    """Micro-batches of ``batch`` (fixed size or token budget, per ``cfg``, or ``call``: one call's settings over
+    the engine's), with the same count on every rank of ``group``: a rank with fewer micro-batches would leave the
+    others waiting in a parameter gather forever."""
     from backends.batching import fixed_partition, token_budget_partition
 
-    if batch.meta_info.get(MICRO_BATCHING):
-        cfg = dataclasses.replace(cfg, **batch.meta_info[MICRO_BATCHING])
+    if call is not None:
+        cfg = dataclasses.replace(cfg, **dataclasses.asdict(call))
     n = len(batch)
     if not cfg.use_dynamic_bsz:
         parts = fixed_partition(n, cfg.micro_batch_size_per_gpu)

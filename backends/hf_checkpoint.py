@@ -1,7 +1,7 @@
 """Checkpoint files on disk: durable, atomic directory writes and the Hugging Face export.
 
 Durable writes: the export is published with ``scaletrain/utils/durable.py`` (fsync'd, then renamed), as the run
-checkpoints are (scaletrain/trainer/checkpoint.py).
+checkpoints are (scaletrain/trainer/run/checkpoint.py).
 
 Safe loading of the engines' own files is backends/safe_load.py's.
 

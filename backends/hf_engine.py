@@ -10,7 +10,7 @@ then the step-or-skip tail of backends/train_step.py that the Megatron engine us
 LoRA (``ModelConfig.lora_rank > 0``; backends/lora.py, backends/lora_weights.py): ``export_weights`` yields the
 merged weights under the base model's HF names, ``export_adapter`` / ``adapter_bytes`` the adapter tensors alone,
 ``save_hf`` writes a PEFT adapter directory (or, ``merged=True``, the merged model), and ``forward`` runs the base
-model with the adapters disabled when ``meta_info["disable_adapter"]`` is set (a reference policy for free).
+model with the adapters disabled when ``ForwardOptions.base_model`` asks for it (a reference policy for free).
 ``save`` / ``load`` hold the adapters and their optimizer state like any trained parameter.
 
 Hooks (the backend's part):
@@ -33,9 +33,17 @@ import torch
 import torch.distributed as dist
 
 from backends.accumulation import Accumulation
-from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, adapter_disabled, bucketed
+from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, base_model_only, bucketed
 from backends.batching import Partition, restore_order
-from backends.config import EngineConfig, ModelConfig, OptimConfig, resolve_precision
+from backends.config import (
+    DEFAULT_FORWARD,
+    EngineConfig,
+    ForwardOptions,
+    MicroBatching,
+    ModelConfig,
+    OptimConfig,
+    resolve_precision,
+)
 from backends.dist import local_device
 from backends.hf_checkpoint import collective_write, save_engine_hf
 from backends.hf_model import build_model, check_outputs, forward_micro_batch, tied_duplicate_names
@@ -116,8 +124,8 @@ class HFTrainEngine(TrainEngine):
         return self.lora is not None
 
     # --------------------------------------------------------------------------------------- micro-batching
-    def _partition(self, batch: DataProto) -> Partition:
-        return partition_batch(batch, self.engine_config, self.device, self.group)
+    def _partition(self, batch: DataProto, call: MicroBatching | None = None) -> Partition:
+        return partition_batch(batch, self.engine_config, self.device, self.group, call)
 
     def _forward(self, micro: DataProto, outputs: tuple[str, ...], temperature: float) -> dict[str, torch.Tensor]:
         inputs = {k: micro.batch[k].to(self.device) for k in MODEL_INPUTS if k in micro.batch.keys()}
@@ -132,14 +140,16 @@ class HFTrainEngine(TrainEngine):
         )
 
     # -------------------------------------------------------------------------------------------- compute
-    def forward(self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",)) -> DataProto:
+    def forward(
+        self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",), options: ForwardOptions = DEFAULT_FORWARD
+    ) -> DataProto:
         outputs = check_outputs(self.model_config.kind, outputs)
         temperature = float(batch.meta_info.get("temperature", 1.0))
-        base_only = adapter_disabled(batch, self.has_adapter)
+        base_only = base_model_only(options, self.has_adapter)
         inputs = batch.select(batch_keys=[k for k in MODEL_INPUTS if k in batch.batch.keys()], non_tensor_batch_keys=[])
         with self._on_device(optimizer=False), self._adapters_off(base_only):
             self._compute_module().eval()
-            parts = self._partition(inputs)
+            parts = self._partition(inputs, options.micro_batching)
             results = []
             with torch.no_grad():
                 for part in parts:

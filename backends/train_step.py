@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from backends.batching import Partition
-from backends.config import EngineConfig, OptimConfig
+from backends.config import EngineConfig, MicroBatching, OptimConfig
 from backends.dist import agreed_partition
 from scaletrain.protocol import DataProto
 
@@ -32,9 +32,12 @@ def require_trainable(optim_config: OptimConfig | None) -> None:
         raise RuntimeError("train_step on a forward-only engine (built with optim_config=None)")
 
 
-def partition_batch(batch: DataProto, cfg: EngineConfig, device: torch.device, group=None) -> Partition:
-    """``agreed_partition`` of ``batch``; a ValueError (on every rank of ``group``) when the batch has no rows."""
-    parts = agreed_partition(batch, cfg, device, group)
+def partition_batch(
+    batch: DataProto, cfg: EngineConfig, device: torch.device, group=None, call: MicroBatching | None = None
+) -> Partition:
+    """``agreed_partition`` of ``batch`` (``call``: one call's micro-batching over ``cfg``'s); a ValueError (on every
+    rank of ``group``) when the batch has no rows."""
+    parts = agreed_partition(batch, cfg, device, group, call)
     if not parts:
         raise ValueError("an empty batch (no rows on any data-parallel rank): nothing to compute")
     return parts

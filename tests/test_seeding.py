@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from backends.rollout.vllm_engine import row_seed
-from scaletrain.trainer.checkpoint import STATE, CheckpointManager
+from scaletrain.trainer.run.checkpoint import STATE, CheckpointManager
 from scaletrain.utils.net import free_port
 from scaletrain.utils.seeding import SEED_BITS, derive_seed, rng_state, set_rng_state
 

@@ -27,9 +27,17 @@ import torch
 import torch.distributed as dist
 
 from backends.accumulation import Accumulation
-from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, adapter_disabled, register_backend
+from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, base_model_only, register_backend
 from backends.batching import restore_order
-from backends.config import EngineConfig, ModelConfig, OptimConfig, resolve_precision
+from backends.config import (
+    DEFAULT_FORWARD,
+    EngineConfig,
+    ForwardOptions,
+    MicroBatching,
+    ModelConfig,
+    OptimConfig,
+    resolve_precision,
+)
 from backends.dist import init_distributed, local_device
 from backends.hf_checkpoint import save_engine_hf
 from backends.hf_model import build_model, check_outputs, torch_dtype
@@ -185,15 +193,18 @@ class MegatronEngine(TrainEngine):
         return self.tp_rank == 0 and self.ps.is_pipeline_last_stage()
 
     # -------------------------------------------------------------------------------------------- compute
-    def _run(self, batch: DataProto, outputs: tuple[str, ...], loss_fn: LossFn | None):
-        """Forward (and backward when ``loss_fn``) over the micro-batches of ``batch``; returns (partition, the
+    def _run(
+        self, batch: DataProto, outputs: tuple[str, ...], loss_fn: LossFn | None, call: MicroBatching | None = None
+    ):
+        """Forward (and backward when ``loss_fn``) over the micro-batches of ``batch`` (``call``: this call's
+        micro-batching over the engine's); returns (partition, the
         Accumulation (None without ``loss_fn``), the per-micro-batch results of the last stage: (outputs, metrics)
         dicts; [] on other stages)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         temperature = float(batch.meta_info.get("temperature", 1.0))
         dp_group = self.ps.get_data_parallel_group()
-        parts = partition_batch(batch, self.engine_config, self.device, dp_group)
+        parts = partition_batch(batch, self.engine_config, self.device, dp_group, call)
         micros = self._prepared_micros(batch, parts)
         n = len(micros)
         # every stage and TP rank of a DP rank holds the same rows, so all agree on the weights
@@ -266,12 +277,14 @@ class MegatronEngine(TrainEngine):
         dist.broadcast_object_list(holder, src=self.ps.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
         return holder[0]
 
-    def forward(self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",)) -> DataProto:
+    def forward(
+        self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",), options: ForwardOptions = DEFAULT_FORWARD
+    ) -> DataProto:
         outputs = check_outputs(self.model_config.kind, outputs)
-        adapter_disabled(batch, has_adapter=False)  # refuses a request for the base model: there are no adapters
+        base_model_only(options, has_adapter=False)  # refuses a request for the base model: there are no adapters
         self.model.eval()
         with torch.no_grad():
-            parts, _, results = self._run(batch, outputs, None)
+            parts, _, results = self._run(batch, outputs, None, options.micro_batching)
         tensors = None
         if self.ps.is_pipeline_last_stage():
             order = restore_order(parts)

@@ -35,7 +35,7 @@ from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
 from scaletrain.utils.seeding import derive_seed
 
 if TYPE_CHECKING:  # agent loops run without the role workers (LocalEngineBackend)
-    from scaletrain.trainer.roles import ActorRolloutRefRole
+    from scaletrain.workers.roles import ActorRolloutRefRole
 
 logger = logging.getLogger(__name__)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed")

@@ -9,7 +9,7 @@ pi_train / pi_rollout corrects for that. Weights are truncated (TIS: min(w, thre
 Mismatch metrics (``rollout_corr/*``): KL(pi_rollout || pi_train) estimated with k1 and k3, the mean / max
 absolute log-prob difference (and the share of tokens above a threshold), the importance ratio's mean / max /
 min, the truncated or masked share, the effective sample size, and the perplexities of the responses under
-both policies. The trainer applies all this per step in ``scaletrain/trainer/rollout_correction.py``.
+both policies. The trainer applies all this per step in ``scaletrain/trainer/step/rollout_correction.py``.
 """
 
 from __future__ import annotations

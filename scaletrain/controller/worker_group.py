@@ -2,7 +2,7 @@
 
 Each group method runs dispatch -> execute on the workers -> (if blocking) wait -> collect. It is reachable two
 ways, both running the same code: ``group.call(Worker.method, *args)`` names the worker's function itself, so an
-editor's "go to definition" lands on the worker method (the typed roles of scaletrain/trainer/roles.py call this
+editor's "go to definition" lands on the worker method (the typed roles of scaletrain/workers/roles.py call this
 way); and, as in verl, ``group.method(*args)``, an attribute bound per @register method when the group is built.
 Subclasses say how to execute and wait: ``RayWorkerGroup`` (one Ray actor per worker) and ``LocalWorkerGroup``
 below (workers as plain objects in this process, so a debugger can step through worker code with the same API).

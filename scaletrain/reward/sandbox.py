@@ -46,7 +46,7 @@ OK, ERROR, TIMEOUT = "ok", "error", "timeout"
 _MAX_ERROR_CHARS = 4000
 PROGRESS_EVERY_S = 10.0  # a map running longer logs how far it got at this interval
 _PR_SET_PDEATHSIG = 1
-_GROUP_STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}  # the preemption signals (trainer/preemption.py)
+_GROUP_STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}  # the preemption signals (trainer/run/preemption.py)
 
 
 @dataclass

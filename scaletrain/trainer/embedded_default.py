@@ -20,7 +20,7 @@ from dataclasses import replace
 from importlib import resources
 from typing import Any
 
-from scaletrain.trainer.config import PPOConfig
+from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.utils.typed_config import to_dict
 
 logger = logging.getLogger(__name__)

@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from scaletrain.trainer.config import PPOConfig, load_ppo_config
-from scaletrain.trainer.config_checks import check_config
-from scaletrain.trainer.plan import resolve_config
-from scaletrain.trainer.run_identity import claim_run_dir
+from scaletrain.trainer.config.checks import check_config
+from scaletrain.trainer.config.plan import resolve_config
+from scaletrain.trainer.config.ppo_config import PPOConfig, load_ppo_config
+from scaletrain.trainer.run.run_identity import claim_run_dir
 from scaletrain.utils.secrets import install_scrubbing, remember_secrets
 
 if TYPE_CHECKING:
-    from scaletrain.trainer.run import RunResult
+    from scaletrain.trainer.ppo_run import RunResult
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +36,11 @@ logger = logging.getLogger(__name__)
 def run_ppo(raw: dict[str, Any], explicit: Iterable[str] = ()) -> RunResult:
     """Train from a plain config dict (as Hydra composes it); ``explicit``: the keys the user set (the embedded
     recipe leaves them alone)."""
-    from scaletrain.trainer.console import start_run_log
     from scaletrain.trainer.embedded_default import apply_embedded_overlay, resolve_embedded_default
-    from scaletrain.trainer.preemption import PreemptionWatch
-    from scaletrain.trainer.ray_cluster import ray_cluster
-    from scaletrain.trainer.run import train
+    from scaletrain.trainer.ppo_run import train
+    from scaletrain.trainer.run.console import start_run_log
+    from scaletrain.trainer.run.preemption import PreemptionWatch
+    from scaletrain.trainer.run.ray_cluster import ray_cluster
 
     raw, applied = apply_embedded_overlay(raw, explicit)
     if applied:
@@ -95,7 +95,7 @@ def print_summary(result: RunResult) -> None:
 def main(config: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from scaletrain.trainer.console import FILE_ONLY, setup_console
+    from scaletrain.trainer.run.console import FILE_ONLY, setup_console
 
     setup_console(bool(config.trainer.verbose))  # the library logs' INFO lines go to the run log only
     explicit = explicit_keys(HydraConfig.get().overrides.task)
@@ -121,10 +121,10 @@ def main(config: DictConfig) -> None:
 
 def verl_overrides(argv: list[str]) -> list[str]:
     """The command line's overrides as Hydra should see them (verl's strategy keys, ``+`` on known keys,
-    unsupported verl keys refused: scaletrain/trainer/verl_compat.py)."""
+    unsupported verl keys refused: scaletrain/trainer/config/verl_compat.py)."""
     import typing
 
-    from scaletrain.trainer.verl_compat import translate_overrides
+    from scaletrain.trainer.config.verl_compat import translate_overrides
     from scaletrain.utils.typed_config import leaf_fields
 
     leaves = [(key, typing.get_type_hints(owner)[f.name]) for key, owner, f in leaf_fields(PPOConfig)]

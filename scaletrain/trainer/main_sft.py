@@ -19,7 +19,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from scaletrain.trainer.sft_config import load_sft_config
+from scaletrain.trainer.config.sft_config import load_sft_config
 from scaletrain.trainer.sft_trainer import run_sft
 from scaletrain.utils.secrets import install_scrubbing, remember_secrets
 
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 @hydra.main(config_path="pkg://scaletrain.configs", config_name="sft_trainer", version_base=None)
 def main(config: DictConfig) -> dict:
-    from scaletrain.trainer.console import setup_console, start_run_log
+    from scaletrain.trainer.run.console import setup_console, start_run_log
 
     setup_console(bool(config.trainer.verbose))  # the library logs' INFO lines go to the run log only
     plain = OmegaConf.to_container(config, resolve=True)

@@ -1,9 +1,10 @@
 """The single controller (layer 4): ``RayPPOTrainer.fit()`` drives the worker groups step by step.
 
-Per step: generate -> reward (or the batch a background rollout made: async_training, rollout_sources.py) ->
-old log-prob -> ref log-prob -> values -> advantages -> critic update -> actor update -> weight sync (in place,
-or a push to split placement's rollout pool: weight_sync.py) -> validation -> checkpoint -> log. The trainer
-knows nothing about FSDP / DeepSpeed / Megatron: it calls the typed roles of roles.py (``self.actor``,
+Per step: the schedule's next scored batch (rollout/schedules.py: generated and scored by the rollout producer,
+rollout/producer.py, now or in a background thread by ``async_training.mode``) -> old log-prob -> ref log-prob ->
+values -> advantages -> critic update -> actor update -> weight sync when the schedule says so (in place, or a push
+to split placement's rollout pool: rollout/weight_sync.py) -> validation -> metrics -> checkpoint. The trainer
+knows nothing about FSDP / DeepSpeed / Megatron: it calls the typed roles of workers/roles.py (``self.actor``,
 ``self.critic``), each method one call into a role's worker group.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 
 import numpy as np
@@ -20,16 +20,24 @@ from backends.rollout.layout import eos_token_ids
 from scaletrain.algos import build_kl_controller
 from scaletrain.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, create_colocated_worker_cls
 from scaletrain.data import StatefulDataLoader
-from scaletrain.protocol import DataProto
 from scaletrain.reward import build_reward_manager
-from scaletrain.trainer.advantage import apply_kl_penalty, compute_advantage
-from scaletrain.trainer.balance import actor_dp_size, balance_batch
-from scaletrain.trainer.checkpoint import CheckpointManager
-from scaletrain.trainer.config import PPOConfig
-from scaletrain.trainer.dynamic_sampling import Scored, collect_groups
-from scaletrain.trainer.fully_async import FullyAsyncRollouts
-from scaletrain.trainer.generations import ScoredSamples, dump_batch, dump_jsonl, pick_samples
-from scaletrain.trainer.metrics import (
+from scaletrain.trainer.config.plan import RunPlan
+from scaletrain.trainer.config.ppo_config import PPOConfig
+from scaletrain.trainer.config.worker_configs import ppo_worker_configs
+from scaletrain.trainer.rollout.fully_async import FullyAsyncRollouts
+from scaletrain.trainer.rollout.producer import RolloutProducer, build_agent_manager
+from scaletrain.trainer.rollout.reward_guard import RewardGuard
+from scaletrain.trainer.rollout.rm_reward import RewardWithRM
+from scaletrain.trainer.rollout.schedules import OneStepOffRollouts, SyncRollouts
+from scaletrain.trainer.rollout.split_placement import spawn_rollout_pool
+from scaletrain.trainer.rollout.weight_sync import WeightSync
+from scaletrain.trainer.run.checkpoint import CheckpointManager
+from scaletrain.trainer.run.generations import ScoredSamples, dump_batch, dump_jsonl, pick_samples
+from scaletrain.trainer.run.preemption import PreemptionWatch
+from scaletrain.trainer.run.tracking import Tracking
+from scaletrain.trainer.step.advantage import apply_kl_penalty, compute_advantage
+from scaletrain.trainer.step.balance import actor_dp_size, balance_batch
+from scaletrain.trainer.step.metrics import (
     count_params,
     data_metrics,
     device_peak_flops,
@@ -37,32 +45,19 @@ from scaletrain.trainer.metrics import (
     timer,
     timing_metrics,
 )
-from scaletrain.trainer.overlong import mask_overlong_responses
-from scaletrain.trainer.plan import RunPlan
-from scaletrain.trainer.preemption import PreemptionWatch
-from scaletrain.trainer.remax import greedy_baseline
-from scaletrain.trainer.reward_guard import RewardGuard
-from scaletrain.trainer.rm_reward import RewardWithRM
-from scaletrain.trainer.roles import ActorRolloutRefRole, CriticRole, RewardModelRole
-from scaletrain.trainer.rollout_correction import old_log_probs
-from scaletrain.trainer.rollout_sources import OneStepOffRollouts, SyncRollouts
-from scaletrain.trainer.split_placement import spawn_rollout_pool
-from scaletrain.trainer.tracking import Tracking
-from scaletrain.trainer.val_metrics import validation_metrics
-from scaletrain.trainer.weight_sync import WeightSync
-from scaletrain.trainer.worker_configs import ppo_worker_configs
-from scaletrain.utils.seeding import derive_seed
+from scaletrain.trainer.step.overlong import mask_overlong_responses
+from scaletrain.trainer.step.rollout_correction import old_log_probs
+from scaletrain.trainer.step.val_metrics import validation_metrics
 from scaletrain.utils.typed_config import to_dict
 from scaletrain.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+from scaletrain.workers.roles import ActorRolloutRefRole, CriticRole, RewardModelRole
 
 logger = logging.getLogger(__name__)
-
-GEN_KEYS = ["input_ids", "attention_mask", "position_ids"]
 
 
 class RayPPOTrainer:
     def __init__(self, cfg: PPOConfig, plan: RunPlan, tokenizer, train_dataset, val_dataset) -> None:
-        """``cfg`` resolved and ``plan`` computed by scaletrain/trainer/plan.py."""
+        """``cfg`` resolved and ``plan`` computed by scaletrain/trainer/config/plan.py."""
         self.cfg, self.plan, self.tokenizer = cfg, plan, tokenizer
         self.loader = StatefulDataLoader(
             train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed
@@ -94,16 +89,12 @@ class RayPPOTrainer:
         self.global_step = 0
         self.device = cfg.trainer.device
         self.initial_val_metrics: dict[str, float] = {}  # validation before the first step
-        self.agent_manager = None  # the multi-turn rollout path (init_workers)
         self.preempted: dict | None = None  # set when a signal ended fit() early: {signal, step}
         self.last_metrics: dict[str, float] = {}  # the last trained step's
         self.pool: RayResourcePool | None = None
         self.worker_groups: list[RayWorkerGroup] = []  # every group init_workers started, freed by close()
-        self.rollouts = None  # where fit()'s batches come from (rollout_sources.py)
-        self.reward_lock = threading.Lock()  # the reward functions are called from the rollout thread too
-        self.agent_lock = threading.Lock()  # one batcher (AsyncServerManager) serves one event loop at a time
+        self.rollouts = None  # where fit()'s batches come from (rollout/schedules.py)
         self.n_devices = cfg.world_size + (0 if cfg.actor_rollout_ref.hybrid_engine else plan.rollout_world_size)
-        self.train_reward_fn = self.reward_fn  # the rollouts' reward: with the RM's score once it is up
         self.eos_ids = (
             eos_token_ids(tokenizer, cfg.actor_rollout_ref.model.path)  # what ends a response
             if cfg.algorithm.filter_overlong_responses
@@ -142,55 +133,25 @@ class RayPPOTrainer:
         split_rollout = spawn_rollout_pool(cfg, self.plan, actor_cfg, self.actor, self.worker_groups) if split else None
         self.rollout = split_rollout or self.actor  # what generates: the split pool, or the actor's own engines
         self.weight_sync = WeightSync(self.actor, split_rollout)
+        train_reward_fn = self.reward_fn  # the rollouts' reward: with the RM's score when there is one
         if rm_cfg is not None:
             reward_model = RewardModelRole(groups["rm"])
             reward_model.init_model()
             rule_fn = self.reward_fn if cfg.custom_reward_function.path else None  # None: the RM's score alone
-            self.train_reward_fn = RewardWithRM(reward_model, rule_fn)
+            train_reward_fn = RewardWithRM(reward_model, rule_fn)
+        agents = None  # the batched generate; the agent loops for multi_turn.enable / rollout.mode=async
         if cfg.actor_rollout_ref.rollout.use_agent_loop:
-            self.agent_manager = self._build_agent_manager()
+            agents = build_agent_manager(cfg, self.rollout, self.tokenizer)
+        self.producer = RolloutProducer(
+            cfg, self.rollout, self.weight_sync, self.reward_fn, train_reward_fn, self.reward_guard, agents
+        )
         self.actor_params = count_params(actor_cfg.model.path)
         self.peak_flops = device_peak_flops(self.device)
-
-    def _build_agent_manager(self):
-        from scaletrain.agent.manager import AgentLoopManager
-        from scaletrain.agent.server import AsyncEngineBackend, AsyncServerManager, WorkerGroupBackend
-
-        rc = self.cfg.actor_rollout_ref.rollout
-        at = self.cfg.async_training
-        segment = (at.partial_rollout_segment_tokens or max(1, rc.response_length // 4)) if at.partial_rollout else None
-        backend = (AsyncEngineBackend if rc.use_async_engine else WorkerGroupBackend)(self.rollout)
-        server = AsyncServerManager(backend, rc.multi_turn.max_batch_wait_ms, segment)
-        return AgentLoopManager(
-            rc.multi_turn, server, self.tokenizer, prompt_length=rc.prompt_length, response_length=rc.response_length
-        )
-
-    def _generate(self, batch: DataProto, gen_batch: DataProto, tag: str) -> tuple[DataProto, dict[str, float]]:
-        """Rollout of one batch: the sync path (one batched generate) or the agent loops (multi_turn.enable /
-        mode=async); returns (B * n rows, rollout metrics)."""
-        if self.agent_manager is None:
-            return self.rollout.generate(gen_batch), {}
-        rc = self.cfg.actor_rollout_ref.rollout
-        sampling = {"temperature": rc.temperature, "top_p": rc.top_p, "top_k": rc.top_k}
-        sampling["seed"] = gen_batch.meta_info.get("seed")
-        n = rc.n
-        if gen_batch.meta_info.get("validate"):
-            val_sampling = rc.val_sampling()
-            sampling.update({k: v for k, v in val_sampling.items() if k in sampling})
-            n = val_sampling.get("n", 1)
-        # explicit overrides, as the worker's generate_sequences honours them (ReMax's greedy baseline)
-        meta = gen_batch.meta_info
-        sampling.update({k: meta[k] for k in ("temperature", "top_p", "top_k") if k in meta})
-        n = meta.get("n", n)
-        rows = DataProto.from_dict(non_tensors=dict(batch.non_tensor_batch))
-        with self.agent_lock:  # one event loop at a time drives the batcher (the rollout thread, validation)
-            out = self.agent_manager.generate_sequences(rows, sampling, n=n, tag=tag)
-        return out, out.meta_info.pop("metrics", {})
 
     # ---------------------------------------------------------------------------------------------------- fit
     def fit(self, tracking: Tracking, watch: PreemptionWatch | None = None) -> dict[str, float]:
         """Train for ``total_steps``; returns the last validation metrics. Each step's batch comes from the
-        rollout source of ``async_training.mode`` (rollout_sources.py). SIGTERM / SIGUSR1 end it after the
+        rollout source of ``async_training.mode`` (rollout/schedules.py). SIGTERM / SIGUSR1 end it after the
         current step with a checkpoint (``self.preempted`` then says where; preemption.py); ``watch``: the run's,
         noting signals since start-up (one that came already: no step, nothing to save), else fit()'s own."""
         if watch is None:
@@ -232,13 +193,14 @@ class RayPPOTrainer:
         return val_metrics
 
     def _rollout_source(self):
-        mode = self.cfg.async_training.mode
-        if mode == "one_step_off":
-            return OneStepOffRollouts(self)
-        if mode == "fully_async":
-            left = self.total_steps - self.global_step
-            return FullyAsyncRollouts(self, min(left, self.plan.rollout_batches - self.global_step))
-        return SyncRollouts(self)
+        """The schedule of ``async_training.mode`` over the producer, the loader and the weight sync."""
+        at, loader = self.cfg.async_training, self.loader
+        if at.mode == "one_step_off":
+            return OneStepOffRollouts(self.producer, loader, self.weight_sync, self.total_steps)
+        if at.mode == "fully_async":
+            left = min(self.total_steps, self.plan.rollout_batches) - self.global_step
+            return FullyAsyncRollouts(self.producer, loader, self.weight_sync, at, self.global_step + 1, left)
+        return SyncRollouts(self.producer, loader, self.weight_sync)
 
     def _due(self, freq: int, last: bool) -> bool:
         return last or (freq > 0 and self.global_step % freq == 0)
@@ -246,54 +208,6 @@ class RayPPOTrainer:
     def _save_overdue(self) -> bool:
         minutes = self.cfg.trainer.save_freq_minutes
         return minutes is not None and time.monotonic() - self.last_save_time >= minutes * 60
-
-    def rollout_batch(self, batch: DataProto, step: int, gen_index: int, timings: dict[str, float]) -> Scored:
-        """n samples per prompt of ``batch`` (plus ReMax's greedy baseline), scored, for training step ``step``.
-        ``gen_index`` > 0: a later generation batch of the same step (dynamic sampling), with its own uids and
-        seed. Runs in the rollout thread in the async modes."""
-        cfg = self.cfg
-        suffix = f"-{gen_index}" if gen_index else ""
-        batch.non_tensor_batch["uid"] = np.array([f"{step}{suffix}-{i}" for i in range(len(batch))], dtype=object)
-        gen_batch = batch.pop(batch_keys=GEN_KEYS)
-        gen_batch.meta_info["seed"] = derive_seed(cfg.trainer.seed, step, gen_index)
-        with timer("gen", timings):
-            gen_out, metrics = self._generate(batch, gen_batch, tag=f"step{step}{suffix}")
-        version = gen_out.meta_info.pop("weight_version", self.weight_sync.version)
-        baseline = None
-        if cfg.algorithm.adv_estimator == "remax":
-            with timer("gen_max", timings):
-                baseline, baseline_metrics = greedy_baseline(
-                    self._generate, self.train_reward_fn, batch, gen_batch, tag=f"step{step}{suffix}"
-                )
-                metrics.update(baseline_metrics)
-        n = cfg.actor_rollout_ref.rollout.n
-        batch = batch.repeat(n, interleave=True).union(gen_out)
-        if "rollout_version" not in batch.non_tensor_batch:  # the agent loops report it per trajectory
-            batch.non_tensor_batch["rollout_version"] = np.full(len(batch), version, dtype=np.int64)
-        batch.meta_info["temperature"] = cfg.actor_rollout_ref.rollout.temperature
-        if baseline is not None:
-            batch.batch["reward_baselines"] = baseline.repeat_interleave(n)
-        with timer("reward", timings), self.reward_lock:
-            reward = self.train_reward_fn(batch, return_dict=True)
-            batch.batch["token_level_scores"] = reward["reward_tensor"]
-        self.reward_guard.observe(step, reward["metrics"], len(batch))  # a scorer failing step after step stops
-        return Scored(batch, reward, {**metrics, **reward["metrics"]})
-
-    def collect_rollout(self, batch: DataProto, step: int, timings: dict[str, float]) -> Scored:
-        """The sync path's batch for ``step``: ``batch`` generated and scored, with DAPO's dynamic sampling
-        drawing more prompts (from the loader: resumable) until enough groups vary."""
-        cfg = self.cfg
-        if not cfg.algorithm.filter_groups.enable:
-            return self.rollout_batch(batch, step, 0, timings)
-        scored, sampling_metrics = collect_groups(
-            batch,
-            lambda b, i: self.rollout_batch(b, step, i, timings),
-            lambda: next(iter(self.loader)),
-            cfg.algorithm.filter_groups,
-            cfg.data.train_batch_size,
-        )
-        scored.metrics.update(sampling_metrics)
-        return scored
 
     def train_step(self) -> dict[str, float] | None:
         """One step: the rollout source's next batch, then old / ref log-probs, values, advantages, the critic and
@@ -357,12 +271,7 @@ class RayPPOTrainer:
         for start in range(0, len(self.val_dataset), size):
             batch = self.val_dataset.get_batch(list(range(start, min(start + size, len(self.val_dataset)))))
             batch.non_tensor_batch["uid"] = np.array([f"val-{start + i}" for i in range(len(batch))], dtype=object)
-            gen_batch = batch.pop(batch_keys=GEN_KEYS)
-            gen_batch.meta_info.update(validate=True, seed=0)
-            out, _ = self._generate(batch, gen_batch, tag=f"val{start}")
-            batch = batch.repeat(len(out) // len(batch), interleave=True).union(out)
-            with self.reward_lock:  # the rollout thread may be scoring too
-                scores = self.reward_fn(batch, return_dict=True)
+            batch, scores = self.producer.validation_batch(batch, tag=f"val{start}")
             samples.add(batch, scores, self.tokenizer if decode else None)
             lengths += batch.batch["response_mask"].sum(-1).float().tolist()
         scores: dict[str, list[float]] = {}

@@ -7,7 +7,7 @@
 Config (configs/sft_trainer.yaml): ``data`` (parquet with ``prompt`` / ``response`` string columns), ``model``,
 ``optim``, ``backend``, ``rollout`` (the engine that measures greedy accuracy), ``trainer``, ``ray_kwargs``. Null
 ``model.path`` / ``data.train_files``: the embedded default (its ``sft_train`` / ``sft_val`` / RL ``val`` files).
-``load_sft_config`` (strict dataclasses), ``check_sft_config`` (checks across keys; scaletrain/trainer/sft_config.py)
+``load_sft_config`` (strict dataclasses), ``check_sft_config`` (checks across keys; config/sft_config.py)
 and tokenization run before Ray starts.
 
 Rows: the prompt is rendered with the tokenizer's chat template as one user message with
@@ -40,13 +40,19 @@ import torch
 from scaletrain.controller import WorkerGroup
 from scaletrain.data.sft_dataset import SFTDataset
 from scaletrain.protocol import DataProto
-from scaletrain.trainer.config import files_of
-from scaletrain.trainer.plan import resolve_device
-from scaletrain.trainer.roles import SFTRole
-from scaletrain.trainer.sft_config import SFTConfig, SFTDataConfig, check_sft_config, load_sft_config, resolve_embedded
-from scaletrain.trainer.worker_configs import engine_config, model_config
+from scaletrain.trainer.config.plan import resolve_device
+from scaletrain.trainer.config.ppo_config import files_of
+from scaletrain.trainer.config.sft_config import (
+    SFTConfig,
+    SFTDataConfig,
+    check_sft_config,
+    load_sft_config,
+    resolve_embedded,
+)
+from scaletrain.trainer.config.worker_configs import engine_config, model_config
 from scaletrain.utils.seeding import derive_seed
 from scaletrain.utils.typed_config import to_dict
+from scaletrain.workers.roles import SFTRole
 from scaletrain.workers.sft import SFTWorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -192,11 +198,11 @@ def _datasets(data: SFTDataConfig, tokenizer: Any) -> tuple[SFTDataset, SFTDatas
 def run_sft(config: SFTConfig | Mapping[str, Any]) -> dict[str, Any]:
     """Validate, tokenize, train on a new SFTWorker group, save the HF checkpoint; returns a summary dict:
     ``step`` (last step), ``stopped_early``, ``val_acc``, ``val_loss``, ``wall_s`` and ``hf_path`` (None when
-    ``trainer.save_hf_at_end`` is off), ``run_dir``. Ray as ``ray_kwargs`` says (scaletrain/trainer/ray_cluster.py:
+    ``trainer.save_hf_at_end`` is off), ``run_dir``. Ray as ``ray_kwargs`` says (scaletrain/trainer/run/ray_cluster.py:
     this process's connection if it has one); the workers and their placement group are freed before returning."""
     from transformers import AutoTokenizer
 
-    from scaletrain.trainer.ray_cluster import ray_cluster
+    from scaletrain.trainer.run.ray_cluster import ray_cluster
 
     cfg = config if isinstance(config, SFTConfig) else load_sft_config(config)
     cfg = check_sft_config(resolve_embedded(cfg))
@@ -213,7 +219,7 @@ def run_sft(config: SFTConfig | Mapping[str, Any]) -> dict[str, Any]:
 def _train_on_workers(cfg: SFTConfig, tokenizer, train, val, prompts) -> dict[str, Any]:
     """The SFTWorker group's run, on the Ray cluster of the caller; the group and its pool freed at the end."""
     from scaletrain.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from scaletrain.trainer.tracking import Tracking
+    from scaletrain.trainer.run.tracking import Tracking
     from scaletrain.workers.sft import SFTWorker
 
     use_gpu = resolve_device(cfg.trainer.device) == "cuda"

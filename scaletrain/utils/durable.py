@@ -1,4 +1,4 @@
-"""Durable, atomic directory writes, shared by the run checkpoints (scaletrain/trainer/checkpoint.py) and the HF
+"""Durable, atomic directory writes, shared by the run checkpoints (scaletrain/trainer/run/checkpoint.py) and the HF
 export (backends/hf_checkpoint.py).
 
 - ``fsync_tree(path)`` fsyncs every file and directory under ``path``, so a rename that publishes ``path``

@@ -13,7 +13,7 @@ Free text (a log line, an error message, a function's repr, Hydra's echo of the 
 through ``redact_text``: the same value patterns, ``name=value`` and ``'name': 'value'`` pairs under a
 secret-looking name, and the exact secret values of the run's command line and config (``install_scrubbing``,
 ``remember_secrets``). ``install_scrubbing`` puts that on the driver's stdout / stderr (the CLI entry points);
-``ScrubFilter`` is on every log handler (trainer/console.py); wandb sees a ``scrubbed_argv``.
+``ScrubFilter`` is on every log handler (trainer/run/console.py); wandb sees a ``scrubbed_argv``.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def execution_only(cls) -> frozenset[str]:
     """The fields of dataclass ``cls`` marked as changing only how a run executes, not its results (micro-batches,
     offloading, timeouts, logging, where outputs go): the names in the ``EXECUTION_ONLY`` class attribute of
     ``cls`` and of its bases ("*": all of its fields). Every other field counts as result-changing, so a new key
-    is checked on resume until someone marks it (scaletrain/trainer/run_identity.py)."""
+    is checked on resume until someone marks it (scaletrain/trainer/run/run_identity.py)."""
     names: set[str] = set()
     for klass in cls.__mro__:
         marked = vars(klass).get("EXECUTION_ONLY", ())

@@ -9,7 +9,7 @@ device when is ``ColocatedRollout``'s job (colocated_rollout.py): rollout calls 
 calls (log-probs, updates, checkpoints) enter training mode first, and the rollout engine's state machine
 refuses any other order.
 
-Call path from the trainer: ``self.actor.update(batch)`` (``ActorRolloutRefRole``, scaletrain/trainer/roles.py) ->
+Call path from the trainer: ``self.actor.update(batch)`` (``ActorRolloutRefRole``, scaletrain/workers/roles.py) ->
 this worker's ``update_actor`` on every rank -> ``train_step`` of the backend's engine.
 """
 
@@ -20,8 +20,9 @@ import os
 import threading
 from dataclasses import replace
 
-from backends.base import DISABLE_ADAPTER, TrainEngine, get_backend
-from backends.dist import MICRO_BATCHING, peak_memory_metrics
+from backends.base import TrainEngine, get_backend
+from backends.config import ForwardOptions
+from backends.dist import peak_memory_metrics
 from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.controller.weight_transport import WeightBuckets, put_buckets, read_buckets
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "rollout", "ref")
 ROLLOUT_REQUESTS = "rollout_requests"  # the concurrency group of the per-request calls (generate_request)
-SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "seed")
 
 
 def rows_per_rank(prompts: int, n: int, dp_size: int, what: str) -> int:
@@ -125,22 +125,14 @@ class ActorRolloutRefWorker(Worker):
         return engine
 
     # ---------------------------------------------------------------------------------------------- rollout
-    def _sampling(self, meta: dict) -> SamplingConfig:
-        rc = self.config.rollout
-        sampling = SamplingConfig(
-            n=rc.n,
-            temperature=rc.temperature,
-            top_p=rc.top_p,
-            top_k=rc.top_k,
-            max_new_tokens=rc.response_length,
-            seed=None,
-        )
-        if meta.get("validate"):
-            sampling = replace(sampling, **{k: v for k, v in rc.val_sampling().items() if k in SAMPLING_KEYS})
-        overrides = {k: meta[k] for k in SAMPLING_KEYS if k in meta}
-        if overrides.get("seed") is not None:  # one stream per rollout DP rank (its TP ranks sample alike)
-            overrides["seed"] = derive_seed(int(overrides["seed"]), self.rank // rc.tensor_model_parallel_size)
-        return replace(sampling, **overrides)
+    def _rank_sampling(self, sampling: SamplingConfig | None) -> SamplingConfig:
+        """The call's sampling (None: the rollout config's training sampling); a seed becomes one stream per
+        rollout DP rank (its TP ranks sample alike)."""
+        sampling = sampling or self.config.rollout.train_sampling()
+        if sampling.seed is None:
+            return sampling
+        dp_rank = self.rank // self.config.rollout.tensor_model_parallel_size
+        return replace(sampling, seed=derive_seed(sampling.seed, dp_rank))
 
     def _training(self, part: str):
         """The ``part`` engine, after entering training mode (the rollout engine asleep when free_cache_engine)."""
@@ -149,8 +141,10 @@ class ActorRolloutRefWorker(Worker):
         return self._need(part)
 
     @register(dispatch_mode=ROLLOUT_PROTO)
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
-        return self._need("rollout").generate(prompts, self._sampling(prompts.meta_info))
+    def generate_sequences(self, prompts: DataProto, sampling: SamplingConfig | None = None) -> DataProto:
+        """Responses to ``prompts``, ``sampling.n`` per prompt: the caller's sampling for this call (training,
+        validation, a greedy pass), else the rollout config's training sampling."""
+        return self._need("rollout").generate(prompts, self._rank_sampling(sampling))
 
     @register(dispatch_mode=ROLLOUT_TOKENS)
     def generate_tokens(self, requests: list[TokenRequest]) -> list[TokenOutput]:
@@ -221,21 +215,19 @@ class ActorRolloutRefWorker(Worker):
     # ------------------------------------------------------------------------------------------- log-probs
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
-        data = data.select()
-        data.meta_info[MICRO_BATCHING] = log_prob_micro_batching(self.config.rollout)
-        out = self._training("actor").forward(data, outputs=("log_probs", "entropy"))
+        options = ForwardOptions(micro_batching=log_prob_micro_batching(self.config.rollout))
+        out = self._training("actor").forward(data, outputs=("log_probs", "entropy"), options=options)
         return DataProto.from_dict({"old_log_probs": out.batch["log_probs"], "entropys": out.batch["entropy"]})
 
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob``: the ref engine's, or with a LoRA actor (no ref engine) the actor's base model's."""
-        data = data.select()
-        data.meta_info[MICRO_BATCHING] = log_prob_micro_batching(self.config.ref)
+        micro_batching = log_prob_micro_batching(self.config.ref)
         if self.ref is None and self.actor is not None and self.actor.has_adapter and "ref" in self.parts:
-            data.meta_info[DISABLE_ADAPTER] = True
-            out = self._training("actor").forward(data, outputs=("log_probs",))
+            options = ForwardOptions(micro_batching=micro_batching, base_model=True)
+            out = self._training("actor").forward(data, outputs=("log_probs",), options=options)
             return DataProto.from_dict({"ref_log_prob": out.batch["log_probs"]})
-        out = self._training("ref").forward(data, outputs=("log_probs",))
+        out = self._training("ref").forward(data, outputs=("log_probs",), options=ForwardOptions(micro_batching))
         return DataProto.from_dict({"ref_log_prob": out.batch["log_probs"]})
 
     # -------------------------------------------------------------------------------------------- training

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from backends.config import EngineConfig, ModelConfig, OptimConfig
-from backends.rollout.base import RolloutEngineSettings
+from backends.config import EngineConfig, MicroBatching, ModelConfig, OptimConfig
+from backends.rollout.base import RolloutEngineSettings, SamplingConfig
 from scaletrain.utils.typed_config import ConfigError
 
 VAL_KWARGS = ("n", "temperature", "top_p", "top_k", "do_sample")  # actor_rollout_ref.rollout.val_kwargs
@@ -186,7 +186,7 @@ class RolloutWorkerConfig(RolloutEngineSettings):
     weight_bucket_bytes: int = 256 << 20
     lora_sync: str | None = None  # LoRA (model.lora_rank > 0): adapter (only the adapter tensors go to the engine,
     # which serves them on its unchanged base weights; vllm, colocated) | merged (the merged full weights, any
-    # engine); null: adapter where it works, else merged (scaletrain/trainer/lora_checks.py)
+    # engine); null: adapter where it works, else merged (scaletrain/trainer/config/lora_checks.py)
     offload_train_during_rollout: bool = False  # the actor's memory goes to CPU while the engine generates
     val_kwargs: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.0, "n": 1})
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
@@ -221,15 +221,32 @@ class RolloutWorkerConfig(RolloutEngineSettings):
         sampling = {k: v for k, v in self.val_kwargs.items() if k != "do_sample"}
         return sampling if do_sample else {**sampling, "temperature": 0.0}
 
+    def train_sampling(self, seed: int | None = None) -> SamplingConfig:
+        """A training rollout's sampling: ``n`` samples per prompt at this section's temperature, top-p and top-k,
+        ``response_length`` new tokens at most; ``seed``: the call's (None: the engine's own stream)."""
+        return SamplingConfig(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=self.response_length,
+            seed=seed,
+        )
 
-def log_prob_micro_batching(section) -> dict[str, Any]:
-    """A log-prob pass's micro-batch settings (backends/dist.py ``MICRO_BATCHING``) from its section's
+    def validation_sampling(self, seed: int | None = 0) -> SamplingConfig:
+        """Validation's sampling: training's, with ``val_kwargs`` over it (one sample per prompt unless
+        ``val_kwargs.n`` says otherwise, as in verl)."""
+        return replace(self.train_sampling(seed), **{"n": 1, **self.val_sampling()})
+
+
+def log_prob_micro_batching(section) -> MicroBatching:
+    """A log-prob pass's micro-batch settings (over the engine's own for that call) from its section's
     ``log_prob_*`` keys (``actor_rollout_ref.rollout`` for old log-probs, ``actor_rollout_ref.ref``)."""
-    return {
-        "micro_batch_size_per_gpu": section.log_prob_micro_batch_size_per_gpu,
-        "use_dynamic_bsz": section.log_prob_use_dynamic_bsz,
-        "max_token_len_per_gpu": section.log_prob_max_token_len_per_gpu,
-    }
+    return MicroBatching(
+        micro_batch_size_per_gpu=section.log_prob_micro_batch_size_per_gpu,
+        use_dynamic_bsz=section.log_prob_use_dynamic_bsz,
+        max_token_len_per_gpu=section.log_prob_max_token_len_per_gpu,
+    )
 
 
 @dataclass

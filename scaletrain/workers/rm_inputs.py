@@ -9,7 +9,7 @@ tokenized by it. Rows are right-padded, position ids 0, 1, ... A row longer than
 ``max_length`` tokens: the score is read at the last token, so the end of the response must survive.
 
 Without it the RM reads the policy's ``input_ids`` / ``attention_mask`` / ``position_ids`` directly; the trainer
-checks before Ray that both tokenizers have the same vocabulary (scaletrain/trainer/rm_reward.py).
+checks before Ray that both tokenizers have the same vocabulary (scaletrain/trainer/rollout/rm_reward.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ in buckets, a collective every rank takes part in) at the start of the first ``g
 so generation always sees the current weights. The rollout engine sleeps while training runs and wakes for
 generation (``ColocatedRollout``, colocated_rollout.py).
 
-Call path from the SFT trainer: ``self.model.train_batch(batch)`` (``SFTRole``, scaletrain/trainer/roles.py) ->
+Call path from the SFT trainer: ``self.model.train_batch(batch)`` (``SFTRole``, scaletrain/workers/roles.py) ->
 this worker's ``train_batch`` on every rank -> ``train_step`` of the backend's engine with ``sft_loss_fn``.
 """
 

@@ -123,7 +123,7 @@ class SlowGroup:
 @pytest.mark.timeout(30)
 def test_a_waiting_push_goes_before_the_next_generation_call():
     from scaletrain.controller.weight_transport import WeightBuckets
-    from scaletrain.trainer.roles import RolloutRole
+    from scaletrain.workers.roles import RolloutRole
 
     role = RolloutRole(SlowGroup())
     stop = threading.Event()

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
+from backends.config import ForwardOptions
 from tests.backends.multirank import assert_close, rank_check, run_checks
 
 WORLD = 2
@@ -34,6 +35,8 @@ CHECKS = (
     "value_model_trains_head",
     "resume_exact",
 )
+
+BASE_MODEL = ForwardOptions(base_model=True)  # the frozen base model's outputs (the adapters disabled)
 
 
 def lora_model_config(path: str, **keys):
@@ -95,14 +98,6 @@ def optimizer_numel(engine) -> int:
         dist.all_reduce(total)
         return int(total)
     return sum(s["exp_avg"].numel() for s in engine.optimizer.state.values())  # DTensors: the global numel
-
-
-def without_adapters(batch):
-    from backends.base import DISABLE_ADAPTER
-
-    flagged = copy.copy(batch)
-    flagged.meta_info = {**batch.meta_info, DISABLE_ADAPTER: True}
-    return flagged
 
 
 def run_rank(work: str) -> None:
@@ -216,7 +211,7 @@ def _export_checks(s: SimpleNamespace, results: dict) -> None:
         on = engine.forward(s.share, ("log_probs",)).batch["log_probs"]
         with torch.no_grad():
             assert_close(on, reference.ref_outputs(s.ref, s.share)["log_probs"], "adapted log_probs", TOL)
-        off = engine.forward(without_adapters(s.share), ("log_probs",)).batch["log_probs"]
+        off = engine.forward(s.share, ("log_probs",), BASE_MODEL).batch["log_probs"]
         assert_close(off, s.base_log_probs, "adapter-disabled log_probs", TOL)
         assert (on - off).abs().max() > 1e-3, "the adapters changed nothing"
         assert [n for n, p in engine.model.named_parameters() if p.requires_grad] == s.trainable
@@ -264,7 +259,7 @@ def _save_and_reload_checks(s: SimpleNamespace, results: dict) -> None:
         )
         out = frozen.forward(s.share, ("log_probs",)).batch["log_probs"]
         assert_close(out, trained, "adapter-path log_probs", TOL)
-        off = frozen.forward(without_adapters(s.share), ("log_probs",)).batch["log_probs"]
+        off = frozen.forward(s.share, ("log_probs",), BASE_MODEL).batch["log_probs"]
         assert_close(off, s.base_log_probs, "adapter-path base log_probs", TOL)
         assert not any(p.requires_grad for p in frozen.model.parameters())
 

@@ -58,15 +58,14 @@ def test_adapter_path_checked(tmp_path):
         build_model(lora_model_config(model_dir, dtype="float32", target_modules=["no_such_layer"]))
 
 
-def test_disable_adapter_refused_without_adapters():
-    from backends.base import DISABLE_ADAPTER, adapter_disabled
-    from scaletrain.protocol import DataProto
+def test_base_model_refused_without_adapters():
+    from backends.base import base_model_only
+    from backends.config import ForwardOptions
 
-    batch = DataProto.from_dict({"x": torch.zeros(2)}, meta_info={DISABLE_ADAPTER: True})
-    assert adapter_disabled(batch, has_adapter=True)
-    assert not adapter_disabled(DataProto.from_dict({"x": torch.zeros(2)}), has_adapter=False)
+    assert base_model_only(ForwardOptions(base_model=True), has_adapter=True)
+    assert not base_model_only(ForwardOptions(), has_adapter=False)
     with pytest.raises(ValueError, match="no adapters"):
-        adapter_disabled(batch, has_adapter=False)
+        base_model_only(ForwardOptions(base_model=True), has_adapter=False)
 
 
 def test_megatron_refuses_lora():

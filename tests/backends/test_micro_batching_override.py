@@ -1,4 +1,5 @@
-"""A call's own micro-batch settings (backends/dist.py ``MICRO_BATCHING`` in meta_info) override the engine's:
+"""A call's own micro-batch settings (``ForwardOptions.micro_batching``, a typed ``MicroBatching``) override the
+engine's:
 how ``rollout.log_prob_micro_batch_size_per_gpu`` / ``log_prob_use_dynamic_bsz`` / ``log_prob_max_token_len_per_gpu``
 (and the ref's) size the log-prob passes."""
 
@@ -6,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from backends.config import EngineConfig
-from backends.dist import MICRO_BATCHING, agreed_partition
+from backends.config import EngineConfig, MicroBatching
+from backends.dist import agreed_partition
 from scaletrain.protocol import DataProto
 
 
@@ -33,16 +34,8 @@ def test_meta_overrides_the_engine_settings(single_rank_group):
     engine = EngineConfig(micro_batch_size_per_gpu=4)
     rows = batch([5] * 12)
     assert len(agreed_partition(rows, engine, torch.device("cpu"))) == 3
-    rows.meta_info[MICRO_BATCHING] = {
-        "micro_batch_size_per_gpu": 2,
-        "use_dynamic_bsz": False,
-        "max_token_len_per_gpu": 100,
-    }
-    assert len(agreed_partition(rows, engine, torch.device("cpu"))) == 6
-    rows.meta_info[MICRO_BATCHING] = {
-        "micro_batch_size_per_gpu": 2,
-        "use_dynamic_bsz": True,
-        "max_token_len_per_gpu": 20,
-    }
-    parts = agreed_partition(rows, engine, torch.device("cpu"))
+    fixed = MicroBatching(micro_batch_size_per_gpu=2, use_dynamic_bsz=False, max_token_len_per_gpu=100)
+    assert len(agreed_partition(rows, engine, torch.device("cpu"), call=fixed)) == 6
+    budget = MicroBatching(micro_batch_size_per_gpu=2, use_dynamic_bsz=True, max_token_len_per_gpu=20)
+    parts = agreed_partition(rows, engine, torch.device("cpu"), call=budget)
     assert len(parts) == 3 and all(len(p) == 4 for p in parts)  # 4 rows x 5 tokens fit a 20-token budget

@@ -33,7 +33,7 @@ import torch
 
 from backends.hf_checkpoint import write_hf_checkpoint
 from backends.safe_load import UnsafeCheckpointError, load_pickle_allowing, load_rank_file
-from scaletrain.trainer.checkpoint import POINTER, CheckpointManager
+from scaletrain.trainer.run.checkpoint import POINTER, CheckpointManager
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NFILES, FILE_BYTES, KEEP = 3, 4 << 20, 2

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from scaletrain.trainer.preemption import PreemptionWatch
+from scaletrain.trainer.run.preemption import PreemptionWatch
 
 
 def test_first_signal_is_noted_and_handlers_are_restored():
@@ -23,7 +23,7 @@ def test_second_signal_terminates_at_once():
     code = textwrap.dedent(
         """
         import os, signal, time
-        from scaletrain.trainer.preemption import PreemptionWatch
+        from scaletrain.trainer.run.preemption import PreemptionWatch
         with PreemptionWatch() as watch:
             os.kill(os.getpid(), signal.SIGTERM)
             print("noted", watch.signal_name, flush=True)

@@ -18,8 +18,8 @@ DRIVER = textwrap.dedent(
     """
     import os, stat, subprocess, sys
     import ray
-    from scaletrain.trainer.config import PPOConfig
-    from scaletrain.trainer.ray_cluster import ray_cluster
+    from scaletrain.trainer.config.ppo_config import PPOConfig
+    from scaletrain.trainer.run.ray_cluster import ray_cluster
 
     cfg = PPOConfig()
     with ray_cluster(cfg.ray_kwargs, cfg.world_size, "cpu"):  # the trainer's private cluster

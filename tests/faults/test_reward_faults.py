@@ -9,7 +9,7 @@ import pytest
 
 from scaletrain.reward import ScoringPool, load_custom_reward_fn
 from scaletrain.reward import sandbox as sandbox_module
-from scaletrain.trainer.reward_guard import RewardFailureError, RewardGuard
+from scaletrain.trainer.rollout.reward_guard import RewardFailureError, RewardGuard
 from tests.reward.conftest import TEST_SCORERS
 
 

@@ -7,16 +7,16 @@ import json
 
 import pytest
 
-from scaletrain.trainer.checkpoint import CheckpointManager
-from scaletrain.trainer.config import PPOConfig
-from scaletrain.trainer.plan import resolve_config
-from scaletrain.trainer.run_identity import RUN_CONFIG, claim_run_dir, fingerprint, result_keys, result_settings
+from scaletrain.trainer.config.plan import resolve_config
+from scaletrain.trainer.config.ppo_config import PPOConfig
+from scaletrain.trainer.run.checkpoint import CheckpointManager
+from scaletrain.trainer.run.run_identity import RUN_CONFIG, claim_run_dir, fingerprint, result_keys, result_settings
 from scaletrain.utils.typed_config import ConfigError, execution_only, leaf_fields
 from tests.trainer.test_ppo_config import composed
 
 
 def config(run_dir, *overrides):
-    from scaletrain.trainer.config import load_ppo_config
+    from scaletrain.trainer.config.ppo_config import load_ppo_config
 
     return resolve_config(load_ppo_config(composed(f"trainer.default_local_dir={run_dir}", *overrides)))
 

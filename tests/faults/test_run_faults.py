@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.hang_model import hanging_model
-from tests.trainer.runs import ROOT, command, metrics, run_in_process
+from tests.trainer.runs import ROOT, command, metrics, run_in_process, signalled_when
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +35,12 @@ def user_env():
 
 def overridden(task, run_dir, steps, *overrides):
     return command(task, run_dir, steps, overrides)
+
+
+def wrote_a_row(run_dir) -> bool:
+    """The run logged its first metrics row (a step or the first validation)."""
+    rows = run_dir / "metrics.jsonl"
+    return rows.exists() and bool(rows.read_text().strip())
 
 
 def run(args, timeout=400):
@@ -172,10 +178,8 @@ def test_sigterm_checkpoints_after_the_step_and_exits_0_then_resumes(ray_cluster
     once = ("trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=false")  # saves at the end only
     steps = 8
     args = overridden(task, run_dir, steps, *once)
-    proc = started(args)
-    metrics_file = run_dir / "metrics.jsonl"
-    output = terminated_when(proc, lambda: metrics_file.exists() and metrics_file.read_text().strip(), "step")
-    assert proc.returncode == 0, output[-3000:]
+    returncode, output = signalled_when(args, lambda: wrote_a_row(run_dir), "step", run_env=user_env())
+    assert returncode == 0, output[-3000:]
     stopped = int((run_dir / "latest_checkpointed_iteration.txt").read_text())
     assert 1 <= stopped < steps
     assert f"preempted by SIGTERM after step {stopped}: checkpoint {run_dir / f'global_step_{stopped}'}" in output
@@ -190,36 +194,6 @@ def test_sigterm_checkpoints_after_the_step_and_exits_0_then_resumes(ray_cluster
     assert rows == list(range(1, steps + 1)), "each step once, none lost"
 
 
-def started(args):
-    """The run as a user's job: its own process group (the driver and everything it starts), output captured."""
-    return subprocess.Popen(
-        args,
-        env=user_env(),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def terminated_when(proc, ready, what: str) -> str:
-    """SIGTERM to the run's process group once ``ready()`` (as ``kill -TERM -PGID`` or systemd's stop sends it:
-    the driver and every process it started in its group); returns the output (the whole group is SIGKILLed if it
-    outlives 300 s, or if ``what`` did not come within 300 s)."""
-    try:
-        deadline = time.monotonic() + 300
-        while not ready():
-            assert proc.poll() is None and time.monotonic() < deadline, f"no {what} within 300 s"
-            time.sleep(0.02)
-        os.killpg(proc.pid, signal.SIGTERM)
-        return proc.communicate(timeout=300)[0]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def test_sigterm_during_start_up_exits_0_and_the_rerun_trains(ray_cluster, task, tmp_path):
     """Fault: the job is preempted while it starts (before: the signal's default action, or Ray's handler's abort,
     a non-zero exit, so SLURM did not requeue it), at two moments: while its workers are created (after the plan
@@ -229,9 +203,10 @@ def test_sigterm_during_start_up_exits_0_and_the_rerun_trains(ray_cluster, task,
     for marker in ("plan: ", "worker group 'colocated'"):
         log = run_dir / "run.log"
         seen = log.read_text().count(marker) if log.exists() else 0  # the run log is appended to by each run
-        proc = started(overridden(task, run_dir, 2))
-        output = terminated_when(proc, lambda: log.exists() and log.read_text().count(marker) > seen, repr(marker))
-        assert proc.returncode == 0, (marker, output[-3000:])
+        args = overridden(task, run_dir, 2)
+        ready = lambda: log.exists() and log.read_text().count(marker) > seen  # noqa: E731 (read in this iteration)
+        returncode, output = signalled_when(args, ready, repr(marker), run_env=user_env())
+        assert returncode == 0, (marker, output[-3000:])
         assert "preempted by SIGTERM before its first checkpoint: run the same command again" in output, marker
         assert not list(run_dir.glob("global_step_*")) and not list(run_dir.glob(".global_step_*")), marker
     run_in_process(task, run_dir, 2)
@@ -244,17 +219,8 @@ def test_restart_before_the_first_checkpoint_logs_each_step_once(ray_cluster, ta
     run_dir = tmp_path / "restarted"
     no_saves = ("trainer.save_freq=-1", "trainer.test_freq=-1")
     args = overridden(task, run_dir, 2, *no_saves)
-    proc = subprocess.Popen(
-        args, env=user_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip():
-            assert proc.poll() is None and time.monotonic() < deadline, "no validation row within 300 s"
-            time.sleep(0.1)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and all it started: no checkpoint, no clean-up
-        proc.wait()
+    # SIGKILL to the driver and all it started: no checkpoint, no clean-up
+    signalled_when(args, lambda: wrote_a_row(run_dir), "validation row", signal.SIGKILL, user_env())
     assert not list(run_dir.glob("global_step_*"))
     run_in_process(task, run_dir, 2, no_saves)
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]

@@ -3,7 +3,7 @@ mlflow or the jsonl / console output (before: the whole config, API keys include
 
 import pytest
 
-from scaletrain.trainer.tracking import Tracking
+from scaletrain.trainer.run.tracking import Tracking
 from scaletrain.utils.secrets import REDACTED, redact_secrets, redact_text, remember_secrets
 
 SECRET = "sk-live-5e3fd0c4a1b2"

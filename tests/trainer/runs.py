@@ -4,16 +4,20 @@ Ray cluster (``main_ppo.run``: no interpreter, imports or cluster start per run)
 
 ``ppo_overrides(task, run_dir, steps, extra)``: the run's overrides (``extra`` replaces the base's values of the
 same keys); ``command(...)``: the same as a ``python -m scaletrain.trainer.main_ppo`` argv; ``run_in_process``
-and ``run_subprocess`` run them to the end; ``metrics(run_dir)``: the run's jsonl rows by step.
+and ``run_subprocess`` run them to the end; ``signalled_when(args, ready, ...)`` starts one as a user's job and
+signals its process group at a chosen moment; ``metrics(run_dir)``: the run's jsonl rows by step.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Iterable
+import tempfile
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,6 +81,44 @@ def run_in_process(task: dict, run_dir, steps: int, extra: Iterable[str] = ()):
 
     assert ray.is_initialized(), "an in-process run joins the session's cluster: depend on the ray_cluster fixture"
     return run(ppo_overrides(task, run_dir, steps, extra))
+
+
+def signalled_when(
+    args: list[str],
+    ready: Callable[[], bool],
+    what: str,
+    sig: int = signal.SIGTERM,
+    run_env: dict[str, str] | None = None,
+    output: Path | None = None,
+    poll_s: float = 0.02,
+) -> tuple[int, str]:
+    """Start ``args`` as a user's job (a session and process group of its own: the driver and everything it
+    starts there, the private Ray cluster's processes included), send ``sig`` to the whole group once ``ready()``
+    holds (as ``kill -SIG -PGID``, systemd's stop or SLURM's preemption do) and wait for the run to end; returns
+    (exit code, console output). The console goes to ``output`` (a file, never a pipe nobody reads while polling);
+    ``ready()`` may assert on what must not happen first. Fails if the run ends before ``ready()``, or ``what`` is not
+    there within 300 s; the group is SIGKILLed if it outlives the 300 s after the signal."""
+    if output is None:
+        fd, name = tempfile.mkstemp(prefix="run-", suffix=".txt")
+        os.close(fd)
+        output = Path(name)
+    with output.open("w") as out:
+        proc = subprocess.Popen(
+            args, env=run_env or env(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while not ready():
+            assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {what}: {output}"
+            assert time.monotonic() < deadline, f"no {what} within 300 s"
+            time.sleep(poll_s)
+        os.killpg(proc.pid, sig)
+        returncode = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return returncode, output.read_text()
 
 
 def metrics(run_dir) -> dict[int, dict]:

@@ -22,12 +22,12 @@ import torch
 
 from scaletrain.data.loader import StatefulDataLoader
 from scaletrain.protocol import DataProto
-from scaletrain.trainer.async_checks import validate_async_training
-from scaletrain.trainer.config import AsyncTrainingConfig, load_ppo_config
-from scaletrain.trainer.dynamic_sampling import Scored
-from scaletrain.trainer.fully_async import FullyAsyncRollouts
-from scaletrain.trainer.plan import plan_run, resolve_config
-from scaletrain.trainer.rollout_sources import OneStepOffRollouts, next_batch
+from scaletrain.trainer.config.async_checks import validate_async_training
+from scaletrain.trainer.config.plan import plan_run, resolve_config
+from scaletrain.trainer.config.ppo_config import AsyncTrainingConfig, load_ppo_config
+from scaletrain.trainer.rollout.dynamic_sampling import Scored
+from scaletrain.trainer.rollout.fully_async import FullyAsyncRollouts
+from scaletrain.trainer.rollout.schedules import OneStepOffRollouts, next_batch
 from scaletrain.utils.typed_config import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
@@ -55,7 +55,8 @@ class FakeWeightSync:
 
 
 class FakeTrainer:
-    """What the rollout sources use of RayPPOTrainer; ``log`` records generations and pushes in order."""
+    """fit()'s state (the step, the loader, the weight sync) and a fake rollout producer (``scored``) whose engine
+    stamps each batch with its weight version; ``log`` records generations and pushes in order."""
 
     def __init__(self, staleness=0.0, sync_every=1, total_steps=12, start=0, fail_step=None, mode="fully_async"):
         at = AsyncTrainingConfig(mode=mode, staleness_threshold=staleness, trigger_parameter_sync_step=sync_every)
@@ -69,7 +70,7 @@ class FakeTrainer:
         self.fail_step = fail_step
         self.rng = random.Random(0)
 
-    def rollout_batch(self, batch: DataProto, step: int, gen_index: int, timings: dict) -> Scored:
+    def scored(self, batch: DataProto, step: int, gen_index: int, timings: dict) -> Scored:
         version = self.weight_sync.version
         self.log.append(("gen", step, version))
         time.sleep(self.rng.uniform(0, 0.002))
@@ -82,6 +83,16 @@ class FakeTrainer:
 
     def gens(self) -> list:
         return [e for e in self.log if e[0] == "gen"]
+
+
+def fully_async(trainer: FakeTrainer, max_batches: int) -> FullyAsyncRollouts:
+    """The schedule as fit() builds it: over the producer, the loader and the weight sync, from the next step."""
+    at = trainer.cfg.async_training
+    return FullyAsyncRollouts(trainer, trainer.loader, trainer.weight_sync, at, trainer.global_step + 1, max_batches)
+
+
+def one_step_off(trainer: FakeTrainer) -> OneStepOffRollouts:
+    return OneStepOffRollouts(trainer, trainer.loader, trainer.weight_sync, trainer.total_steps)
 
 
 def expected_rows(start: int, n: int) -> list[list[int]]:
@@ -138,7 +149,7 @@ PAIRS = [(0.0, 1, 0), (0.0, 2, 3), (1.0, 1, 0), (0.5, 2, 2), (2.0, 3, 0)]  # (st
 @pytest.mark.parametrize("staleness,sync_every,start", PAIRS)
 def test_fully_async_bounds_staleness_in_loader_order(staleness, sync_every, start, slow):
     trainer = FakeTrainer(staleness, sync_every, total_steps=start + 12, start=start)
-    src = FullyAsyncRollouts(trainer, max_batches=12)
+    src = fully_async(trainer, 12)
     try:
         trained = drive(src, trainer, train_s=0.03 if slow else 0.0)
         assert src.next(trainer.global_step + 1, {}) is None and src.next(trainer.global_step + 1, {}) is None
@@ -163,7 +174,7 @@ def test_fully_async_bounds_staleness_in_loader_order(staleness, sync_every, sta
 
 def test_fully_async_with_no_lag_is_the_sync_schedule():
     trainer = FakeTrainer(0.0, 1, total_steps=6)
-    src = FullyAsyncRollouts(trainer, max_batches=6)
+    src = fully_async(trainer, 6)
     try:
         trained = drive(src, trainer)
     finally:
@@ -175,7 +186,7 @@ def test_fully_async_with_no_lag_is_the_sync_schedule():
 
 def test_fully_async_generates_at_most_max_batches():
     trainer = FakeTrainer(2.0, 3, total_steps=10)  # a window of 9 batches, but only 4 allowed
-    src = FullyAsyncRollouts(trainer, max_batches=4)
+    src = fully_async(trainer, 4)
     try:
         src.thread.join(timeout=5)
         assert not src.thread.is_alive(), "the rollouter stops by itself after max_batches"
@@ -191,7 +202,7 @@ def test_fully_async_generates_at_most_max_batches():
 @pytest.mark.timeout(20)
 def test_fully_async_rollout_error_surfaces_from_next():
     trainer = FakeTrainer(0.0, 1, total_steps=6, fail_step=3)
-    src = FullyAsyncRollouts(trainer, max_batches=6)
+    src = fully_async(trainer, 6)
     try:
         with pytest.raises(RuntimeError, match="rollouter failed: engine died at step 3") as info:
             drive(src, trainer)
@@ -202,7 +213,7 @@ def test_fully_async_rollout_error_surfaces_from_next():
 
 def test_fully_async_validation_pushes_only_after_the_last_step():
     trainer = FakeTrainer(0.0, 2, total_steps=3)
-    src = FullyAsyncRollouts(trainer, max_batches=3)
+    src = fully_async(trainer, 3)
     try:
         assert src.before_validation(False) == {} and trainer.weight_sync.version == 0
         drive(src, trainer, validate_every=2)  # the validation after step 2 falls on its push: no extra one
@@ -215,7 +226,7 @@ def test_fully_async_validation_pushes_only_after_the_last_step():
 
 def test_fully_async_bound_holds_with_validation_between_syncs():
     trainer = FakeTrainer(0.0, 2, total_steps=8)
-    src = FullyAsyncRollouts(trainer, max_batches=8)
+    src = fully_async(trainer, 8)
     try:
         trained = drive(src, trainer, train_s=0.02, validate_every=3)  # test_freq=3, trigger_parameter_sync_step=2
     finally:
@@ -225,7 +236,7 @@ def test_fully_async_bound_holds_with_validation_between_syncs():
 
 def test_fully_async_survives_a_critic_warmup():
     trainer = FakeTrainer(0.0, 1, total_steps=4)
-    src = FullyAsyncRollouts(trainer, max_batches=4)
+    src = fully_async(trainer, 4)
     out: list = []
     fit = threading.Thread(target=lambda: out.append(drive(src, trainer, warmup=2)), daemon=True)
     fit.start()
@@ -238,7 +249,7 @@ def test_fully_async_survives_a_critic_warmup():
 
 def test_one_step_off_lags_one_version_and_pushes_between_batches():
     trainer = FakeTrainer(mode="one_step_off", total_steps=6)
-    src = OneStepOffRollouts(trainer)
+    src = one_step_off(trainer)
     try:
         trained = drive(src, trainer, train_s=0.005)
     finally:
@@ -257,7 +268,7 @@ def test_one_step_off_lags_one_version_and_pushes_between_batches():
 
 def test_one_step_off_data_state_excludes_the_batch_in_flight():
     trainer = FakeTrainer(mode="one_step_off", total_steps=5)
-    src = OneStepOffRollouts(trainer)
+    src = one_step_off(trainer)
     try:
         for step in range(1, 4):
             src.next(step, {})
@@ -271,7 +282,7 @@ def test_one_step_off_data_state_excludes_the_batch_in_flight():
 
 def test_one_step_off_before_validation_pushes_only_after_an_update():
     trainer = FakeTrainer(mode="one_step_off", total_steps=4)
-    src = OneStepOffRollouts(trainer)
+    src = one_step_off(trainer)
     try:
         assert src.before_validation(False) == {}
         src.next(1, {})
@@ -287,7 +298,7 @@ def test_one_step_off_before_validation_pushes_only_after_an_update():
 @pytest.mark.timeout(20)
 def test_one_step_off_rollout_error_surfaces_from_next():
     trainer = FakeTrainer(mode="one_step_off", total_steps=5, fail_step=3)
-    src = OneStepOffRollouts(trainer)
+    src = one_step_off(trainer)
     try:
         with pytest.raises(ValueError, match="engine died at step 3"):
             drive(src, trainer)

@@ -17,15 +17,12 @@ exactness across a push in tests/agent/test_partial_rollout.py.)
 
 import json
 import logging
-import os
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.trainer.runs import COMPARED, ROOT, command, env, metrics, run_in_process
+from tests.trainer.runs import COMPARED, command, metrics, run_in_process, signalled_when
 
 pytestmark = pytest.mark.slow
 
@@ -68,25 +65,16 @@ def stopped_after_checkpoint(args, run: Path, step: int, sig: int = signal.SIGKI
     the step the pointer names once the run is gone (the checkpoint a resume starts from). SIGKILL: nothing cleans
     up. SIGTERM (a preemption, as ``kill -TERM -PGID`` sends it: the private Ray cluster's processes get it too): the
     run must finish its step, checkpoint it and exit 0 saying so."""
-    log = run.parent / f"{run.name}-output.txt"
-    with log.open("w") as out:
-        proc = subprocess.Popen(args, env=env(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     pointer = run / "latest_checkpointed_iteration.txt"
-    deadline = time.monotonic() + 300
-    try:
-        while not (pointer.exists() and int(pointer.read_text() or 0) >= step):
-            assert proc.poll() is None, "the run ended before it was signalled"
-            assert time.monotonic() < deadline, f"no checkpoint {step} within 300 s"
-            time.sleep(0.02)
-        os.killpg(proc.pid, sig)
-        returncode = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    returncode, output = signalled_when(
+        args,
+        lambda: pointer.exists() and int(pointer.read_text() or 0) >= step,
+        f"checkpoint {step}",
+        sig,
+        output=run.parent / f"{run.name}-output.txt",
+    )
     caught = int(pointer.read_text())
     if sig != signal.SIGKILL:
-        output = log.read_text()
         assert returncode == 0, output[-3000:]
         name = signal.Signals(sig).name
         assert f"preempted by {name} after step {caught}: checkpoint {run / f'global_step_{caught}'}" in output

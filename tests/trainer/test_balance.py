@@ -1,9 +1,9 @@
-"""trainer.balance_batch (scaletrain/trainer/balance.py): equal row counts per DP rank, token sums evened out."""
+"""trainer.balance_batch (scaletrain/trainer/step/balance.py): equal row counts per DP rank, token sums evened out."""
 
 import torch
 
 from scaletrain.protocol import DataProto
-from scaletrain.trainer.balance import balance_batch, equal_count_parts, imbalance
+from scaletrain.trainer.step.balance import balance_batch, equal_count_parts, imbalance
 
 
 def batch_of(lengths):

@@ -16,8 +16,8 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from scaletrain.trainer.config import PPOConfig
-from scaletrain.trainer.sft_config import SFTConfig
+from scaletrain.trainer.config.ppo_config import PPOConfig
+from scaletrain.trainer.config.sft_config import SFTConfig
 from scaletrain.utils.typed_config import leaf_fields, to_dict
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,10 +16,10 @@ import typing
 
 import pytest
 
-from scaletrain.trainer.config import PPOConfig, load_ppo_config
-from scaletrain.trainer.config_checks import check_config
-from scaletrain.trainer.plan import plan_run, resolve_config
-from scaletrain.trainer.worker_configs import ppo_worker_configs
+from scaletrain.trainer.config.checks import check_config
+from scaletrain.trainer.config.plan import plan_run, resolve_config
+from scaletrain.trainer.config.ppo_config import PPOConfig, load_ppo_config
+from scaletrain.trainer.config.worker_configs import ppo_worker_configs
 from scaletrain.utils.typed_config import ConfigError, leaf_fields
 from tests.backends.tiny import save_tiny_reward_model
 from tests.trainer.test_ppo_config import composed

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from scaletrain.trainer.config import PPOConfig, load_ppo_config
-from scaletrain.trainer.config_checks import check_config
+from scaletrain.trainer.config.checks import check_config
+from scaletrain.trainer.config.plan import plan_run, resolve_config
+from scaletrain.trainer.config.ppo_config import PPOConfig, load_ppo_config
 from scaletrain.trainer.embedded_default import apply_embedded_overlay, embedded_overlay
-from scaletrain.trainer.plan import plan_run, resolve_config
 from scaletrain.utils.typed_config import to_dict
 from tests.trainer.test_ppo_config import composed
 

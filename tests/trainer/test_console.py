@@ -1,4 +1,4 @@
-"""The console and the run log (scaletrain/trainer/console.py): libraries' INFO lines go to <run_dir>/run.log and not
+"""The console and the run log (trainer/run/console.py): libraries' INFO lines go to <run_dir>/run.log and not
 to the console, warnings reach both, ``verbose`` shows everything; on the driver and in a Ray worker (real Ray,
 real vLLM logging set up as ``vllm.LLM()`` does). Each case runs in a fresh process: the setup owns the root logger.
 Also the console logger's step-line spacing."""
@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.trainer.tracking import Tracking, step_line_every
+from scaletrain.trainer.run.tracking import Tracking, step_line_every
 
 ROOT = Path(__file__).resolve().parents[2]
 
 DRIVER = textwrap.dedent(
     """
     import logging, sys
-    from scaletrain.trainer.console import FILE_ONLY, setup_console, start_run_log
+    from scaletrain.trainer.run.console import FILE_ONLY, setup_console, start_run_log
 
     setup_console(verbose=sys.argv[2] == "1")
     logging.getLogger("scaletrain.probe").info("own info before the run dir is known")
@@ -34,7 +34,7 @@ WORKER = textwrap.dedent(
     """
     import os, sys, time
     import ray
-    from scaletrain.trainer.console import ray_init_kwargs, setup_console, start_run_log
+    from scaletrain.trainer.run.console import ray_init_kwargs, setup_console, start_run_log
 
     setup_console(verbose=sys.argv[2] == "1")
     start_run_log(sys.argv[1])

@@ -1,18 +1,19 @@
 """DAPO dynamic sampling (group filtering + refill from the loader), overlong filtering and ReMax's greedy baseline:
 the driver-side logic, without Ray (the CLI runs are in test_dapo_remax_run.py)."""
 
-import threading
-
 import numpy as np
 import pytest
 import torch
 
+from backends.rollout.base import SamplingConfig
 from scaletrain.data import StatefulDataLoader
 from scaletrain.protocol import DataProto
-from scaletrain.trainer.config import FilterGroupsConfig, load_ppo_config
-from scaletrain.trainer.dynamic_sampling import Scored, collect_groups, kept_rows, metric_values
-from scaletrain.trainer.overlong import mask_overlong_responses, truncated_rows
-from scaletrain.trainer.remax import greedy_baseline
+from scaletrain.trainer.config.ppo_config import FilterGroupsConfig, load_ppo_config
+from scaletrain.trainer.rollout.dynamic_sampling import Scored, collect_groups, kept_rows, metric_values
+from scaletrain.trainer.rollout.producer import RolloutProducer
+from scaletrain.trainer.rollout.remax import greedy_baseline
+from scaletrain.trainer.step.overlong import mask_overlong_responses, truncated_rows
+from scaletrain.workers import RolloutWorkerConfig
 from tests.trainer.test_ppo_config import checked, composed
 
 N = 2  # samples per prompt
@@ -184,37 +185,72 @@ def test_overlong_rows_are_those_that_fill_the_length_without_eos():
 
 def test_greedy_baseline_generates_greedily_one_per_prompt_and_scores_it():
     prompts = DataProto.from_dict(non_tensors={"data_source": ["a", "b"], "uid": ["u0", "u1"]})
-    gen_batch = DataProto.from_dict({"input_ids": torch.tensor([[1, 2], [3, 4]])}, meta_info={"seed": 9})
+    gen_batch = DataProto.from_dict({"input_ids": torch.tensor([[1, 2], [3, 4]])})
+    sampling = SamplingConfig(n=4, temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=8, seed=9)
     seen = {}
 
-    def generate(batch, gen, tag):
-        seen.update(meta=dict(gen.meta_info), tag=tag)
+    def generate(batch, gen, call_sampling, tag):
+        seen.update(sampling=call_sampling, tag=tag)
         return DataProto.from_dict({"responses": gen.batch["input_ids"] * 10}), {}
 
     def reward_fn(rows, return_dict):
         seen["sources"] = list(rows.non_tensor_batch["data_source"])
         return {"reward_tensor": rows.batch["responses"].float()}
 
-    scores, metrics = greedy_baseline(generate, reward_fn, prompts, gen_batch, "step3")
-    assert seen["meta"] == {"seed": 9, "n": 1, "temperature": 0.0} and seen["tag"] == "step3-greedy"
-    assert seen["sources"] == ["a", "b"] and "n" not in gen_batch.meta_info
+    scores, metrics = greedy_baseline(generate, reward_fn, prompts, gen_batch, sampling, "step3")
+    # the samples' sampling (its seed, top-p, length) made greedy: one response per prompt at temperature 0
+    assert seen["sampling"] == SamplingConfig(n=1, temperature=0.0, top_p=0.9, top_k=5, max_new_tokens=8, seed=9)
+    assert seen["tag"] == "step3-greedy" and seen["sources"] == ["a", "b"]
     assert scores.tolist() == [30.0, 70.0] and metrics == {"critic/remax_baseline/mean": 50.0}
 
 
-def test_the_agent_loop_path_honours_the_greedy_overrides():
-    from scaletrain.trainer.ppo_trainer import RayPPOTrainer
+class RecordingManager:
+    """The agent loops as the producer calls them: records each call's sampling and n."""
 
-    class Manager:
-        def generate_sequences(self, rows, sampling, n, tag):
-            self.call = (sampling, n)
-            return DataProto.from_dict({"x": torch.zeros(len(rows) * n, 1)})
+    def generate_sequences(self, rows, sampling, n, tag):
+        self.call = (sampling, n)
+        return DataProto.from_dict({"x": torch.zeros(len(rows) * n, 1)})
 
-    trainer = RayPPOTrainer.__new__(RayPPOTrainer)  # only _generate's inputs: the config and the agent manager
-    trainer.cfg, trainer.agent_manager = load_ppo_config(composed("actor_rollout_ref.rollout.n=4")), Manager()
-    trainer.agent_lock = threading.Lock()
+
+class RecordingRollout:
+    """The rollout role as the producer calls it (the worker group's batched generate)."""
+
+    def generate(self, gen_batch, sampling):
+        self.call = sampling
+        return DataProto.from_dict({"x": torch.zeros(len(gen_batch) * sampling.n, 1)})
+
+
+def producer_for(*overrides: str, agent_loops: bool) -> RolloutProducer:
+    cfg = load_ppo_config(composed(*overrides))
+    manager = RecordingManager() if agent_loops else None
+    return RolloutProducer(cfg, RecordingRollout(), None, None, None, None, agent_manager=manager)
+
+
+def test_both_rollout_paths_take_the_sampling_chosen_for_the_call():
+    """One typed sampling per generate call (training, validation, greedy), chosen by the producer and taken as it
+    is by the batched path (the worker's generate) and by the agent loops."""
+    overrides = ("actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.top_p=0.9")
     prompts = DataProto.from_dict(non_tensors={"uid": ["u0", "u1"]})
-    out, _ = trainer._generate(prompts, DataProto(meta_info={"seed": 5, "n": 1, "temperature": 0.0}), "t")
-    assert trainer.agent_manager.call == ({"temperature": 0.0, "top_p": 1.0, "top_k": -1, "seed": 5}, 1)
-    assert len(out) == 2
-    trainer._generate(prompts, DataProto(meta_info={"seed": 5}), "t")
-    assert trainer.agent_manager.call[1] == 4 and trainer.agent_manager.call[0]["temperature"] == 1.0
+    gen_batch = DataProto.from_dict({"input_ids": torch.tensor([[1, 2], [3, 4]])})
+    batched, agents = producer_for(*overrides, agent_loops=False), producer_for(*overrides, agent_loops=True)
+    rc = batched.sampling_cfg
+    train = rc.train_sampling(seed=5)
+    assert (train.n, train.temperature, train.top_p, train.seed) == (4, 1.0, 0.9, 5)
+    for sampling in (train, rc.validation_sampling(), SamplingConfig(n=1, temperature=0.0, seed=5)):
+        out, _ = batched.generate(prompts, gen_batch, sampling, "t")
+        assert batched.rollout.call == sampling and len(out) == 2 * sampling.n
+        out, _ = agents.generate(prompts, gen_batch, sampling, "t")
+        want = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
+        assert agents.agent_manager.call == ({**want, "seed": sampling.seed}, sampling.n) and len(out) == 2 * sampling.n
+
+
+def test_validation_sampling_is_val_kwargs_over_the_training_sampling():
+    def validation(**val_kwargs):
+        return RolloutWorkerConfig(n=4, top_p=0.9, response_length=8, val_kwargs=val_kwargs).validation_sampling()
+
+    default = RolloutWorkerConfig(n=4).validation_sampling()
+    assert (default.n, default.temperature, default.seed) == (1, 0.0, 0)  # greedy, one per prompt
+    # no n given: one sample per prompt (verl's default), not the training n; the rest of training's sampling kept
+    assert validation(temperature=0.6) == SamplingConfig(n=1, temperature=0.6, top_p=0.9, max_new_tokens=8, seed=0)
+    assert validation(n=3, temperature=0.6, do_sample=False).n == 3
+    assert validation(n=3, temperature=0.6, do_sample=False).temperature == 0.0

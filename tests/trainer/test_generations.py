@@ -8,8 +8,8 @@ import torch
 
 from scaletrain.data.tokenizer import build_arithmetic_tokenizer
 from scaletrain.protocol import DataProto
-from scaletrain.trainer.generations import ScoredSamples, dump_batch, dump_jsonl, pick_samples
-from scaletrain.trainer.tracking import Tracking
+from scaletrain.trainer.run.generations import ScoredSamples, dump_batch, dump_jsonl, pick_samples
+from scaletrain.trainer.run.tracking import Tracking
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,14 @@
-"""LoRA's trainer keys (scaletrain/trainer/lora_checks.py): verl's names accepted, the defaults, what reaches the
+"""LoRA's trainer keys (scaletrain/trainer/config/lora_checks.py): verl's names accepted, the defaults, what reaches the
 engines' ModelConfig, the weight-sync mode's fallback, and the refusals before Ray starts, naming the key."""
 
 from __future__ import annotations
 
 import pytest
 
-from scaletrain.trainer.config import load_ppo_config
+from scaletrain.trainer.config.plan import plan_run, resolve_config
+from scaletrain.trainer.config.ppo_config import load_ppo_config
+from scaletrain.trainer.config.worker_configs import ppo_worker_configs
 from scaletrain.trainer.main_ppo import verl_overrides
-from scaletrain.trainer.plan import plan_run, resolve_config
-from scaletrain.trainer.worker_configs import ppo_worker_configs
 from scaletrain.utils.typed_config import ConfigError
 from tests.trainer.test_ppo_config import checked, composed
 

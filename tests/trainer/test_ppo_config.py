@@ -4,9 +4,9 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from scaletrain.trainer.config import load_ppo_config
-from scaletrain.trainer.config_checks import check_config
-from scaletrain.trainer.plan import resolve_config
+from scaletrain.trainer.config.checks import check_config
+from scaletrain.trainer.config.plan import resolve_config
+from scaletrain.trainer.config.ppo_config import load_ppo_config
 from scaletrain.utils.typed_config import ConfigError
 
 

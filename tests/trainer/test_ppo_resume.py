@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.trainer.runs import COMPARED, ROOT, command, env, metrics, run_in_process
+from tests.trainer.runs import COMPARED, ROOT, command, env, metrics, run_in_process, signalled_when
 
 pytestmark = pytest.mark.slow
 
@@ -47,19 +47,12 @@ def killed_in_a_save(args, run) -> int:
     """Run ``args`` (a CLI run saving every step) and SIGKILL its whole process group while the engines write step
     2's checkpoint (or step 3's if step 2's was too quick to catch): the save marker is there, the checkpoint's
     last file is not. Returns the step whose save was cut short."""
-    proc = subprocess.Popen(
-        args, env=env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    deadline = time.monotonic() + 300
-    try:
-        while not any((run / f".global_step_{s}.incomplete").exists() for s in (2, 3)):
-            assert proc.poll() is None, "the run ended before it was killed"
-            assert time.monotonic() < deadline, "no save within 300 s"
-            assert not (run / "global_step_3" / "trainer_state.json").exists(), "no save caught mid-way"
-            time.sleep(0.002)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started
-        proc.wait()
+
+    def saving() -> bool:
+        assert not (run / "global_step_3" / "trainer_state.json").exists(), "no save caught mid-way"
+        return any((run / f".global_step_{s}.incomplete").exists() for s in (2, 3))
+
+    signalled_when(args, saving, "save", signal.SIGKILL, poll_s=0.002)
     return 2 if not (run / "global_step_2" / "trainer_state.json").exists() else 3
 
 

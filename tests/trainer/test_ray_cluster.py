@@ -1,4 +1,4 @@
-"""verl's ``ray_kwargs``: how a run gets its Ray cluster (scaletrain/trainer/ray_cluster.py).
+"""verl's ``ray_kwargs``: how a run gets its Ray cluster (scaletrain/trainer/run/ray_cluster.py).
 
 The arguments a new connection passes to ``ray.init``, the keys a joined cluster cannot take, verl's command-line
 forms of the section; then, for real: a run that joins a running, token-protected cluster given by
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.trainer.config import RayInitConfig, RayKwargsConfig
+from scaletrain.trainer.config.ppo_config import RayInitConfig, RayKwargsConfig
 from scaletrain.trainer.main_ppo import verl_overrides
-from scaletrain.trainer.ray_cluster import check_ray_kwargs, merged_runtime_env, ray_init_arguments
+from scaletrain.trainer.run.ray_cluster import check_ray_kwargs, merged_runtime_env, ray_init_arguments
 from scaletrain.utils.typed_config import ConfigError
 from tests.trainer.runs import ROOT, env, ppo_overrides
 

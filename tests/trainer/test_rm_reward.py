@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from scaletrain.protocol import DataProto
-from scaletrain.trainer.rm_reward import combine_rewards
+from scaletrain.trainer.rollout.rm_reward import combine_rewards
 from scaletrain.utils.typed_config import ConfigError
 from scaletrain.workers.rm_inputs import retokenized_inputs
 from tests.trainer.test_ppo_config import checked

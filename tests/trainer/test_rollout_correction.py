@@ -8,8 +8,8 @@ import torch
 
 from scaletrain.algos import POLICY_LOSSES
 from scaletrain.protocol import DataProto
-from scaletrain.trainer.config import RolloutCorrectionConfig
-from scaletrain.trainer.rollout_correction import apply_rollout_correction, old_log_probs, rs_bounds
+from scaletrain.trainer.config.ppo_config import RolloutCorrectionConfig
+from scaletrain.trainer.step.rollout_correction import apply_rollout_correction, old_log_probs, rs_bounds
 from scaletrain.utils.typed_config import ConfigError
 from tests.trainer.test_ppo_config import checked as checked_config
 

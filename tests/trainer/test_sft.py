@@ -80,7 +80,7 @@ def test_yaml_defaults_equal_dataclass_defaults():
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from scaletrain.trainer.sft_config import SFTConfig, load_sft_config
+    from scaletrain.trainer.config.sft_config import SFTConfig, load_sft_config
 
     with initialize_config_module("scaletrain.configs", version_base=None):
         raw = compose("sft_trainer", overrides=["trainer.experiment_name=warmup"])

@@ -8,8 +8,8 @@ import numpy as np
 import psutil
 import pytest
 
-from scaletrain.trainer.mlflow_logger import flatten_config, mlflow_safe_name
-from scaletrain.trainer.tracking import LoggerBackend, Tracking, format_console_line, register_logger
+from scaletrain.trainer.run.mlflow_logger import flatten_config, mlflow_safe_name
+from scaletrain.trainer.run.tracking import LoggerBackend, Tracking, format_console_line, register_logger
 
 METRICS = {
     "critic/score/mean": 0.5,

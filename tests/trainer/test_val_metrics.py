@@ -6,8 +6,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from scaletrain.trainer import val_metrics
-from scaletrain.trainer.val_metrics import (
+from scaletrain.trainer.step import val_metrics
+from scaletrain.trainer.step.val_metrics import (
     bootstrap_indices,
     majority_values,
     prompt_metrics,

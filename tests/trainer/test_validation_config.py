@@ -2,7 +2,7 @@
 
 import pytest
 
-from scaletrain.trainer.config import load_ppo_config
+from scaletrain.trainer.config.ppo_config import load_ppo_config
 from scaletrain.utils.typed_config import ConfigError
 from tests.trainer.test_ppo_config import checked, composed
 

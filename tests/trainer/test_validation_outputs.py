@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from scaletrain.trainer.val_metrics import validation_metrics
+from scaletrain.trainer.step.val_metrics import validation_metrics
 from tests.trainer.runs import metrics, run_in_process
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""verl command lines (scaletrain/trainer/verl_compat.py): strategy keys, ``+`` on known keys, unsupported verl keys
+"""verl command lines (trainer/config/verl_compat.py): strategy keys, ``+`` on known keys, unsupported verl keys
 refused before anything starts, and the overrides of verl's GRPO example (Qwen3-8B, FSDP, vLLM, KL loss, 5
 samples) running one step on the embedded default with only the model and data paths removed."""
 

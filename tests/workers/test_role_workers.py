@@ -80,7 +80,7 @@ def check_concurrent_requests(wg, model) -> None:
     """Agent-loop requests sent one by one to both ranks' async engines at once (``generate_request``) sample from
     the trained weights: their log-probs equal the reference model's on the same tokens."""
     from backends.rollout.base import SamplingConfig, TokenRequest
-    from scaletrain.trainer.roles import ActorRolloutRefRole
+    from scaletrain.workers.roles import ActorRolloutRefRole
 
     tok, role = make_tokenizer(), ActorRolloutRefRole(wg)
     requests = [
@@ -143,8 +143,7 @@ def test_actor_rollout_ref_ppo_update_matches_reference(ray_cluster, tmp_path, r
     ) as wg:
         wg.init_model()
         prompts = prompt_batch()
-        prompts.meta_info["seed"] = 7
-        out = wg.generate_sequences(prompts)
+        out = wg.generate_sequences(prompts, config.rollout.train_sampling(seed=7))
         assert len(out) == len(PROMPTS) * N and out.batch["responses"].shape == (len(PROMPTS) * N, RESP)
         assert list(out.non_tensor_batch["uid"]) == [u for u in prompts.non_tensor_batch["uid"] for _ in range(N)]
         mask = out.batch["response_mask"].float()
@@ -194,8 +193,7 @@ def test_actor_rollout_ref_ppo_update_matches_reference(ray_cluster, tmp_path, r
 
         # weight sync: after the update the rollout engine samples from the trained weights
         wg.sync_rollout_weights()
-        prompts.meta_info["seed"] = 8
-        out2 = wg.generate_sequences(prompts)
+        out2 = wg.generate_sequences(prompts, config.rollout.train_sampling(seed=8))
         if rollout_name == "vllm_async":
             check_concurrent_requests(wg, model)
         lp2 = wg.compute_log_prob(out2)

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from backends.config import EngineConfig, ModelConfig, OptimConfig
+from backends.rollout.base import SamplingConfig
 from scaletrain.algos import get_adv_estimator
 from scaletrain.protocol import DataProto
-from scaletrain.trainer.config import RolloutCorrectionConfig
-from scaletrain.trainer.rollout_correction import apply_rollout_correction
+from scaletrain.trainer.config.ppo_config import RolloutCorrectionConfig
+from scaletrain.trainer.step.rollout_correction import apply_rollout_correction
 from scaletrain.workers import (
     ActorConfig,
     ActorRolloutRefConfig,
@@ -52,9 +53,8 @@ def chat_prompts(tokenizer) -> DataProto:
     )
 
 
-def rollout_and_log_probs(wg, prompts: DataProto, seed: int) -> DataProto:
-    prompts.meta_info.update(seed=seed)
-    out = wg.generate_sequences(prompts)
+def rollout_and_log_probs(wg, prompts: DataProto, sampling: SamplingConfig) -> DataProto:
+    out = wg.generate_sequences(prompts, sampling)
     out.meta_info["temperature"] = 1.0
     return out.union(wg.compute_log_prob(out).select(batch_keys=["old_log_probs"]))
 
@@ -93,7 +93,7 @@ def test_vllm_fsdp_mismatch_is_small_after_update_and_sync(ray_cluster, smollm2_
         ray_cluster, 1, ActorRolloutRefWorker, config, "actor_rollout", use_gpu=False, name_prefix="smollm2_mismatch"
     ) as wg:
         wg.init_model()
-        batch = rollout_and_log_probs(wg, prompts, seed=1)
+        batch = rollout_and_log_probs(wg, prompts, config.rollout.train_sampling(seed=1))
         before = apply_rollout_correction(batch, CORRECTION)
         print(f"\nSmolLM2 vLLM vs FSDP before the update: {figures(before)}")
         assert_close_agreement(before)
@@ -111,7 +111,7 @@ def test_vllm_fsdp_mismatch_is_small_after_update_and_sync(ray_cluster, smollm2_
         moved = float((moved * mask).sum() / mask.sum())
 
         wg.sync_rollout_weights()
-        after_batch = rollout_and_log_probs(wg, prompts, seed=2)
+        after_batch = rollout_and_log_probs(wg, prompts, config.rollout.train_sampling(seed=2))
         after = apply_rollout_correction(after_batch, CORRECTION)
         print(f"SmolLM2 vLLM vs FSDP after update + sync: {figures(after)}; the update moved log-probs by {moved:.3g}")
         # the sync reached vLLM: the mismatch is tiny next to what the update changed

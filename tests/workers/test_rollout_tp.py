@@ -6,6 +6,8 @@ generation equals a TP=1 engine's on the exported weights, and each rank receive
 against byte counts worked out here from the tensors' shapes).
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -80,8 +82,9 @@ def test_rollout_tp2_through_the_worker(ray_cluster, tmp_path, backend):
     ) as wg:
         wg.init_model()
         prompts = prompt_batch()
-        prompts.meta_info["seed"] = 3
-        out = wg.generate_sequences(prompts)  # one engine, so one copy of each sample comes back
+        out = wg.generate_sequences(
+            prompts, config.rollout.train_sampling(seed=3)
+        )  # one engine, so one copy of each sample comes back
         assert len(out) == len(prompts) * N
         mask = out.batch["response_mask"].float()
         lp = wg.compute_log_prob(out)  # dummy weights were replaced by the actor's, shard by shard
@@ -95,8 +98,7 @@ def test_rollout_tp2_through_the_worker(ray_cluster, tmp_path, backend):
         wg.sync_rollout_weights()
         wg.save_hf(str(tmp_path / "hf"))
 
-        prompts.meta_info.update(seed=4, temperature=0.0)
-        greedy = wg.generate_sequences(prompts)
+        greedy = wg.generate_sequences(prompts, replace(config.rollout.train_sampling(seed=4), temperature=0.0))
         greedy.meta_info["temperature"] = 1.0  # greedy log-probs are of the raw logits
         greedy_lp = wg.compute_log_prob(greedy).batch["old_log_probs"]
         status = wg.rollout_status()

@@ -1,7 +1,9 @@
-"""Where each training step's scored batch comes from (layer 4): ``async_training.mode``.
+"""The schedules of rollout and training (layer 4): where each step's scored batch comes from, by
+``async_training.mode``.
 
-``fit()`` asks its source for the next step's batch (``next``), trains on it, then tells the source the actor
-was updated (``after_update``); the source decides when the weights go to the rollout engines.
+A schedule is an iterator of scored batches over a rollout producer (producer.py), the data loader and the weight
+sync, with no reference to the trainer: ``fit()`` asks it for the next step's batch (``next``), trains on it, then
+tells it the actor was updated (``after_update``); the schedule decides when the weights go to the rollout engines.
 
 - ``SyncRollouts`` (sync): the step's prompts are generated now, with the newest weights; the weights are synced
   right after each update. Generation and training alternate.
@@ -12,7 +14,7 @@ was updated (``after_update``); the source decides when the weights go to the ro
   trainer takes them in order; every ``trigger_parameter_sync_step`` steps the trainer pushes its weights. The
   rollouter may run at most ``(1 + staleness_threshold) * trigger_parameter_sync_step`` batches ahead of the last
   push, so a batch lags at most ceil(staleness_threshold) weight versions; it waits (``async/rollout_idle_s``)
-  when it is that far ahead (scaletrain/trainer/fully_async.py).
+  when it is that far ahead (fully_async.py).
 
 Each generated row carries ``rollout_version`` (the pushes its engine had received); ``async/staleness_*`` are
 the pushes since, when it is trained. Checkpoints hold ``data_state()``: the loader position just after the last
@@ -24,15 +26,15 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from scaletrain.trainer.dynamic_sampling import Scored
-from scaletrain.trainer.metrics import timer
-
-if TYPE_CHECKING:
-    from scaletrain.trainer.ppo_trainer import RayPPOTrainer
+from scaletrain.data import StatefulDataLoader
+from scaletrain.trainer.rollout.dynamic_sampling import Scored
+from scaletrain.trainer.rollout.producer import RolloutProducer
+from scaletrain.trainer.rollout.weight_sync import WeightSync
+from scaletrain.trainer.step.metrics import timer
 
 logger = logging.getLogger(__name__)
 
@@ -53,23 +55,23 @@ def staleness_metrics(scored: Scored, version: int) -> dict[str, float]:
 class SyncRollouts:
     """Generate each step's batch with the newest weights; sync the weights after each update."""
 
-    def __init__(self, trainer: RayPPOTrainer) -> None:
-        self.trainer = trainer
+    def __init__(self, producer: RolloutProducer, loader: StatefulDataLoader, weight_sync: WeightSync) -> None:
+        self.producer, self.loader, self.weight_sync = producer, loader, weight_sync
 
     def next(self, step: int, timings: dict[str, float]) -> Scored | None:
-        return self.trainer.collect_rollout(next_batch(self.trainer.loader), step, timings)
+        return self.producer.collect(next_batch(self.loader), step, timings, lambda: next_batch(self.loader))
 
     def after_update(self, timings: dict[str, float], actor_updated: bool = True) -> dict[str, float]:
         if not actor_updated:  # the critic's warm-up: the engines' weights are still the actor's
             return {}
         with timer("sync_weights", timings):
-            return self.trainer.weight_sync.push()
+            return self.weight_sync.push()
 
     def before_validation(self, last: bool) -> dict[str, float]:
         return {}
 
     def data_state(self) -> dict[str, Any]:
-        return self.trainer.loader.state_dict()
+        return self.loader.state_dict()
 
     def close(self) -> None:
         pass
@@ -85,22 +87,25 @@ class _Pending:
 class OneStepOffRollouts(SyncRollouts):
     """Step k+1's rollout overlaps step k's training; the push happens between them."""
 
-    def __init__(self, trainer: RayPPOTrainer) -> None:
-        super().__init__(trainer)
+    def __init__(
+        self, producer: RolloutProducer, loader: StatefulDataLoader, weight_sync: WeightSync, total_steps: int
+    ) -> None:
+        super().__init__(producer, loader, weight_sync)
+        self.total_steps = total_steps
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout")
         self.pending: _Pending | None = None
         self.unpushed = False  # the actor was updated since the last push
-        self.consumed_state = trainer.loader.state_dict()
+        self.consumed_state = loader.state_dict()
         self.rollout_done_at: float | None = None
 
     def _start(self, step: int) -> None:
-        batch = next_batch(self.trainer.loader)
+        batch = next_batch(self.loader)
         timings: dict[str, float] = {}
         future = self.pool.submit(self._generate, batch, step, timings)
-        self.pending = _Pending(future, self.trainer.loader.state_dict(), timings)
+        self.pending = _Pending(future, self.loader.state_dict(), timings)
 
     def _generate(self, batch, step: int, timings: dict[str, float]) -> Scored:
-        scored = self.trainer.rollout_batch(batch, step, 0, timings)
+        scored = self.producer.scored(batch, step, 0, timings)
         self.rollout_done_at = time.perf_counter()
         return scored
 
@@ -117,16 +122,16 @@ class OneStepOffRollouts(SyncRollouts):
         self.pending = None
         if self.unpushed:  # the weights step `step` trains from go to the engines, then step + 1 starts on them
             metrics.update(self._push(timings))
-        if step < self.trainer.total_steps:
+        if step < self.total_steps:
             self._start(step + 1)
         metrics["async/rollout_idle_s"] = idle + timings.get("sync_weights", 0.0)
-        metrics.update(staleness_metrics(scored, self.trainer.weight_sync.version))
+        metrics.update(staleness_metrics(scored, self.weight_sync.version))
         scored.metrics.update(metrics)
         return scored
 
     def _push(self, timings: dict[str, float]) -> dict[str, float]:
         with timer("sync_weights", timings):
-            metrics = self.trainer.weight_sync.push()
+            metrics = self.weight_sync.push()
         self.unpushed = False
         return metrics
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from scaletrain.trainer.role_checks import backend_of_strategy
+from scaletrain.trainer.config.role_checks import backend_of_strategy
 from scaletrain.utils.typed_config import ConfigError
 
 logger = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ import logging
 import os
 from dataclasses import dataclass, replace
 
-from scaletrain.trainer.config import PPOConfig
-from scaletrain.trainer.lora_checks import lora_sync_fallback, reference_source
+from scaletrain.trainer.config.lora_checks import lora_sync_fallback, reference_source
+from scaletrain.trainer.config.ppo_config import PPOConfig
 
 logger = logging.getLogger(__name__)
 

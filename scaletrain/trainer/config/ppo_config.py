@@ -4,8 +4,8 @@ Key names follow verl's so a verl user's command ports. configs/ppo_trainer.yaml
 same defaults (a test compares them); the embedded task's small sizes are a recipe overlay
 (configs/recipe/embedded.yaml, applied by scaletrain/trainer/embedded_default.py when the model or data paths are
 null). ``load_ppo_config(dict)`` builds the dataclasses strictly (unknown keys and wrong types fail naming the
-dotted key); null fallbacks and derived values are computed once by scaletrain/trainer/plan.py, and
-scaletrain/trainer/config_checks.py checks what types cannot, once, before Ray starts.
+dotted key); null fallbacks and derived values are computed once by scaletrain/trainer/config/plan.py, and
+scaletrain/trainer/config/checks.py checks what types cannot, once, before Ray starts.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class KLControlConfig:
 class RolloutCorrectionConfig:
     """``algorithm.rollout_correction``: the rollout engine / trainer mismatch (verl's key names).
 
-    Checked by ``scaletrain.trainer.rollout_correction.validate_rollout_correction``; applied each step by
+    Checked by ``scaletrain.trainer.step.rollout_correction.validate_rollout_correction``; applied each step by
     ``apply_rollout_correction`` there. Mismatch metrics are logged whenever the rollout returns log-probs."""
 
     rollout_is: str | None = None  # null: metrics only | token | sequence: truncated IS weights in the loss
@@ -173,7 +173,7 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class FilterGroupsConfig:
-    """``algorithm.filter_groups``: DAPO's dynamic sampling (verl's keys; scaletrain/trainer/dynamic_sampling.py)."""
+    """``algorithm.filter_groups``: DAPO's dynamic sampling (verl's keys; trainer/rollout/dynamic_sampling.py)."""
 
     enable: bool = False  # drop groups whose metric is equal for all n samples, refill the batch
     metric: str = "acc"  # seq_reward | seq_final_reward | a key of the reward's extra info
@@ -191,7 +191,7 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
-    filter_overlong_responses: bool = False  # truncated responses (no EOS) out of the loss (trainer/overlong.py)
+    filter_overlong_responses: bool = False  # truncated responses (no EOS) out of the loss (trainer/step/overlong.py)
 
 
 @dataclass
@@ -273,7 +273,7 @@ class TrainerSection:
 
 @dataclass
 class AsyncTrainingConfig:
-    """``async_training``: overlapping rollout with training on split placement (scaletrain/trainer/rollout_sources.py).
+    """``async_training``: overlapping rollout with training on split placement (trainer/rollout/schedules.py).
 
     The weight version of a sample is the number of weight pushes the rollout engines had received when its
     generation started; its staleness, when trained, is the number of pushes since."""
@@ -291,7 +291,7 @@ class AsyncTrainingConfig:
 
 @dataclass
 class RayInitConfig:
-    """verl's ``ray_kwargs.ray_init``: arguments of ``ray.init`` (scaletrain/trainer/ray_cluster.py)."""
+    """verl's ``ray_kwargs.ray_init``: arguments of ``ray.init`` (scaletrain/trainer/run/ray_cluster.py)."""
 
     EXECUTION_ONLY = ("*",)
 

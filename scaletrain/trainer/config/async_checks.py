@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from scaletrain.utils.typed_config import ConfigError
 
 if TYPE_CHECKING:
-    from scaletrain.trainer.config import PPOConfig
+    from scaletrain.trainer.config.ppo_config import PPOConfig
 
 MODES = ("sync", "one_step_off", "fully_async")
 KEY = "async_training"

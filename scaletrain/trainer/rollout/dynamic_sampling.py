@@ -31,7 +31,7 @@ from scaletrain.protocol import DataProto
 from scaletrain.utils.typed_config import ConfigError
 
 if TYPE_CHECKING:
-    from scaletrain.trainer.config import FilterGroupsConfig, PPOConfig
+    from scaletrain.trainer.config.ppo_config import FilterGroupsConfig, PPOConfig
 
 logger = logging.getLogger(__name__)
 

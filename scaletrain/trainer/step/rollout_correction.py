@@ -29,12 +29,12 @@ import torch
 
 from scaletrain.algos import compute_mismatch_metrics, compute_rollout_correction, get_policy_loss, masked_mean
 from scaletrain.protocol import DataProto
-from scaletrain.trainer.metrics import timer
+from scaletrain.trainer.step.metrics import timer
 from scaletrain.utils.typed_config import ConfigError
 
 if TYPE_CHECKING:
-    from scaletrain.trainer.config import PPOConfig, RolloutCorrectionConfig
-    from scaletrain.trainer.roles import ActorRolloutRefRole
+    from scaletrain.trainer.config.ppo_config import PPOConfig, RolloutCorrectionConfig
+    from scaletrain.workers.roles import ActorRolloutRefRole
 
 KEY = "algorithm.rollout_correction"
 IS_OPTIONS = ("token", "sequence")

@@ -11,12 +11,12 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from scaletrain.data import RLDataset
-from scaletrain.trainer.checkpoint import CheckpointManager
-from scaletrain.trainer.config import PPOConfig
-from scaletrain.trainer.plan import RunPlan, log_plan, plan_run
+from scaletrain.trainer.config.plan import RunPlan, log_plan, plan_run
+from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.trainer.ppo_trainer import RayPPOTrainer
-from scaletrain.trainer.preemption import PreemptionWatch
-from scaletrain.trainer.tracking import Tracking
+from scaletrain.trainer.run.checkpoint import CheckpointManager
+from scaletrain.trainer.run.preemption import PreemptionWatch
+from scaletrain.trainer.run.tracking import Tracking
 from scaletrain.utils.typed_config import to_dict
 from scaletrain.workers.actor_rollout_ref import merged_dir
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from scaletrain.trainer.tracking import INSTALL_HINT, LoggerBackend, RunInfo, register_logger, require_module
+from scaletrain.trainer.run.tracking import INSTALL_HINT, LoggerBackend, RunInfo, register_logger, require_module
 
 logger = logging.getLogger(__name__)
 

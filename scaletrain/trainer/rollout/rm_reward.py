@@ -26,7 +26,7 @@ from scaletrain.protocol import DataProto
 from scaletrain.utils.typed_config import ConfigError
 
 if TYPE_CHECKING:  # the reward-model checks here run before Ray, without the workers' imports
-    from scaletrain.trainer.roles import RewardModelRole
+    from scaletrain.workers.roles import RewardModelRole
 
 
 class RewardWithRM:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 
 from backends.config import check_lora_keys
-from scaletrain.trainer.config import PPOConfig
+from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.utils.typed_config import ConfigError
 
 LORA_SYNC_MODES = ("adapter", "merged")

@@ -25,8 +25,8 @@ import shutil
 import time
 from typing import Any
 
-from scaletrain.trainer.checkpoint import CheckpointManager
-from scaletrain.trainer.config import PPOConfig
+from scaletrain.trainer.config.ppo_config import PPOConfig
+from scaletrain.trainer.run.checkpoint import CheckpointManager
 from scaletrain.utils.secrets import redact_secrets
 from scaletrain.utils.typed_config import ConfigError, execution_only, leaf_fields, to_dict
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from scaletrain.algos import apply_kl_penalty_to_rewards, get_adv_estimator
 from scaletrain.protocol import DataProto
-from scaletrain.trainer.config import AlgorithmConfig
+from scaletrain.trainer.config.ppo_config import AlgorithmConfig
 
 
 def apply_kl_penalty(batch: DataProto, kl_ctrl, kl_penalty: str) -> dict[str, float]:

@@ -2,8 +2,8 @@
 
 With ``actor_rollout_ref.hybrid_engine=false`` the training roles keep the trainer's pool and the rollout engines
 get ``rollout.nnodes`` x ``rollout.n_gpus_per_node`` ranks of their own: one ActorRolloutRefWorker per rank with
-the role ``rollout`` (its engine only), driven through ``RolloutRole`` (roles.py); weights reach it by a push
-(weight_sync.py).
+the role ``rollout`` (its engine only), driven through ``RolloutRole`` (scaletrain/workers/roles.py); weights
+reach it by a push (weight_sync.py).
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import os
 from typing import TYPE_CHECKING
 
 from scaletrain.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-from scaletrain.trainer.roles import ActorRolloutRefRole, RolloutRole
 from scaletrain.workers import ActorRolloutRefWorker
+from scaletrain.workers.roles import ActorRolloutRefRole, RolloutRole
 
 if TYPE_CHECKING:
-    from scaletrain.trainer.config import PPOConfig
-    from scaletrain.trainer.plan import RunPlan
+    from scaletrain.trainer.config.plan import RunPlan
+    from scaletrain.trainer.config.ppo_config import PPOConfig
     from scaletrain.workers.config import ActorRolloutRefConfig
 
 

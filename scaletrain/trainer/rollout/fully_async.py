@@ -21,27 +21,36 @@ import math
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from scaletrain.trainer.dynamic_sampling import Scored
-from scaletrain.trainer.metrics import timer
-from scaletrain.trainer.rollout_sources import next_batch, staleness_metrics
-
-if TYPE_CHECKING:
-    from scaletrain.trainer.ppo_trainer import RayPPOTrainer
+from scaletrain.data import StatefulDataLoader
+from scaletrain.trainer.config.ppo_config import AsyncTrainingConfig
+from scaletrain.trainer.rollout.dynamic_sampling import Scored
+from scaletrain.trainer.rollout.producer import RolloutProducer
+from scaletrain.trainer.rollout.schedules import next_batch, staleness_metrics
+from scaletrain.trainer.rollout.weight_sync import WeightSync
+from scaletrain.trainer.step.metrics import timer
 
 logger = logging.getLogger(__name__)
 
 
 class FullyAsyncRollouts:
-    def __init__(self, trainer: RayPPOTrainer, max_batches: int) -> None:
-        """``max_batches``: the batches to generate from here (the steps left, bounded by total_rollout_steps)."""
-        at = trainer.cfg.async_training
-        self.trainer = trainer
-        self.sync_every = at.trigger_parameter_sync_step
-        self.staleness = at.staleness_threshold
+    def __init__(
+        self,
+        producer: RolloutProducer,
+        loader: StatefulDataLoader,
+        weight_sync: WeightSync,
+        config: AsyncTrainingConfig,
+        first_step: int,
+        max_batches: int,
+    ) -> None:
+        """``first_step``: the step the first batch is for (batch b is generated for step first_step + b);
+        ``max_batches``: the batches to generate from here (the steps left, bounded by total_rollout_steps)."""
+        self.producer, self.loader, self.weight_sync = producer, loader, weight_sync
+        self.sync_every = config.trigger_parameter_sync_step
+        self.staleness = config.staleness_threshold
         self.max_batches = max_batches
-        self.first_step = trainer.global_step + 1  # batch b is generated for step first_step + b
+        self.first_step = first_step
         self.cond = threading.Condition()
         self.ready: deque[tuple[Scored, dict[str, Any], dict[str, float]]] = deque()
         self.started = 0  # batches the rollouter began
@@ -52,7 +61,7 @@ class FullyAsyncRollouts:
         self.done = False
         self.error: BaseException | None = None
         self.rollout_idle_s = 0.0  # waiting for the trainer, since the last step took its batch
-        self.consumed_state = trainer.loader.state_dict()
+        self.consumed_state = loader.state_dict()
         self.thread = threading.Thread(target=self._run, name="rollouter", daemon=True)
         self.thread.start()
 
@@ -72,10 +81,10 @@ class FullyAsyncRollouts:
                         break
                     step = self.first_step + self.started
                     self.started += 1
-                batch = next_batch(self.trainer.loader)  # only this thread draws from the loader
-                data_state = self.trainer.loader.state_dict()
+                batch = next_batch(self.loader)  # only this thread draws from the loader
+                data_state = self.loader.state_dict()
                 timings: dict[str, float] = {}
-                scored = self.trainer.rollout_batch(batch, step, 0, timings)
+                scored = self.producer.scored(batch, step, 0, timings)
                 with self.cond:
                     self.ready.append((scored, data_state, timings))
                     self.cond.notify_all()
@@ -110,7 +119,7 @@ class FullyAsyncRollouts:
                 "async/trainer_idle_s": time.perf_counter() - waited,
                 "async/queue_size": float(queued),
                 "async/rollout_idle_s": rollout_idle,
-                **staleness_metrics(scored, self.trainer.weight_sync.version),
+                **staleness_metrics(scored, self.weight_sync.version),
             }
         )
         return scored
@@ -126,7 +135,7 @@ class FullyAsyncRollouts:
         metrics = {}
         if self.unpushed:
             with timer("sync_weights", timings):
-                metrics = self.trainer.weight_sync.push()  # waits for the engines' call in flight
+                metrics = self.weight_sync.push()  # waits for the engines' call in flight
             self.unpushed = False
         with self.cond:
             self.pushes += 1

@@ -1,4 +1,4 @@
-"""Typed roles (layer 4): what the trainers call on their worker groups, one small class per role.
+"""Typed roles (layer 2's client side): what the trainers call on their worker groups, one small class per role.
 
 Each method is one visible call into the role's worker group, naming the worker's own method::
 
@@ -16,11 +16,14 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from backends.rollout.base import TokenOutput, TokenRequest
+from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
 from scaletrain.controller import ROLLOUT_MESH, WorkerGroup
 from scaletrain.controller.weight_transport import WeightBuckets
 from scaletrain.protocol import DataProto
-from scaletrain.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker, reduce_metrics
+from scaletrain.workers.actor_rollout_ref import ActorRolloutRefWorker
+from scaletrain.workers.critic import CriticWorker
+from scaletrain.workers.dispatch import reduce_metrics
+from scaletrain.workers.reward_model import RewardModelWorker
 from scaletrain.workers.sft import SFTWorker
 
 
@@ -33,9 +36,9 @@ class ActorRolloutRefRole:
     def init_model(self) -> None:
         self.group.call(ActorRolloutRefWorker.init_model)
 
-    def generate(self, prompts: DataProto) -> DataProto:
-        """Responses to ``prompts`` (``n`` per prompt, sampling from the rollout config and ``meta_info``)."""
-        return self.group.call(ActorRolloutRefWorker.generate_sequences, prompts)
+    def generate(self, prompts: DataProto, sampling: SamplingConfig | None = None) -> DataProto:
+        """Responses to ``prompts``, ``sampling.n`` per prompt (None: the rollout config's training sampling)."""
+        return self.group.call(ActorRolloutRefWorker.generate_sequences, prompts, sampling)
 
     def generate_tokens(self, per_rank: list[list[TokenRequest]]) -> list[list[TokenOutput]]:
         """Token-level generation for the agent loops: one request list per rollout DP rank in, one output list out."""
@@ -127,8 +130,8 @@ class RolloutRole:
     def init_model(self) -> None:
         self.group.call(ActorRolloutRefWorker.init_model)
 
-    def generate(self, prompts: DataProto) -> DataProto:
-        out, version = self._call(ActorRolloutRefWorker.generate_sequences, prompts)
+    def generate(self, prompts: DataProto, sampling: SamplingConfig | None = None) -> DataProto:
+        out, version = self._call(ActorRolloutRefWorker.generate_sequences, prompts, sampling)
         out.meta_info["weight_version"] = version
         return out
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from scaletrain.trainer.roles import ActorRolloutRefRole, RolloutRole
+from scaletrain.workers.roles import ActorRolloutRefRole, RolloutRole
 
 
 class WeightSync:

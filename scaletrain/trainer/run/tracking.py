@@ -8,7 +8,7 @@ Backends (``trainer.logger=[console,jsonl,tensorboard,wandb,mlflow]``), all writ
 
 - ``console``: a rich progress bar with the ETA over ``total_steps`` (on a terminal) plus a compact line of key
   metrics every few steps (about 20 lines a run) and at each validation. Library logs stay off the console
-  (scaletrain/trainer/console.py).
+  (scaletrain/trainer/run/console.py).
 - ``jsonl``: ``<log_dir>/metrics.jsonl``, one ``{"step": ..., <metric>: <float>, ...}`` object per line (NaN/inf
   written as Python's json does: ``NaN``/``Infinity``). Appends, so a resumed run continues the file; with
   ``resume_step=N`` the lines with ``step >= N`` are dropped first, so no step appears twice.
@@ -16,7 +16,7 @@ Backends (``trainer.logger=[console,jsonl,tensorboard,wandb,mlflow]``), all writ
 - ``wandb``: ``wandb.init(dir=log_dir)`` in mode ``$WANDB_MODE``, default ``offline`` (no network needed; sync later
   with ``wandb sync``). ``finish()`` also tears down wandb's service process.
 - ``mlflow``: a local SQLite store under ``<log_dir>/mlruns`` or ``$MLFLOW_TRACKING_URI``
-  (``scaletrain/trainer/mlflow_logger.py``, imported when selected).
+  (``scaletrain/trainer/run/mlflow_logger.py``, imported when selected).
 
 Validation samples (``trainer.log_val_generations``): ``Tracking.log_generations(samples, step)`` hands a list of
 ``{"input", "output", "score"}`` dicts to each backend's ``log_generations`` (a no-op unless the backend defines
@@ -45,7 +45,7 @@ from scaletrain.utils.secrets import redact_secrets, scrubbed_argv
 
 logger = logging.getLogger(__name__)
 
-LOGGERS = Registry("logger", lazy={"mlflow": "scaletrain.trainer.mlflow_logger"})
+LOGGERS = Registry("logger", lazy={"mlflow": "scaletrain.trainer.run.mlflow_logger"})
 INSTALL_HINT = "pip install scaletrain[loggers]"
 
 

@@ -1,6 +1,6 @@
 """Checks of the PPO config across keys (layer 4), run once before Ray starts.
 
-``check_config`` takes the resolved config (``scaletrain.trainer.plan.resolve_config``: null fallbacks filled)
+``check_config`` takes the resolved config (``scaletrain.trainer.config.plan.resolve_config``: null fallbacks filled)
 and checks what types cannot: batch sizes that must divide, registered names (estimator, policy loss, backend,
 rollout engine, reward manager, loggers), files and models that must exist, layouts that must fit. It raises
 ConfigError naming the key and changes nothing.
@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 
 from scaletrain.models.prepare import check_causal_lm
-from scaletrain.trainer.async_checks import rollout_world_size, validate_async_training
-from scaletrain.trainer.config import PPOConfig, TrainerSection, files_of
-from scaletrain.trainer.lora_checks import validate_lora
-from scaletrain.trainer.rollout_checks import validate_rollout, validate_rollout_model
+from scaletrain.trainer.config.async_checks import rollout_world_size, validate_async_training
+from scaletrain.trainer.config.lora_checks import validate_lora
+from scaletrain.trainer.config.ppo_config import PPOConfig, TrainerSection, files_of
+from scaletrain.trainer.config.rollout_checks import validate_rollout, validate_rollout_model
 from scaletrain.utils.typed_config import ConfigError
 
 WORKER_ROLES = ("actor_rollout", "critic", "rm", "rollout")  # the PPO trainer's worker groups (init_workers;
@@ -24,11 +24,11 @@ WORKER_ROLES = ("actor_rollout", "critic", "rm", "rollout")  # the PPO trainer's
 def check_config(cfg: PPOConfig) -> PPOConfig:
     """Checks across keys of a resolved config (``plan.resolve_config``); raises ConfigError naming the key.
     Changes nothing; returns ``cfg`` for chaining."""
-    from scaletrain.trainer.dynamic_sampling import validate_filter_groups
-    from scaletrain.trainer.ray_cluster import check_ray_kwargs
-    from scaletrain.trainer.rm_reward import validate_reward_model
-    from scaletrain.trainer.role_checks import validate_roles
-    from scaletrain.trainer.rollout_correction import validate_rollout_correction
+    from scaletrain.trainer.config.role_checks import validate_roles
+    from scaletrain.trainer.rollout.dynamic_sampling import validate_filter_groups
+    from scaletrain.trainer.rollout.rm_reward import validate_reward_model
+    from scaletrain.trainer.run.ray_cluster import check_ray_kwargs
+    from scaletrain.trainer.step.rollout_correction import validate_rollout_correction
 
     validate_lora(cfg)  # first: megatron's refusal of LoRA before its packages are imported
     _validate_names(cfg)
@@ -144,7 +144,7 @@ def _validate_names(cfg: PPOConfig) -> None:
     from backends.rollout.base import ROLLOUTS
     from scaletrain.algos import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
     from scaletrain.reward import REWARD_MANAGERS
-    from scaletrain.trainer.tracking import LOGGERS
+    from scaletrain.trainer.run.tracking import LOGGERS
 
     arr = cfg.actor_rollout_ref
     names = [

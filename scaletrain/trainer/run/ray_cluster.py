@@ -30,7 +30,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from scaletrain.trainer.config import RayInitConfig, RayKwargsConfig
+from scaletrain.trainer.config.ppo_config import RayInitConfig, RayKwargsConfig
 from scaletrain.utils.ray_token import private_cluster_token
 from scaletrain.utils.typed_config import ConfigError
 
@@ -74,7 +74,7 @@ def merged_runtime_env(ours: dict[str, Any], user: dict[str, Any]) -> dict[str, 
 
 def ray_init_arguments(ri: RayInitConfig, world_size: int, device: str) -> dict[str, Any]:
     """The ``ray.init`` keyword arguments of a new connection (console.py's logging set-up included)."""
-    from scaletrain.trainer.console import ray_init_kwargs
+    from scaletrain.trainer.run.console import ray_init_kwargs
 
     kwargs = ray_init_kwargs()
     runtime_env = merged_runtime_env(kwargs.pop("runtime_env", {}), ri.runtime_env)

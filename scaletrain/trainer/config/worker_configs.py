@@ -2,7 +2,7 @@
 
 ``model_config`` and ``engine_config`` turn a model section and the backend section into the engines' own
 settings (``backends.config``); ``ppo_worker_configs`` builds the actor/rollout/ref, critic and reward-model
-workers' configs of a resolved PPO config and its plan (scaletrain/trainer/plan.py). A new model or engine key
+workers' configs of a resolved PPO config and its plan (scaletrain/trainer/config/plan.py). A new model or engine key
 is read here once, for every trainer.
 """
 
@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from backends.config import EngineConfig, LoraSettings, ModelConfig
 
 if TYPE_CHECKING:
-    from scaletrain.trainer.config import BackendConfig, HFModelConfig, PPOConfig
-    from scaletrain.trainer.plan import RunPlan
+    from scaletrain.trainer.config.plan import RunPlan
+    from scaletrain.trainer.config.ppo_config import BackendConfig, HFModelConfig, PPOConfig
     from scaletrain.workers.config import ActorRolloutRefConfig, CriticConfig, RewardModelConfig
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from backends.config import OptimConfig
-from scaletrain.trainer.config import BackendConfig, HFModelConfig, RayKwargsConfig, files_of
+from scaletrain.trainer.config.ppo_config import BackendConfig, HFModelConfig, RayKwargsConfig, files_of
 from scaletrain.utils.typed_config import ConfigError, build
 from scaletrain.workers.sft import GreedyRolloutConfig
 
@@ -117,9 +117,9 @@ def check_sft_config(cfg: SFTConfig) -> SFTConfig:
     Changes nothing; returns ``cfg`` for chaining."""
     from backends.base import BACKENDS
     from backends.rollout.base import ROLLOUTS
-    from scaletrain.trainer.config_checks import check_registered
-    from scaletrain.trainer.ray_cluster import check_ray_kwargs
-    from scaletrain.trainer.tracking import LOGGERS
+    from scaletrain.trainer.config.checks import check_registered
+    from scaletrain.trainer.run.ray_cluster import check_ray_kwargs
+    from scaletrain.trainer.run.tracking import LOGGERS
 
     check_registered(
         [("backend.name", cfg.backend.name, BACKENDS), ("rollout.name", cfg.rollout.name, ROLLOUTS)]
@@ -136,7 +136,7 @@ def check_sft_config(cfg: SFTConfig) -> SFTConfig:
 
 def _check_values(cfg: SFTConfig) -> None:
     from backends.optim import SCHEDULES
-    from scaletrain.trainer.config_checks import check_positive
+    from scaletrain.trainer.config.checks import check_positive
 
     data, trainer = cfg.data, cfg.trainer
     positive = {
