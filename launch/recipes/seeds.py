@@ -8,9 +8,10 @@ their median and spread, and every run's curve in one PNG (the measurement behin
 
 Each run is ``python -m scaletrain.trainer.main_ppo`` with the overrides after ``--`` (none: the embedded default,
 as ``make run`` trains it; its SFT warm-up is cached per seed and backend, so a new seed pays it once), then
-``trainer.seed=S trainer.default_local_dir=OUT/seed_S``, which win over a recipe's own seed and run directory. The runs go one after another (each uses the machine's cores).
-The held-out figure is the first validation metric the runs share (``--metric`` names another), read from each
-run's ``metrics.jsonl``: start = the first validation, end = the last. Prints a table and one summary line, writes
+``trainer.seed=S trainer.default_local_dir=OUT/seed_S``, which win over a recipe's own seed and run directory.
+The runs go one after another (each uses the machine's cores). The held-out
+figure is the first validation metric the runs share (``--metric`` names another), read from each run's
+``metrics.jsonl``: start = the first validation, end = the last. Prints a table and one summary line, writes
 ``OUT/seeds.json`` and ``OUT/curves.png``. A documented learning figure is the median of the runs this names,
 never one run's best.
 """
