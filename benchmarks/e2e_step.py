@@ -95,23 +95,14 @@ def build_model(root: Path) -> str:
     """Write the benchmark's tiny random Qwen2 and its BPE tokenizer to ``root/model`` (see the module docstring
     for why EOS is pushed down); returns the path."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
+
+    from scaletrain.models.tiny import tiny_qwen2_config
 
     tok = build_bpe_tokenizer()
     torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
-    )
+    ids = (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    cfg = tiny_qwen2_config(len(tok), *ids, shape="embedded", max_position_embeddings=256)
     model = Qwen2ForCausalLM(cfg)
     with torch.no_grad():
         # dimension 0 then dominates the residual stream, the final norm's output is large and positive there,

@@ -44,16 +44,6 @@ NUM_PROBLEMS = (HIGH - LOW + 1) ** 2
 BUILD_VERSION = 1
 DEFAULT_N_TRAIN = 50_000
 
-MODEL_CONFIG = dict(
-    hidden_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=512,
-    tie_word_embeddings=True,
-    max_position_embeddings=tok.MODEL_MAX_LENGTH,
-)
-
 
 def default_cache_dir() -> Path:
     """``$SCALETRAIN_CACHE/embedded`` when that variable is set, else ``~/.cache/scaletrain/embedded``."""
@@ -126,18 +116,12 @@ def write_arithmetic_task(
 
 # ------------------------------------------------------------------------------------------------ the model
 def tiny_qwen2_config(**overrides: Any) -> Any:
-    """The embedded model's ``Qwen2Config`` (vocabulary and special ids from the tokenizer)."""
-    from transformers import Qwen2Config
+    """The embedded model's ``Qwen2Config`` (scaletrain/models/tiny.py's ``embedded`` shape; vocabulary and special
+    ids from the tokenizer)."""
+    from scaletrain.models.tiny import tiny_qwen2_config as shaped
 
-    settings = dict(
-        MODEL_CONFIG,
-        vocab_size=len(tok.arithmetic_vocab()),
-        pad_token_id=tok.PAD_ID,
-        bos_token_id=tok.BOS_ID,
-        eos_token_id=tok.EOS_ID,
-    )
-    settings.update(overrides)
-    return Qwen2Config(**settings)
+    overrides.setdefault("max_position_embeddings", tok.MODEL_MAX_LENGTH)
+    return shaped(len(tok.arithmetic_vocab()), tok.PAD_ID, tok.BOS_ID, tok.EOS_ID, shape="embedded", **overrides)
 
 
 def save_tiny_model(path: str | os.PathLike, seed: int = 0) -> str:

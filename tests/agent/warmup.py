@@ -48,25 +48,14 @@ def build_tool_model(path: str, steps: int = 250, seed: int = 0) -> str:
     """Write the warmed-up model + tokenizer to ``path`` (skipped when already there); returns ``path``."""
     if os.path.exists(os.path.join(path, "model.safetensors")):
         return path
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
+
+    from scaletrain.models.tiny import tiny_qwen2_config
 
     tok = make_agent_tokenizer()
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    cfg = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    cfg = tiny_qwen2_config(len(tok), 0, 1, 2, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
     model = Qwen2ForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()

@@ -51,23 +51,10 @@ def make_tokenizer():
 
 
 def tiny_qwen2_config(**overrides):
-    from transformers import Qwen2Config
+    """scaletrain/models/tiny.py's ``test`` shape for this character-level vocabulary."""
+    from scaletrain.models.tiny import tiny_qwen2_config as shaped
 
-    settings = dict(
-        vocab_size=len(vocab()),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-    )
-    settings.update(overrides)
-    return Qwen2Config(**settings)
+    return shaped(len(vocab()), PAD_ID, BOS_ID, EOS_ID, **overrides)
 
 
 def save_tiny_qwen2(path: str, seed: int = 0, with_tokenizer: bool = True, **config_overrides) -> str:

@@ -1,0 +1,40 @@
+"""Tiny random Qwen2 models (outside the layers, beside the offline pretrained ones): the one place their shapes
+are written down, for the embedded default (scaletrain/data/embedded.py), the tests and the benchmarks.
+
+``tiny_qwen2_config(vocab_size, pad, bos, eos, shape=..., **overrides)``: a ``Qwen2Config`` of one of ``SHAPES``
+(2 layers, tied embeddings, GQA) for a tokenizer's vocabulary and special ids, with any field overridden.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SHAPES: dict[str, dict[str, int]] = {
+    # the tests' and the small benchmarks' model: hidden 64, 4 query / 2 KV heads
+    "test": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+    # the embedded default's (and the end-to-end benchmark's) model: hidden 128
+    "embedded": dict(hidden_size=128, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+def tiny_qwen2_config(
+    vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int, shape: str = "test", **overrides: Any
+):
+    """A 2-layer ``Qwen2Config`` with tied embeddings of ``SHAPES[shape]``, for a tokenizer of ``vocab_size`` ids
+    and these special ids; ``overrides`` replace any field (``max_position_embeddings`` defaults to 512)."""
+    from transformers import Qwen2Config
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown tiny model shape {shape!r}; known: {', '.join(SHAPES)}")
+    settings: dict[str, Any] = dict(
+        SHAPES[shape],
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        vocab_size=vocab_size,
+        pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+    )
+    settings.update(overrides)
+    return Qwen2Config(**settings)
