@@ -15,7 +15,7 @@ import torch
 
 from backends.rollout.vllm_engine import row_seed
 from scaletrain.trainer.run.checkpoint import STATE, CheckpointManager
-from scaletrain.utils.net import free_port
+from scaletrain.utils.net import LOWEST, ephemeral_ports, free_port
 from scaletrain.utils.seeding import SEED_BITS, derive_seed, rng_state, set_rng_state
 
 
@@ -103,7 +103,13 @@ def test_checkpoint_with_bad_rng_state_names_the_file(tmp_path):
         CheckpointManager.load_state(str(step_dir))
 
 
-def test_free_port_is_bindable():
+def test_free_port_is_bindable_and_outside_the_range_outgoing_connections_take():
+    """Outgoing connections (Ray's many) take ports from the kernel's ephemeral range; a rendezvous port picked
+    there could be taken before its rank binds it (EADDRINUSE in init_process_group, seen in the suite)."""
+    low, high = ephemeral_ports()
+    ports = {free_port() for _ in range(20)}
+    assert all(LOWEST <= p < low for p in ports), (sorted(ports), low)
+    assert len(ports) > 1  # random, not the same port for every caller
     port = free_port()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", port))

@@ -120,8 +120,9 @@ def tiny_qwen2_config(**overrides: Any) -> Any:
     ids from the tokenizer)."""
     from scaletrain.models.tiny import tiny_qwen2_config as shaped
 
-    overrides.setdefault("max_position_embeddings", tok.MODEL_MAX_LENGTH)
-    return shaped(len(tok.arithmetic_vocab()), tok.PAD_ID, tok.BOS_ID, tok.EOS_ID, shape="embedded", **overrides)
+    ids = dict(vocab_size=len(tok.arithmetic_vocab()), pad_token_id=tok.PAD_ID, bos_token_id=tok.BOS_ID)
+    settings = {**ids, "eos_token_id": tok.EOS_ID, "max_position_embeddings": tok.MODEL_MAX_LENGTH, **overrides}
+    return shaped(shape="embedded", **settings)
 
 
 def save_tiny_model(path: str | os.PathLike, seed: int = 0) -> str:

@@ -4,13 +4,46 @@ environment of one rank of a process group launched on this machine (multi-rank 
 from __future__ import annotations
 
 import os
+import random
 import socket
+
+# Ray's own listening ports (GCS 6379, its workers 10002-19999 by default) lie below this
+LOWEST = 20000
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux: ``ip_local_port_range``; elsewhere its default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+        return True
 
 
 def free_port() -> int:
-    """A TCP port no process is listening on at the moment of the call. It binds the wildcard address, so the port
-    is free on every interface: the rendezvous may be on the node's own IP (Ray workers) or on 127.0.0.1. Another
-    process may still take it before the caller binds it; callers that race retry or accept that."""
+    """A TCP port no process is listening on at the moment of the call, for a torch.distributed rendezvous that
+    binds it a little later. Chosen at random below the kernel's ephemeral range: every outgoing connection on the
+    machine (Ray's many) takes a port from that range, so a port picked there can be taken before the caller binds
+    it (seen: EADDRINUSE in a rank's init_process_group); below it only another explicit bind can. It binds the
+    wildcard address, so the port is free on every interface: the rendezvous may be on the node's own IP (Ray
+    workers) or on 127.0.0.1. Falls back to any free port when that range is too small or full."""
+    low = ephemeral_ports()[0]
+    rng = random.SystemRandom()
+    if low - LOWEST >= 1000:
+        for _ in range(64):
+            port = rng.randrange(LOWEST, low)
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]

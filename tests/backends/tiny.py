@@ -54,7 +54,8 @@ def tiny_qwen2_config(**overrides):
     """scaletrain/models/tiny.py's ``test`` shape for this character-level vocabulary."""
     from scaletrain.models.tiny import tiny_qwen2_config as shaped
 
-    return shaped(len(vocab()), PAD_ID, BOS_ID, EOS_ID, **overrides)
+    ids = dict(vocab_size=len(vocab()), pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+    return shaped(**{**ids, **overrides})
 
 
 def save_tiny_qwen2(path: str, seed: int = 0, with_tokenizer: bool = True, **config_overrides) -> str:
