@@ -79,9 +79,9 @@ class RolloutProducer:
         if self.agent_manager is None:
             return self.rollout.generate(gen_batch, sampling), {}
         rows = DataProto.from_dict(non_tensors=dict(batch.non_tensor_batch))
-        params = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
+        params = {k: getattr(sampling, k) for k in ("temperature", "top_p", "top_k", "seed")}  # n: per call
         with self.agent_lock:  # one event loop at a time drives the batcher (the rollout thread, validation)
-            out = self.agent_manager.generate_sequences(rows, {**params, "seed": sampling.seed}, n=sampling.n, tag=tag)
+            out = self.agent_manager.generate_sequences(rows, params, n=sampling.n, tag=tag)
         return out, out.meta_info.pop("metrics", {})
 
     def scored(self, batch: DataProto, step: int, gen_index: int, timings: dict[str, float]) -> Scored:
