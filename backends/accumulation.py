@@ -56,7 +56,7 @@ class Accumulation:
         """The factor micro-batch ``i``'s loss is back-propagated with (see the module docstring)."""
         return self.weights[i] * self.dp_size
 
-    def add(self, i: int, loss: float, metrics: dict) -> None:
+    def add(self, i: int, loss: float | torch.Tensor, metrics: dict) -> None:
         """Record micro-batch ``i``'s loss and loss_fn metrics (plain floats or 0-d tensors)."""
         w = self.weights[i]
         self._sums["loss"] += w * float(loss)
@@ -72,6 +72,7 @@ class Accumulation:
         dist.all_gather_object(gathered, dict(self._sums), group=self.group)
         out: dict[str, float] = defaultdict(float)
         for sums in gathered:  # rank order: every rank adds in the same order, so all get the same bits
+            assert sums is not None  # all_gather_object filled every slot
             for key, value in sums.items():
                 out[key] += value
         return dict(out)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
-from backends.config import DEFAULT_FORWARD, ForwardOptions
+from backends.config import DEFAULT_FORWARD, EngineConfig, ForwardOptions, ModelConfig, OptimConfig
 from scaletrain.protocol import DataProto
 from scaletrain.utils.registry import Registry
 
@@ -61,6 +62,12 @@ def bucketed(items: Iterable[tuple[str, int, Callable[[], torch.Tensor]]], bucke
 
 
 class TrainEngine(ABC):
+    if TYPE_CHECKING:  # the constructor every registered backend has (register_backend); declared, not defined
+
+        def __init__(
+            self, model_config: ModelConfig, optim_config: OptimConfig | None, engine_config: EngineConfig
+        ) -> None: ...
+
     @abstractmethod
     def forward(
         self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",), options: ForwardOptions = DEFAULT_FORWARD

@@ -40,16 +40,17 @@ class ModelConfig(LoraSettings):
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    lr: float = 1e-6  # peak learning rate (AdamW)
+    weight_decay: float = 0.0  # AdamW's weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW's (beta1, beta2)
+    eps: float = 1e-8  # AdamW's epsilon
     grad_clip: float = 1.0  # <= 0 disables clipping
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # optimizer steps of linear warm-up to lr (step s: lr x (s + 1) / warmup_steps);
+    # 0: none (or lr_warmup_steps_ratio's)
     lr_warmup_steps_ratio: float = 0.0  # verl's: warm-up = ratio x total_steps when warmup_steps is 0
     total_steps: int = 0  # needed by cosine; 0 = unknown (constant after warm-up)
     lr_scheduler: str = "constant"  # constant | cosine
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = 0.0  # cosine: the lr decays to lr x this at total_steps
 
 
 @dataclass(frozen=True)

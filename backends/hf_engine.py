@@ -31,6 +31,7 @@ from abc import abstractmethod
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LRScheduler
 
 from backends.accumulation import Accumulation
 from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, base_model_only, bucketed
@@ -57,7 +58,9 @@ class HFTrainEngine(TrainEngine):
     """One engine per process; every public method is collective over ``self.group`` (the data-parallel ranks)."""
 
     group = None  # the data-parallel process group (None: the default group)
-    optimizer = scheduler = None  # set by a trainable engine
+    model: torch.nn.Module  # the HF model (PEFT-wrapped with LoRA), set by the backend's __init__
+    optimizer = None  # set by a trainable engine
+    scheduler: LRScheduler | None = None  # set by a trainable engine
     lora: LoraLayout | None = None  # set by a LoRA engine
 
     def _resolve_configs(
@@ -78,6 +81,9 @@ class HFTrainEngine(TrainEngine):
         model = build_model(self.model_config)
         hf_model = model
         if lora_enabled(self.model_config):
+            from peft import PeftModel
+
+            assert isinstance(model, PeftModel)  # build_model wraps a LoRA model with PEFT
             hf_model, self.lora = model.get_base_model(), LoraLayout.of(model)
             self.peft_config = model.peft_config[ADAPTER]
         self.architecture = type(hf_model).__name__
@@ -110,6 +116,11 @@ class HFTrainEngine(TrainEngine):
     @abstractmethod
     def _param_items(self) -> list[Item]: ...
 
+    def _schedule(self) -> LRScheduler:
+        """The LR schedule; only a trainable engine has one (``train_step`` checks ``require_trainable``)."""
+        assert self.scheduler is not None, "a trainable engine sets its scheduler in __init__"
+        return self.scheduler
+
     # ------------------------------------------------------------------------------------------ properties
     @property
     def dp_rank(self) -> int:
@@ -128,7 +139,7 @@ class HFTrainEngine(TrainEngine):
         return partition_batch(batch, self.engine_config, self.device, self.group, call)
 
     def _forward(self, micro: DataProto, outputs: tuple[str, ...], temperature: float) -> dict[str, torch.Tensor]:
-        inputs = {k: micro.batch[k].to(self.device) for k in MODEL_INPUTS if k in micro.batch.keys()}
+        inputs = {k: micro.tensors[k].to(self.device) for k in MODEL_INPUTS if k in micro.tensors.keys()}
         return forward_micro_batch(
             self._compute_module(),
             inputs,
@@ -146,7 +157,8 @@ class HFTrainEngine(TrainEngine):
         outputs = check_outputs(self.model_config.kind, outputs)
         temperature = float(batch.meta_info.get("temperature", 1.0))
         base_only = base_model_only(options, self.has_adapter)
-        inputs = batch.select(batch_keys=[k for k in MODEL_INPUTS if k in batch.batch.keys()], non_tensor_batch_keys=[])
+        keys = [k for k in MODEL_INPUTS if k in batch.tensors.keys()]
+        inputs = batch.select(batch_keys=keys, non_tensor_batch_keys=[])
         with self._on_device(optimizer=False), self._adapters_off(base_only):
             self._compute_module().eval()
             parts = self._partition(inputs, options.micro_batching)
@@ -164,6 +176,9 @@ class HFTrainEngine(TrainEngine):
         if not off:
             yield
             return
+        from peft import PeftModel
+
+        assert isinstance(self.model, PeftModel)  # ``off`` only with adapters: a PEFT-wrapped model
         try:
             with self.model.disable_adapter():
                 yield
@@ -187,7 +202,7 @@ class HFTrainEngine(TrainEngine):
                 loss, metrics = loss_fn(self._forward(micro, outputs, temperature), micro)
                 self._backward(loss * acc.grad_scale(i))
                 acc.add(i, loss.detach(), metrics)
-            lr = self.scheduler.get_last_lr()[0]
+            lr = float(self._schedule().get_last_lr()[0])
             result = finish_train_step(acc.metrics(), lr, self.global_step, self._clip_grads, self._apply_update)
             self._end_step(skipped=bool(result["step_skipped"]))
             self.global_step += 1

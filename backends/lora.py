@@ -91,6 +91,7 @@ def _check_adapter_path(model_config: ModelConfig) -> str:
     import json
 
     path = model_config.lora_adapter_path
+    assert path is not None  # wrap_lora calls this only with an adapter path
     config_file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_file):
         raise ValueError(f"model.lora_adapter_path: {path} is not a PEFT adapter directory (no adapter_config.json)")

@@ -39,11 +39,22 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str,
     raise ValueError(f"unknown lr_scheduler '{schedule}'; known: {list(SCHEDULES)}")
 
 
+def warmup_steps(config: OptimConfig) -> int:
+    """The warm-up in optimizer steps: ``warmup_steps``, or ``lr_warmup_steps_ratio`` x ``total_steps`` when it is 0
+    (every engine's schedule reads it here)."""
+    if config.warmup_steps == 0 and config.lr_warmup_steps_ratio > 0:
+        if config.total_steps <= 0:
+            raise ValueError("optim.lr_warmup_steps_ratio needs optim.total_steps (the trainer sets it)")
+        return int(config.lr_warmup_steps_ratio * config.total_steps)
+    return config.warmup_steps
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimConfig) -> torch.optim.AdamW:
+    beta1, beta2 = config.betas  # a list too (a config read from YAML)
     return torch.optim.AdamW(
         [p for p in params if p.requires_grad],
         lr=config.lr,
-        betas=tuple(config.betas),
+        betas=(beta1, beta2),
         eps=config.eps,
         weight_decay=config.weight_decay,
     )
@@ -54,11 +65,7 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig) ->
         raise ValueError(f"unknown lr_scheduler '{config.lr_scheduler}'; known: {list(SCHEDULES)}")
     if config.lr_scheduler == "cosine" and config.total_steps <= 0:
         logger.warning("lr_scheduler=cosine without optim.total_steps: constant learning rate after the warm-up")
-    warmup, total = config.warmup_steps, config.total_steps
-    if warmup == 0 and config.lr_warmup_steps_ratio > 0:
-        if total <= 0:
-            raise ValueError("optim.lr_warmup_steps_ratio needs optim.total_steps (the trainer sets it)")
-        warmup = int(config.lr_warmup_steps_ratio * total)
+    warmup, total = warmup_steps(config), config.total_steps
     schedule, min_ratio = config.lr_scheduler, config.min_lr_ratio
 
     # a plain function (not a callable object), so the scheduler's state_dict holds only the step count and

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -110,6 +110,7 @@ def split_tensor(name: str, full: torch.Tensor, tp: int, config: Any = None) -> 
         return _split_kv(name, full, heads[1], heads[2], tp)
     if heads is not None and _Q.search(name) and heads[0] % tp:
         raise ValueError(f"{name}: num_attention_heads={heads[0]} is not divisible by tp={tp}")
+    assert dim is not None  # shard_spec: only a replicated tensor has none
     return _chunk(name, full, dim, tp)
 
 
@@ -140,6 +141,7 @@ def rank_shard(
     heads = _heads(config)
     if heads is not None and _KV.search(name) and tp > heads[1]:
         return shard, 0, (rank * heads[1] // tp) * heads[2]  # the replicated kv head this rank holds
+    assert dim is not None  # shard_spec: only a replicated tensor has none
     return shard, dim, rank * shard.shape[dim]
 
 
@@ -160,6 +162,7 @@ def merge_shards(name: str, shards: Sequence[torch.Tensor], config: Any = None) 
         if tp % nkv:
             raise ValueError(f"{name}: tp={tp} > num_key_value_heads={nkv} but is not a multiple of it")
         shards = shards[:: tp // nkv]  # one replica per kv head
+    assert dim is not None  # shard_spec: only a replicated tensor has none
     return torch.cat(shards, dim=dim)
 
 
@@ -234,7 +237,7 @@ def _nbytes(shards: Sequence[torch.Tensor]) -> int:
 
 
 def iter_resharded_buckets(
-    named_shards_iter: Iterable[tuple[str, Sequence[torch.Tensor]]] | Mapping,
+    named_shards_iter: Iterable[tuple[str, Sequence[torch.Tensor]]] | Mapping[str, Sequence[torch.Tensor]],
     k: int,
     m: int,
     config: Any,
@@ -248,6 +251,8 @@ def iter_resharded_buckets(
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     items = named_shards_iter.items() if isinstance(named_shards_iter, Mapping) else named_shards_iter
+    # isinstance(..., Mapping) also narrows the pairs' Iterable to a Mapping keyed by pairs, which never reaches here
+    items = cast(Iterable[tuple[str, Sequence[torch.Tensor]]], items)
     bucket: list[tuple[str, list[torch.Tensor]]] = []
     used = 0
     for name, shards in items:

@@ -26,7 +26,8 @@ import torch
 # These rebuild an array from its dtype and raw bytes; an object array's items still go through the restricted
 # unpickler, so nothing here lets a file name arbitrary code.
 _NUMPY_ARRAY_GLOBALS = [
-    (getattr(np, "_core", None) or np.core).multiarray._reconstruct,
+    # numpy 2's np._core, numpy 1's np.core (a version switch pyright cannot follow)
+    (getattr(np, "_core", None) or np.core).multiarray._reconstruct,  # pyright: ignore[reportAttributeAccessIssue]
     np.ndarray,
     np.dtype,
     np.dtypes.UInt32DType,

@@ -27,9 +27,11 @@ from scaletrain.protocol import DataProto
 logger = logging.getLogger(__name__)
 
 
-def require_trainable(optim_config: OptimConfig | None) -> None:
+def require_trainable(optim_config: OptimConfig | None) -> OptimConfig:
+    """``optim_config``; a forward-only engine (built with ``optim_config=None``) refuses ``train_step``."""
     if optim_config is None:
         raise RuntimeError("train_step on a forward-only engine (built with optim_config=None)")
+    return optim_config
 
 
 def partition_batch(

@@ -9,7 +9,7 @@ Measured in this run, each a median over fresh processes:
 - ``import <role>``: a fresh interpreter importing what a worker of that role imports before it builds anything
   (the worker module, the backend's engine module, the rollout engine's module). vLLM's import is its own row:
   a role without a vLLM rollout (a critic, the hf rollout) must not pay it, nor fsdp the megatron / DeepSpeed
-  packages (tests/test_worker_imports.py checks both).
+  packages (tests/workers/test_worker_imports.py checks both).
 The ratio column is each row against the bare actor.
 """
 

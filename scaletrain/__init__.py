@@ -22,6 +22,7 @@ def _map_source_configs() -> None:
     spec = importlib.util.spec_from_file_location(
         f"{__name__}.configs", configs, submodule_search_locations=[str(configs.parent)]
     )
+    assert spec is not None and spec.loader is not None  # a .py file's
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

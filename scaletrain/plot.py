@@ -134,7 +134,8 @@ def plot_run(run_dir: str | Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scaletrain.plot", description=__doc__.splitlines()[0])
+    description = __doc__.splitlines()[0] if __doc__ else None
+    parser = argparse.ArgumentParser(prog="python -m scaletrain.plot", description=description)
     parser.add_argument("run_dir", type=Path, help="a run's log dir (holding metrics.jsonl)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

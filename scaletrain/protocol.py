@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast, overload
 
 import numpy as np
 import torch
@@ -110,6 +110,13 @@ class DataProto:
         return cls.from_dict(tensors, non, meta_info)
 
     # ----------------------------------------------------------------------------------------------- access
+    @property
+    def tensors(self) -> TensorDict:
+        """``batch``, for code that needs the tensors: raises when this DataProto holds none (``batch`` is None)."""
+        if self.batch is None:
+            raise ValueError(f"this DataProto holds no tensors (batch is None); keys: {self.keys()}")
+        return self.batch
+
     def __len__(self) -> int:
         if self.batch is not None:
             return int(self.batch.batch_size[0])
@@ -117,6 +124,10 @@ class DataProto:
             return len(val)
         return 0
 
+    @overload
+    def __getitem__(self, item: int | np.integer) -> DataProtoItem: ...
+    @overload
+    def __getitem__(self, item: slice | list | tuple | np.ndarray | torch.Tensor) -> DataProto: ...
     def __getitem__(self, item: Any) -> DataProto | DataProtoItem:
         if isinstance(item, (int, np.integer)):
             n = len(self)
@@ -181,7 +192,8 @@ class DataProto:
     ) -> DataProto:
         """Remove the named fields from self and return them as a new DataProto."""
         self._check_keys(batch_keys, non_tensor_batch_keys, meta_info_keys)
-        tensors = {k: self.batch.pop(k) for k in batch_keys} if batch_keys else {}
+        # a DataProto's batch holds plain tensors (from_dict checks it)
+        tensors = {k: cast(torch.Tensor, self.tensors.pop(k)) for k in batch_keys} if batch_keys else {}
         non = {k: self.non_tensor_batch.pop(k) for k in non_tensor_batch_keys}
         meta = {k: self.meta_info.pop(k) for k in meta_info_keys}
         return DataProto.from_dict(tensors, non, meta)
@@ -231,7 +243,8 @@ class DataProto:
             if set(part.keys()) != keys:
                 missing = sorted(keys.symmetric_difference(part.keys()))
                 raise ValueError(f"concat: part {i} differs from part 0 in keys {missing}")
-        batch = torch.cat([d.batch for d in data], dim=0) if first.batch is not None else None
+        # torch.cat dispatches to TensorDict's own concatenation (its stubs only know tensors)
+        batch = cast(TensorDict, torch.cat([d.tensors for d in data], dim=0)) if first.batch is not None else None
         non = {k: np.concatenate([d.non_tensor_batch[k] for d in data]) for k in first.non_tensor_batch}
         return DataProto(batch=batch, non_tensor_batch=non, meta_info=dict(first.meta_info))
 

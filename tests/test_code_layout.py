@@ -1,5 +1,6 @@
 """The code's layout stays walkable: the import graph of the project's packages has no cycle (arrows point down
-the layers), and no package folder holds more than 15 modules.
+the layers), no package folder holds more than 15 modules, and the tests mirror the code (a test module sits in the
+folder of the package it tests).
 
 Every import counts, wherever it sits (module level, inside a function, under ``TYPE_CHECKING``): a cycle kept out
 of the interpreter's way by a lazy or type-only import is still two modules that each need the other. Read from
@@ -14,6 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("scaletrain", "backends")
+# test folders named for where their tests run rather than for what they test
+ENVIRONMENT_TEST_FOLDERS = ("faults", "gpu", "slurm")
 
 
 def module_names() -> dict[str, Path]:
@@ -76,4 +79,35 @@ def test_no_package_folder_holds_more_than_15_modules():
         for init in (ROOT / package).rglob("__init__.py"):
             sizes[str(init.parent.relative_to(ROOT))] = len(list(init.parent.glob("*.py")))
     assert sizes["scaletrain/trainer"] >= 5 and len(sizes) > 10
+    assert {folder: n for folder, n in sizes.items() if n > 15} == {}
+
+
+def code_folder_of(test_folder: Path) -> Path | None:
+    """The code folder a test folder mirrors: ``tests/trainer/config`` -> ``scaletrain/trainer/config``,
+    ``tests/backends/x`` -> ``backends/x``, ``tests/benchmarks`` -> ``benchmarks``; ``tests`` itself -> ``scaletrain``
+    (its modules: the top-level modules and the project as a whole); None when none exists."""
+    rel = test_folder.relative_to(ROOT / "tests")
+    candidates = [ROOT / "scaletrain" / rel, ROOT / rel] if rel.parts else [ROOT / "scaletrain"]
+    return next((c for c in candidates if c.is_dir() and c.name != "tests"), None)
+
+
+def test_the_tests_mirror_the_code():
+    misplaced = []
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        folder = path.parent
+        if folder.relative_to(ROOT / "tests").parts[:1] in [(name,) for name in ENVIRONMENT_TEST_FOLDERS]:
+            continue
+        if code_folder_of(folder) is None:
+            misplaced.append(str(path.relative_to(ROOT)))
+    assert not misplaced, f"test modules in folders that mirror no code folder: {misplaced}"
+    assert code_folder_of(ROOT / "tests" / "trainer" / "config") == ROOT / "scaletrain" / "trainer" / "config"
+    assert code_folder_of(ROOT / "tests" / "trainer" / "nowhere") is None
+
+
+def test_a_test_folder_holds_only_its_packages_tests():
+    """Beside the end-to-end runs that test a layer as a whole, a folder's test modules do not outnumber 15 (as
+    the code's folders)."""
+    sizes = {
+        str(p.relative_to(ROOT)): len(list(p.glob("test_*.py"))) for p in (ROOT / "tests").rglob("*") if p.is_dir()
+    }
     assert {folder: n for folder, n in sizes.items() if n > 15} == {}

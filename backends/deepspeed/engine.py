@@ -57,7 +57,8 @@ def init_deepspeed_distributed(device: torch.device, timeout_s: float) -> None:
     import deepspeed.comm.torch  # noqa: F401 - load it so sys.modules holds the module (the name is shadowed)
 
     if device.type == "cpu":  # training never needs the shm all-reduce op; its JIT build takes minutes
-        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+        # a monkeypatch of DeepSpeed's module
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # pyright: ignore[reportAttributeAccessIssue]
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         if not dist.is_initialized():
             os.environ.update(
@@ -122,7 +123,9 @@ class DeepSpeedEngine(HFTrainEngine):
             kwargs = {"optimizer": optimizer, "lr_scheduler": lambda opt: build_lr_scheduler(opt, optim_config)}
         config = deepspeed_config(optim_config, self.engine_config, dist.get_world_size())
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(model=model, config=config, **kwargs)
-        self.model = self.ds.module
+        module = self.ds.module
+        assert isinstance(module, torch.nn.Module)  # the model passed in (pyright sees nn.Module.__getattr__)
+        self.model = module
 
     # ------------------------------------------------------------------------------------------------ hooks
     def _compute_module(self) -> torch.nn.Module:
@@ -147,7 +150,7 @@ class DeepSpeedEngine(HFTrainEngine):
 
     def _end_step(self, skipped: bool) -> None:
         if skipped:  # DeepSpeed advances the schedule only with an applied update; one advance per train_step
-            self.scheduler.step()
+            self._schedule().step()
 
     def _param_items(self) -> list[Item]:
         """The partitioned parameters in HF state_dict order; ``get`` gathers one (``GatheredParameters``)."""
@@ -187,7 +190,8 @@ class DeepSpeedEngine(HFTrainEngine):
                 for name, part in self._partitions().items():
                     part.copy_(saved[name])
         else:
-            self.ds.checkpoint_engine.load = _load_deepspeed_file  # weights_only, not DeepSpeed's plain torch.load
+            # weights_only, not DeepSpeed's plain torch.load (DeepSpeed inits checkpoint_engine to None, then sets it)
+            self.ds.checkpoint_engine.load = _load_deepspeed_file  # pyright: ignore[reportOptionalMemberAccess]
             load_path, _ = self.ds.load_checkpoint(
                 path,
                 tag=CKPT_TAG,
@@ -204,7 +208,9 @@ class DeepSpeedEngine(HFTrainEngine):
 
     def _partitions(self) -> dict[str, torch.Tensor]:
         """This rank's ZeRO-3 slices of the parameters (the tensors themselves: writing them updates the model)."""
-        return {name: p.ds_tensor for name, p in self.model.named_parameters()}
+        params = self.model.named_parameters()
+        # ZeRO-3 sets ds_tensor on each parameter it partitions
+        return {name: p.ds_tensor for name, p in params}  # pyright: ignore[reportAttributeAccessIssue]
 
     @staticmethod
     def _partitions_file(path: str) -> str:

@@ -63,7 +63,9 @@ def save_checkpoint(path: str, model, optimizer, scheduler, extra: dict, trainab
     """Collective: every rank writes its shards and its extra state, then all wait for each other.
     ``trainable_only``: the parameters that train (and their optimizer state) alone, not the frozen ones."""
     os.makedirs(path, exist_ok=True)
-    dcp.save(_sharded_state(model, optimizer, trainable_only), checkpoint_id=os.path.join(path, "dcp"))
+    state = _sharded_state(model, optimizer, trainable_only)
+    # torch re-exports save without listing it in __all__
+    dcp.save(state, checkpoint_id=os.path.join(path, "dcp"))  # pyright: ignore[reportPrivateImportUsage]
     scheduler_state = scheduler.state_dict() if scheduler is not None else None
     torch.save({"scheduler": scheduler_state, "rng": rng_state(), **extra}, _extra_path(path))
     dist.barrier()

@@ -36,6 +36,7 @@ from backends.hf_engine import HFTrainEngine
 from backends.hf_model import decoder_layers, torch_dtype
 from backends.lora_weights import Item
 from backends.optim import build_lr_scheduler, build_optimizer
+from backends.train_step import require_trainable
 
 
 @register_backend("fsdp")
@@ -70,7 +71,8 @@ class FSDPEngine(HFTrainEngine):
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params:
             return 0.0
-        max_norm = self.optim_config.grad_clip if self.optim_config.grad_clip > 0 else float("inf")
+        grad_clip = require_trainable(self.optim_config).grad_clip
+        max_norm = grad_clip if grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -81,7 +83,7 @@ class FSDPEngine(HFTrainEngine):
 
     def _end_step(self, skipped: bool) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        self._schedule().step()
 
     def _full_tensor_buckets(self, bucket_bytes: int, skip, adapter: bool = False) -> Buckets:
         """Without LoRA: each bucket's tensors gathered together, one all-gather per bucket (backends/fsdp/gather.py),

@@ -34,7 +34,9 @@ def gather_full(values: list[torch.Tensor], group: dist.ProcessGroup) -> list[to
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     plans, offset = {}, 0
     for i, value in enumerate(values):
-        split = _row_split(value, world) if isinstance(value, DTensor) else None
+        if not isinstance(value, DTensor):
+            continue
+        split = _row_split(value, world)
         if split is not None and value.to_local().shape[0] == split[1][rank]:
             row_bytes = math.prod(value.shape[1:]) * value.element_size()
             plans[i] = (offset, row_bytes, *split)
@@ -44,10 +46,13 @@ def gather_full(values: list[torch.Tensor], group: dist.ProcessGroup) -> list[to
         gathered = _all_gather_slots(values, plans, offset, rank, world, group)
         for i, (start, row_bytes, chunk, rows) in plans.items():
             out[i] = _cut_full(values[i], gathered, start, row_bytes, chunk, rows, offset)
-    for i, value in enumerate(values):
-        if out[i] is None:
-            out[i] = value.full_tensor().detach()
-    return out
+    full = []
+    for value, done in zip(values, out):
+        if done is None:
+            assert isinstance(value, DTensor)  # the plain tensors are done already
+            done = value.full_tensor().detach()
+        full.append(done)
+    return full
 
 
 def _all_gather_slots(values, plans, slot_bytes: int, rank: int, world: int, group) -> torch.Tensor:

@@ -11,7 +11,7 @@ the object (backends/safe_load.py), raised on every rank.
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -55,12 +55,14 @@ class _SafeReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
-            metadata = load_pickle_allowing(stream, _metadata_global, str(path))
+            # torch annotates the stream as an IOBase; opened "rb", it is a binary file
+            metadata = load_pickle_allowing(cast(BinaryIO, stream), _metadata_global, str(path))
         if not isinstance(metadata, Metadata):
             raise UnsafeCheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP's Metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -79,8 +81,10 @@ def safe_dcp_load(state: dict, checkpoint_dir: str) -> None:
     """``dcp.load(state, checkpoint_id=checkpoint_dir)`` with the metadata and byte items checked (collective)."""
     reader = _SafeReader(checkpoint_dir)
     reader.read_metadata()  # first on its own: inside dcp.load, a refusal reaches us as an AssertionError's text
+    planner = _SafePlanner(checkpoint_dir)
     try:
-        dcp.load(state, storage_reader=reader, planner=_SafePlanner(checkpoint_dir))
+        # torch re-exports load without listing it in __all__
+        dcp.load(state, storage_reader=reader, planner=planner)  # pyright: ignore[reportPrivateImportUsage]
     except CheckpointException as e:  # DCP gathers every rank's failure: raise ours as such, on every rank
         for failure, _trace in e.failures.values():
             if isinstance(failure, UnsafeCheckpointError):

@@ -132,7 +132,8 @@ def _patch_tensor_type() -> None:
             return cuda_names.get(result, result)
         return result
 
-    torch.Tensor.type = tensor_type
+    # a monkeypatch of torch's method (typed by overloads this wrapper does not restate)
+    torch.Tensor.type = tensor_type  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _patch_causal_masks() -> None:
@@ -151,6 +152,6 @@ def _patch_causal_masks() -> None:
         m = torch.ones(sq, skv, dtype=torch.bool, device="cpu")
         return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
 
-    for module in (utils, fused_softmax):
-        module.get_default_causal_mask = default_mask
-        module.get_sliding_window_causal_mask = sliding_window_mask
+    for module in (utils, fused_softmax):  # monkeypatches of megatron's module functions
+        module.get_default_causal_mask = default_mask  # pyright: ignore[reportAttributeAccessIssue]
+        module.get_sliding_window_causal_mask = sliding_window_mask  # pyright: ignore[reportAttributeAccessIssue]

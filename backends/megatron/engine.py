@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ from backends.megatron.hf_mapping import layout_from_hf
 from backends.megatron.model import build_gpt_model, load_hf_weights, transformer_config
 from backends.megatron.ops import prepare_micro_batch, response_outputs
 from backends.megatron.parallel import MegatronParallelConfig, init_model_parallel
-from backends.optim import SCHEDULES, lr_multiplier
+from backends.optim import SCHEDULES, lr_multiplier, warmup_steps
 from backends.safe_load import load_rank_file
 from backends.train_step import finish_train_step, partition_batch, require_trainable
 from scaletrain.protocol import DataProto
@@ -223,6 +224,7 @@ class MegatronEngine(TrainEngine):
             )
             if loss_fn is None:
                 return output.sum() * 0.0, ({k: v.detach() for k, v in out.items()}, {})
+            assert acc is not None  # built whenever loss_fn is given
             loss, metrics = loss_fn(out, micro)
             # megatron divides by the micro-batch count, undone by the factor n
             return loss * acc.grad_scale(i) * n, (
@@ -256,12 +258,12 @@ class MegatronEngine(TrainEngine):
         shape) and to a multiple of TP in length with sequence parallelism."""
         rows = max(len(p) for p in parts) if self.layout.pp > 1 else 0
         seq_multiple = self.layout.tp if self.parallel.sequence_parallel else 1
-        keys = [k for k in MODEL_INPUTS if k in batch.batch.keys()]
+        keys = [k for k in MODEL_INPUTS if k in batch.tensors.keys()]
         micros = []
         for i, part in enumerate(parts):
             micro = batch.select_idxs(part).to(self.device)  # the loss reads its tensors beside the model's outputs
             prepared = prepare_micro_batch(
-                {k: micro.batch[k] for k in keys},
+                {k: micro.tensors[k] for k in keys},
                 max(rows, len(part)),
                 seq_multiple,
                 pad_id=getattr(self.hf_config, "pad_token_id", None) or 0,
@@ -269,12 +271,14 @@ class MegatronEngine(TrainEngine):
             micros.append((i, micro, prepared))
         return micros
 
-    def _from_last_stage(self, obj):
+    def _from_last_stage(self, obj: Any) -> Any:
         """``obj`` of the last PP stage, on every stage of this rank's pipeline."""
         if self.layout.pp == 1:
             return obj
         holder = [obj]
-        dist.broadcast_object_list(holder, src=self.ps.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
+        last = self.ps.get_pipeline_model_parallel_last_rank()
+        # megatron annotates its group getters loosely (int / list for other layouts); here it is a ProcessGroup
+        dist.broadcast_object_list(holder, src=last, group=self.pp_group)  # pyright: ignore[reportArgumentType]
         return holder[0]
 
     def forward(
@@ -295,35 +299,43 @@ class MegatronEngine(TrainEngine):
         """Metrics like the FSDP engine's: the whole mini-batch's ``loss`` and loss_fn metrics (all DP ranks), the
         global ``grad_norm`` (before clipping), the ``lr`` of this step and ``step_skipped``; the step-or-skip tail is
         the one every engine shares (backends/train_step.py)."""
-        require_trainable(self.optim_config)
+        optim, optimizer, model = self._trainable()
         outputs = check_outputs(self.model_config.kind, outputs)
-        optim = self.optim_config
         lr = optim.lr * lr_multiplier(
-            self.global_step, optim.warmup_steps, optim.total_steps, optim.lr_scheduler, optim.min_lr_ratio
+            self.global_step, warmup_steps(optim), optim.total_steps, optim.lr_scheduler, optim.min_lr_ratio
         )
-        for group in self.optimizer.param_groups:
+        for group in optimizer.param_groups:
             group["lr"] = lr
-        self.model.train()
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        model.train()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
         _, acc, results = self._run(mini_batch, outputs, loss_fn)
         sums = None
         if self.ps.is_pipeline_last_stage():  # the loss exists there only; the DP group is last-stage ranks
+            assert acc is not None  # _run builds it for a loss_fn
             for i, (_, metrics) in enumerate(results):
                 acc.add(i, metrics.pop("loss"), metrics)
             sums = acc.metrics()
-        result = finish_train_step(
-            self._from_last_stage(sums), lr, self.global_step, self._grad_norm, self.optimizer.step
-        )
-        self.optimizer.zero_grad()
-        self.model.zero_grad_buffer()
+        result = finish_train_step(self._from_last_stage(sums), lr, self.global_step, self._grad_norm, optimizer.step)
+        optimizer.zero_grad()
+        model.zero_grad_buffer()
         self.global_step += 1
         return result
 
+    def _trainable(self):
+        """(optim config, megatron optimizer, DDP-wrapped model); train_step on a forward-only engine raises."""
+        from megatron.core.distributed import DistributedDataParallel
+
+        optim = require_trainable(self.optim_config)
+        # _build_optimizer set both whenever optim_config is given
+        assert self.optimizer is not None and isinstance(self.model, DistributedDataParallel)
+        return optim, self.optimizer, self.model
+
     def _grad_norm(self) -> float:
         """The global gradient norm (over TP, PP and DP) before clipping; megatron's ``step()`` clips."""
-        self.optimizer.prepare_grads()
-        return float(self.optimizer.get_grad_norm())
+        optimizer = self._trainable()[1]
+        optimizer.prepare_grads()
+        return float(optimizer.get_grad_norm())
 
     # -------------------------------------------------------------------------------------------- weights
     def export_weights(self, bucket_bytes: int = 256 << 20) -> Buckets:

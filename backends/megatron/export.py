@@ -101,4 +101,6 @@ def _stage_rank(stage: int) -> int:
     """Global rank of ``stage`` in this rank's pipeline group."""
     from megatron.core import parallel_state as ps
 
-    return dist.get_global_rank(ps.get_pipeline_model_parallel_group(), stage)
+    group = ps.get_pipeline_model_parallel_group()
+    # megatron annotates its group getters loosely (int / list for other layouts); here it is a ProcessGroup
+    return dist.get_global_rank(group, stage)  # pyright: ignore[reportArgumentType]

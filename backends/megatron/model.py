@@ -116,7 +116,8 @@ def build_gpt_model(hf_config, tf_config, lo: Layout, value_bias: bool):
         **rope_settings(hf_config),
     )
     if lo.kind == "value" and post:
-        model.output_layer = ValueHead(
+        # megatron types output_layer as its ColumnParallelLinear; the value head stands in for it
+        model.output_layer = ValueHead(  # pyright: ignore[reportAttributeAccessIssue]
             hf_config.hidden_size, value_bias, tf_config.params_dtype, tf_config.sequence_parallel
         )
     pad = getattr(hf_config, "pad_token_id", None)

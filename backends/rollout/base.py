@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -88,10 +88,10 @@ class RolloutEngineSettings:
     max_num_seqs: int = 1024  # sequences in one scheduler batch
     max_num_batched_tokens: int = 8192  # tokens in one scheduler step
     enable_chunked_prefill: bool | None = None  # null: on on CUDA, off on CPU (true on CPU is refused)
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = True  # vllm: reuse the KV cache of prompt prefixes it has computed already
     load_format: str = "auto"  # auto | safetensors | pt | dummy (random init, synced at start)
     engine_kwargs: dict[str, Any] = field(default_factory=lambda: {"vllm": {}})  # more vllm.LLM arguments
-    seed: int = 0
+    seed: int = 0  # vLLM's engine seed, derived per rollout DP rank; calls that bring no seed draw from it
 
     def resolved_for(self, device: str) -> dict[str, Any]:
         """The by-device defaults filled in for ``device`` ("cuda" | "cpu"), as a field -> value dict."""
@@ -144,6 +144,10 @@ class RolloutConfig(RolloutEngineSettings):
 
 
 class RolloutEngine(ABC):
+    if TYPE_CHECKING:  # the constructor every registered engine has (register_rollout); declared, not defined
+
+        def __init__(self, config: RolloutConfig, tokenizer: Any, **engine_kwargs: Any) -> None: ...
+
     @abstractmethod
     def generate(self, prompts: DataProto, sampling: SamplingConfig) -> DataProto:
         """Sample ``sampling.n`` responses per prompt row (see the module docstring for the layout)."""
@@ -179,11 +183,11 @@ class RolloutEngine(ABC):
             data = DataProto.from_dict({"input_ids": ids, "attention_mask": mask})
             longest = max(requests[i].sampling.max_new_tokens for i in idx)
             out = self.generate(data, replace(requests[idx[0]].sampling, n=1, max_new_tokens=longest))
-            valid = out.batch["response_mask"].bool()
+            valid = out.tensors["response_mask"].bool()
             for row, i in enumerate(idx):
                 limit = requests[i].sampling.max_new_tokens
-                tokens = out.batch["responses"][row][valid[row]].tolist()[:limit]
-                lps = out.batch["rollout_log_probs"][row][valid[row]].tolist()[:limit]
+                tokens = out.tensors["responses"][row][valid[row]].tolist()[:limit]
+                lps = out.tensors["rollout_log_probs"][row][valid[row]].tolist()[:limit]
                 reason = "stop" if tokens and tokens[-1] in eos else "length"
                 outputs[i] = TokenOutput(tokens, lps, reason)
         return outputs  # type: ignore[return-value]

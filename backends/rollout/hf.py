@@ -17,6 +17,7 @@ models and debugging, use the vLLM engine for long responses with large vocabula
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -41,7 +42,8 @@ class HFRolloutEngine(RolloutEngine):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.model_path), dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype)
-        self.model = model.to(self.device).eval()
+        # transformers wraps ``to`` with functools.wraps(nn.Module.to), which pyright reads as unbound
+        self.model = model.to(self.device).eval()  # pyright: ignore[reportArgumentType]
         self.eos_ids = eos_token_ids(tokenizer, config.model_path)
         self.pad_id = pad_token_id(tokenizer, self.eos_ids)
         self._names = set(self.model.state_dict().keys())
@@ -50,7 +52,7 @@ class HFRolloutEngine(RolloutEngine):
     def _generation_config(self, sampling: SamplingConfig):
         from transformers import GenerationConfig
 
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             max_new_tokens=sampling.max_new_tokens,
             min_new_tokens=0,
             num_beams=1,
@@ -75,14 +77,15 @@ class HFRolloutEngine(RolloutEngine):
     @torch.no_grad()
     def generate(self, prompts: DataProto, sampling: SamplingConfig) -> DataProto:
         n, max_new = sampling.n, sampling.max_new_tokens
-        input_ids = prompts.batch["input_ids"].to(self.device).repeat_interleave(n, dim=0)
-        attention_mask = prompts.batch["attention_mask"].to(self.device).repeat_interleave(n, dim=0)
+        input_ids = prompts.tensors["input_ids"].to(self.device).repeat_interleave(n, dim=0)
+        attention_mask = prompts.tensors["attention_mask"].to(self.device).repeat_interleave(n, dim=0)
         prompt_len = input_ids.shape[1]
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
-            out = self.model.generate(
+            # transformers types generate's self as a protocol its own auto-model type does not meet
+            out = self.model.generate(  # pyright: ignore[reportAttributeAccessIssue]
                 input_ids=input_ids, attention_mask=attention_mask, generation_config=self._generation_config(sampling)
             )
         generated = out.sequences[:, prompt_len:]
@@ -110,9 +113,9 @@ class HFRolloutEngine(RolloutEngine):
 
     def sleep(self) -> None:
         if self.device.type == "cuda":
-            self.model.to("cpu")
+            self.model.to("cpu")  # pyright: ignore[reportArgumentType]  # transformers' wrapped ``to`` (see __init__)
             torch.cuda.empty_cache()
 
     def wake_up(self, tags: tuple[str, ...] = WAKE_TAGS) -> None:
         if self.device.type == "cuda" and "weights" in tags:
-            self.model.to(self.device)
+            self.model.to(self.device)  # pyright: ignore[reportArgumentType]  # transformers' wrapped ``to``

@@ -70,7 +70,7 @@ def build_rollout_output(
     """
     out = prompts.repeat(n, interleave=True) if n > 1 else prompts.select_idxs(torch.arange(len(prompts)))
     out.meta_info = dict(prompts.meta_info)
-    batch = out.batch
+    batch = out.tensors
     prompt_ids = batch["input_ids"]
     prompt_mask = batch["attention_mask"].long()
     if "position_ids" in batch.keys():

@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 @register_rollout("vllm_async")
 class VLLMAsyncRolloutEngine(VLLMRolloutEngine):
+    llm: Any  # vLLM's AsyncLLM (vLLM is imported lazily); None once closed
+
     def __init__(self, config: RolloutConfig, tokenizer, **engine_kwargs):
         """``engine_kwargs``: extra AsyncEngineArgs (they override the defaults)."""
         if config.tensor_parallel_size != 1:

@@ -130,7 +130,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
         greedy = sampling.temperature < GREEDY_EPS
         per_request = 1 if greedy else sampling.n
-        common = dict(
+        common: dict[str, Any] = dict(
             n=per_request,
             temperature=0.0 if greedy else float(sampling.temperature),
             top_p=1.0 if greedy else float(sampling.top_p),
@@ -142,8 +142,8 @@ class VLLMRolloutEngine(RolloutEngine):
         )
         if self.spmd_seeds is not None and not greedy:  # the TP ranks must draw the same samples
             sampling = replace(sampling, seed=self.spmd_seeds(sampling.seed))
-        input_ids = prompts.batch["input_ids"].cpu()
-        attention_mask = prompts.batch["attention_mask"].cpu().bool()
+        input_ids = prompts.tensors["input_ids"].cpu()
+        attention_mask = prompts.tensors["attention_mask"].cpu().bool()
         requests, params = [], []
         for i, (ids, mask) in enumerate(zip(input_ids, attention_mask)):
             prompt = TokensPrompt(prompt_token_ids=ids[mask].tolist())

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from typing import Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
@@ -63,6 +63,12 @@ def tie_embeddings(pairs: Iterator[tuple[str, torch.Tensor]], tied: bool) -> Ite
 
 class WeightSyncExtension:
     """Methods added to the vLLM worker (``self`` is the worker: ``self.model_runner``, ``self.reload_weights``)."""
+
+    if TYPE_CHECKING:  # what the vLLM worker provides (declared for the type checker only: nothing is added)
+        vllm_config: Any
+        model_runner: Any
+
+        def reload_weights(self, weights_iterator: Iterator[tuple[str, torch.Tensor]], is_checkpoint_format: bool): ...
 
     def scaletrain_reload_weights(self, sources: Iterable[Source]) -> int:
         """Load HF-named tensors from ``sources`` into the running model in place; returns how many were seen."""

@@ -1,12 +1,12 @@
 """`make bench-peers`: our code vs verl 0.9.1 (and TRL, when trl_step.py is there), side by side, one table.
 
-    .venv/bin/python benchmarks/peers/run.py [--quick] [--readme]
+    .venv/bin/python benchmarks/peers/run.py [--quick] [--docs]
 
 Runs each side of each comparison as its own subprocess: ours with .venv's python, the peer with .venv-peers'
 (benchmarks/peers/setup_venv.sh builds it), on the same shapes with one torch thread. The sides print
 ``BENCH_JSON`` lines; this driver pairs them, checks that both sides' algorithm outputs agree (1e-4), prints one
 table of ours / peer ratios against the targets (benchmarks/peers/table.py), emits the project's ``BENCH_JSON``
-line (baseline_name "verl 0.9.1") and, with --readme, rewrites README.md between the peers markers.
+line (baseline_name "verl 0.9.1") and, with --docs, rewrites docs/performance.md between the peers markers.
 """
 
 from __future__ import annotations
@@ -121,8 +121,17 @@ def build_rows(pythons: dict, quick: bool, timeout: float) -> tuple[list[dict], 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes: a smoke test")
-    parser.add_argument("--readme", action="store_true", help="rewrite README.md between the peers markers")
-    parser.add_argument("--readme-path", type=Path, default=ROOT / "README.md", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--docs", "--readme", dest="readme", action="store_true", help="rewrite docs/performance.md's peers table"
+    )
+    parser.add_argument(
+        "--docs-path",
+        "--readme-path",
+        dest="readme_path",
+        type=Path,
+        default=ROOT / "docs" / "performance.md",
+        help=argparse.SUPPRESS,
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds per side (default 600 quick, 1800)")
     parser.add_argument("--ours-python", type=Path, default=ROOT / ".venv" / "bin" / "python")
     parser.add_argument("--peers-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")

@@ -35,16 +35,32 @@ from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
 from scaletrain.utils.seeding import derive_seed
 
 if TYPE_CHECKING:  # agent loops run without the role workers (LocalEngineBackend)
-    from scaletrain.workers.roles import ActorRolloutRefRole
+    from typing_extensions import TypeIs
+
+    from scaletrain.workers.roles import ActorRolloutRefRole, RolloutRole
 
 logger = logging.getLogger(__name__)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
 
 
 class EngineBackend(Protocol):
+    """Batched: one ``generate`` call per batch, one request list per DP rank."""
+
     dp_size: int
 
     def generate(self, per_rank: list[list[TokenRequest]]) -> list[list[TokenOutput]]: ...
+
+
+class RequestBackend(Protocol):
+    """Per request: each request sent at once to its DP rank's engine (the engines batch them)."""
+
+    dp_size: int
+
+    async def generate_one(self, rank: int, request: TokenRequest) -> TokenOutput: ...
+
+
+def sends_each_request(backend: EngineBackend | RequestBackend) -> TypeIs[RequestBackend]:
+    return hasattr(backend, "generate_one")
 
 
 class LocalEngineBackend:
@@ -74,7 +90,7 @@ class WorkerGroupBackend:
     """The rollout worker group, through its typed role: ``generate_tokens`` with one request list per rollout DP
     rank."""
 
-    def __init__(self, policy: ActorRolloutRefRole) -> None:
+    def __init__(self, policy: ActorRolloutRefRole | RolloutRole) -> None:
         self.policy = policy
         self.dp_size = policy.rollout_dp_size()
 
@@ -102,7 +118,9 @@ def to_sampling(params: dict[str, Any]) -> SamplingConfig:
 
 
 class AsyncServerManager:
-    def __init__(self, backend: EngineBackend, max_wait_ms: float = 5.0, segment_tokens: int | None = None) -> None:
+    def __init__(
+        self, backend: EngineBackend | RequestBackend, max_wait_ms: float = 5.0, segment_tokens: int | None = None
+    ) -> None:
         """``segment_tokens``: partial rollout's granularity (null: each request in one call)."""
         self.backend = backend
         self.segment_tokens = segment_tokens
@@ -120,7 +138,7 @@ class AsyncServerManager:
     @property
     def batched(self) -> bool:
         """Whether requests are gathered into batches here (False: the engines batch them, AsyncEngineBackend)."""
-        return not hasattr(self.backend, "generate_one")
+        return not sends_each_request(self.backend)
 
     def reset_stats(self) -> None:
         self.stats = {"batches": 0, "requests": 0, "generate_s": 0.0, "tokens": 0, "partial_rollouts": 0}
@@ -149,14 +167,14 @@ class AsyncServerManager:
             raise ValueError(f"request {request_id}: empty prompt")
         sampling = to_sampling(sampling_params)
         if self.segment_tokens and sampling.max_new_tokens > self.segment_tokens:
-            out = await self._generate_in_segments(rank, list(prompt_ids), sampling)
+            out = await self._generate_in_segments(rank, list(prompt_ids), sampling, self.segment_tokens)
         else:
             out = await self._submit(rank, TokenRequest(list(prompt_ids), sampling))
         self.versions.setdefault(request_id, []).append(out.weight_version)
         return out
 
     async def _submit(self, rank: int, request: TokenRequest) -> TokenOutput:
-        if not self.batched:
+        if sends_each_request(self.backend):  # not batched here
             out = await self.backend.generate_one(rank, request)
             self.stats["requests"] += 1
             self.stats["tokens"] += len(out.token_ids)
@@ -167,7 +185,9 @@ class AsyncServerManager:
         self._poke()
         return await future
 
-    async def _generate_in_segments(self, rank: int, prompt_ids: list[int], sampling: SamplingConfig) -> TokenOutput:
+    async def _generate_in_segments(
+        self, rank: int, prompt_ids: list[int], sampling: SamplingConfig, segment_tokens: int
+    ) -> TokenOutput:
         """Partial rollout: ``segment_tokens`` at a time, each segment continuing from the tokens so far. A
         weight push between two segments goes first, and the rest is generated with the new weights; the tokens
         and log-probs already generated are kept. The output's weight_version is the oldest that contributed."""
@@ -176,7 +196,7 @@ class AsyncServerManager:
         versions: list[int | None] = []
         reason = "length"
         while len(tokens) < sampling.max_new_tokens:
-            want = min(self.segment_tokens, sampling.max_new_tokens - len(tokens))
+            want = min(segment_tokens, sampling.max_new_tokens - len(tokens))
             seed = sampling.seed if sampling.seed is None or not versions else derive_seed(sampling.seed, len(versions))
             part = await self._submit(
                 rank, TokenRequest(prompt_ids + tokens, replace(sampling, max_new_tokens=want, seed=seed))
@@ -209,6 +229,11 @@ class AsyncServerManager:
             self._wakeup = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._serve())
 
+    def _event(self) -> asyncio.Event:
+        """The batcher's wake-up event (``_ensure_worker`` makes it before it starts the batcher task)."""
+        assert self._wakeup is not None
+        return self._wakeup
+
     async def close(self) -> None:
         """Stop the batcher task of the current event loop (call before the loop ends)."""
         if self._task is not None:
@@ -225,8 +250,8 @@ class AsyncServerManager:
         in_flight: list[asyncio.Future] = []
         try:
             while True:
-                await self._wakeup.wait()
-                self._wakeup.clear()
+                await self._event().wait()
+                self._event().clear()
                 if not self.pending:
                     continue
                 await self._gather()
@@ -235,7 +260,7 @@ class AsyncServerManager:
                 await self._flush(batch)
                 in_flight = []
                 if self.pending:
-                    self._wakeup.set()
+                    self._event().set()
         except BaseException as exc:
             error = exc if isinstance(exc, Exception) else RuntimeError(f"the rollout batcher stopped ({exc!r})")
             waiting = in_flight + [future for _, _, future in self.pending]
@@ -252,9 +277,9 @@ class AsyncServerManager:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.max_wait_s
         while len(self.pending) < self.active and loop.time() < deadline:
-            self._wakeup.clear()
+            self._event().clear()
             try:
-                await asyncio.wait_for(self._wakeup.wait(), deadline - loop.time())
+                await asyncio.wait_for(self._event().wait(), deadline - loop.time())
             except asyncio.TimeoutError:
                 break
 
@@ -267,8 +292,10 @@ class AsyncServerManager:
             per_rank[rank].append(request)
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
+        backend = self.backend
+        assert not sends_each_request(backend)  # only a batched backend has a batcher
         try:
-            outputs = await loop.run_in_executor(self._executor, self.backend.generate, per_rank)
+            outputs = await loop.run_in_executor(self._executor, backend.generate, per_rank)
         except Exception as exc:  # every waiting trajectory sees the engine's error; the batcher goes on
             for _, _, future in slots:
                 if not future.done():

@@ -106,6 +106,7 @@ class ToolAgentLoop(AgentLoopBase):
                 elif state == AgentState.PROCESSING_TOOLS:
                     state = await self._handle_processing_tools(data)
                 elif state == AgentState.INTERACTING:
+                    assert instance is not None  # only an agent with an interaction (started above) gets here
                     state = await self._handle_interacting(data, instance)
                 else:  # pragma: no cover - every state is handled above
                     logger.error("invalid agent state %s; terminating", state)

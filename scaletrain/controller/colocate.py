@@ -55,7 +55,8 @@ def create_colocated_worker_cls(class_dict: dict[str, Any]) -> RayClassWithInitA
     for role, cls in role_classes.items():
         for name in dir(cls):
             fn = getattr(cls, name, None)
-            if get_registration(fn) is not None or name in Worker.CONTROL_METHODS:
+            # a registered method, or one of Worker's control methods: never None
+            if fn is not None and (get_registration(fn) is not None or name in Worker.CONTROL_METHODS):
                 setattr(WorkerDict, f"{role}_{name}", _forward(role, name, fn))
     WorkerDict.__name__ = WorkerDict.__qualname__ = "WorkerDict_" + "_".join(role_classes)
 

@@ -36,7 +36,7 @@ def get_registration(fn: Any) -> RegisteredMethod | None:
 def concurrency_groups(cls: type) -> dict[str, int]:
     """The Ray concurrency groups ``cls``'s registered methods name, with their thread counts."""
     names = {getattr(get_registration(getattr(cls, a, None)), "concurrency_group", None) for a in dir(cls)}
-    return {name: CONCURRENCY_GROUP_THREADS for name in sorted(names - {None})}
+    return {name: CONCURRENCY_GROUP_THREADS for name in sorted(n for n in names if n is not None)}
 
 
 def _materialize(value: Any) -> Any:

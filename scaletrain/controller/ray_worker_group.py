@@ -14,6 +14,7 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import ray
@@ -74,7 +75,10 @@ class RayClassWithInitArgs:
         if hasattr(self.cls, "remote"):
             return self.cls
         groups = concurrency_groups(self.user_cls)
-        return ray.remote(concurrency_groups=groups)(self.cls) if groups else ray.remote(self.cls)
+        if not groups:
+            return ray.remote(self.cls)
+        # Ray's overloads of remote() leave out the actor option concurrency_groups
+        return ray.remote(concurrency_groups=groups)(self.cls)  # pyright: ignore[reportCallIssue]
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -214,6 +218,7 @@ class RayWorkerGroup(WorkerGroup):
                         raise dead from err
                     raise
             if pending and deadline is not None and time.monotonic() > deadline:
+                assert timeout_s is not None  # a deadline comes from a timeout
                 self._timed_out(remote_name, sorted(rank_of[r] for r in pending), timeout_s)
         return [results[ref] for ref in handles]
 
@@ -268,10 +273,11 @@ class RayWorkerGroup(WorkerGroup):
         except asyncio.TimeoutError:
             ray.cancel(ref)
             method = remote_name.removeprefix(self._control_prefix)
+            assert self.call_timeout_s is not None  # wait_for times out only with a timeout
             raise WorkerTimeoutError(self.name, [rank], method, self.call_timeout_s, []) from None
 
     # ------------------------------------------------------------------------------------------- colocation
-    def spawn(self, prefix_set, call_timeouts: dict[str, float | None] | None = None) -> dict[str, RayWorkerGroup]:
+    def spawn(self, prefix_set, call_timeouts: Mapping[str, float | None] | None = None) -> dict[str, RayWorkerGroup]:
         """One worker group per role of a colocated class, all sharing these actors; ``call_timeouts``: a role's
         own call deadline (default this group's)."""
         role_classes = getattr(self._cls_with_init.user_cls, "ROLE_CLASSES", None)

@@ -61,7 +61,8 @@ class RayResourcePool:
                     [self.bundle] * n,
                     strategy="STRICT_PACK",
                     name=f"{tag}_node{i}",
-                    bundle_label_selector=None if node is None else [{"ray.io/node-id": node}] * n,
+                    # Ray annotates this None-default parameter as a plain list
+                    bundle_label_selector=_node_selector(node, n),  # pyright: ignore[reportArgumentType]
                 )
                 for i, (n, node) in enumerate(zip(self.process_on_nodes, targets))
             ]
@@ -88,6 +89,11 @@ class RayResourcePool:
         self._pgs = None
 
 
+def _node_selector(node: str | None, bundles: int) -> list[dict[str, str]] | None:
+    """The bundle_label_selector that pins a placement group's ``bundles`` bundles to ``node`` (None: anywhere)."""
+    return None if node is None else [{"ray.io/node-id": node}] * bundles
+
+
 def _distinct_nodes(process_on_nodes: list[int], bundle: dict[str, float]) -> list[str | None]:
     """One distinct node ID per placement group, or all None (Ray places them) on a cluster with too few nodes.
 
@@ -99,7 +105,9 @@ def _distinct_nodes(process_on_nodes: list[int], bundle: dict[str, float]) -> li
     if len(process_on_nodes) < 2:
         return [None] * len(process_on_nodes)
     try:  # prefer nodes with room now over nodes that are full (e.g. held by another pool)
-        available = ray._private.state.available_resources_per_node()
+        # a private Ray API (pyright: not exported)
+        state = ray._private.state  # pyright: ignore[reportPrivateImportUsage, reportAttributeAccessIssue]
+        available = state.available_resources_per_node()
     except Exception:  # noqa: BLE001 - a private API: without it, IP order alone
         available = {}
     free = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: _ip_key(n.get("NodeManagerAddress", "")))

@@ -19,7 +19,7 @@ import os
 import signal
 import tempfile
 import time
-from typing import Any
+from typing import Any, cast
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def collect_stacks(group: str, infos: list[dict], dump_dir: str, wait_s: float =
     written = []
     for info, ref in zip(infos, refs):
         try:
-            text = ray.get(ref, timeout=wait_s + 30)
+            text = cast(str, ray.get(ref, timeout=wait_s + 30))  # the worker's stack text (Ray's get is untyped)
         except Exception as err:  # the node may be gone: say so in the file
             text = f"no stack: {type(err).__name__}: {err}\n"
         path = os.path.join(dump_dir, f"{group}-rank{info.get('rank')}-pid{info.get('pid')}.txt")

@@ -105,7 +105,8 @@ class WorkerGroup:
         registered with a ``concurrency_group`` (many such calls run at once on one worker, in its group's
         threads). Failures raise as for ``call``."""
         bound = self._bound(method)
-        group = get_registration(method).concurrency_group
+        registration = get_registration(method)
+        group = registration.concurrency_group if registration is not None else None
         if group is None:
             raise TypeError(f"worker group '{self.name}': {method.__qualname__} has no concurrency_group to submit to")
         if not 0 <= rank < self.world_size:
@@ -117,10 +118,10 @@ class WorkerGroup:
 
     def _bound(self, method: Callable) -> Callable:
         """This group's call of ``method``, which must be one of its worker class's @register methods."""
-        name = getattr(method, "__name__", None)
+        name = getattr(method, "__name__", "")  # "": no method of the group
         bound = self._group_methods.get(name)
         owner = self._worker_cls
-        if bound is None or not any(vars(cls).get(name) is method for cls in owner.__mro__):
+        if bound is None or owner is None or not any(vars(cls).get(name) is method for cls in owner.__mro__):
             raise TypeError(
                 f"worker group '{self.name}': {getattr(method, '__qualname__', method)!r} is not a @register method "
                 f"of its worker class {owner.__name__ if owner else None}"

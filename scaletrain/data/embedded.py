@@ -132,7 +132,8 @@ def save_tiny_model(path: str | os.PathLike, seed: int = 0) -> str:
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(tiny_qwen2_config()).to(torch.float32)
+        # transformers wraps ``to`` with functools.wraps(nn.Module.to), which pyright reads as unbound
+        model = Qwen2ForCausalLM(tiny_qwen2_config()).to(torch.float32)  # pyright: ignore[reportArgumentType]
     model.generation_config.pad_token_id = tok.PAD_ID
     model.generation_config.eos_token_id = tok.EOS_ID
     model.generation_config.bos_token_id = tok.BOS_ID

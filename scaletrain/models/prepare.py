@@ -91,10 +91,11 @@ def convert_gguf(gguf: Path, output: Path, dtype: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch_dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # what is saved is dense weights: drop the GGUF quantizer so the config does not claim a quantized checkpoint
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    # plain attributes transformers sets on the instance (pyright sees nn.Module.__setattr__'s tensor/module type)
+    model.hf_quantizer = None  # pyright: ignore[reportArgumentType]
+    model.is_quantized = False  # pyright: ignore[reportArgumentType]
+    if hasattr(model.config, "quantization_config"):  # set on the config instance only for quantized checkpoints
+        del model.config.quantization_config  # pyright: ignore[reportAttributeAccessIssue]
     if tokenizer.pad_token is None:  # batched rollouts pad; the EOS token is the usual stand-in
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -147,7 +148,8 @@ def check_causal_lm(path: str | os.PathLike, key: str = "model.path") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scaletrain.models.prepare", description=__doc__.split("\n\n")[0])
+    description = __doc__.split("\n\n")[0] if __doc__ else None
+    parser = argparse.ArgumentParser(prog="python -m scaletrain.models.prepare", description=description)
     parser.add_argument("name", help=f"one of: {', '.join(PRETRAINED_MODELS.names())}")
     parser.add_argument("--output", default=None, help="directory to write (default: the scaletrain cache)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES)

@@ -54,10 +54,11 @@ def _import_file(path: str, timeout_s: float) -> Any:
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses, pickle and typing look the module up by name
     failed: list[BaseException] = []
+    loader = spec.loader
 
     def run_top_level() -> None:
         try:
-            spec.loader.exec_module(module)
+            loader.exec_module(module)
         except BaseException as e:  # SystemExit and KeyboardInterrupt of the file's code too
             failed.append(e)
 

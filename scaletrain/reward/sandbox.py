@@ -302,8 +302,8 @@ class ScoringPool:
     def _abandon(self, results: list[Outcome | None], pending: collections.deque, budget_s: float | None) -> None:
         """The map's budget ran out: running calls are killed, calls not started are not run; all get "timeout"."""
         why = f"not scored within the step's scoring budget of {budget_s:g}s"
-        for worker in [w for w in self._workers if w.task is not None]:
-            results[worker.task[1]] = Outcome(TIMEOUT, error=f"{why}; worker killed")
+        for worker, task in [(w, w.task) for w in self._workers if w.task is not None]:
+            results[task[1]] = Outcome(TIMEOUT, error=f"{why}; worker killed")
             worker.task = None
             self._replace(worker)
         while pending:

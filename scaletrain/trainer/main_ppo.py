@@ -19,13 +19,15 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from scaletrain.trainer.config.checks import check_config
 from scaletrain.trainer.config.plan import resolve_config
 from scaletrain.trainer.config.ppo_config import PPOConfig, load_ppo_config
 from scaletrain.trainer.run.run_identity import claim_run_dir
+from scaletrain.utils.hydra_compose import plain_dict
 from scaletrain.utils.secrets import install_scrubbing, remember_secrets
+from scaletrain.utils.typed_config import resolved
 
 if TYPE_CHECKING:
     from scaletrain.trainer.ppo_run import RunResult
@@ -49,7 +51,8 @@ def run_ppo(raw: dict[str, Any], explicit: Iterable[str] = ()) -> RunResult:
     # from here on SIGTERM / SIGUSR1 end the run cleanly, start-up included (preemption.py)
     with PreemptionWatch() as watch:
         claim_run_dir(cfg)  # resumes only its own run; a fresh run moves an earlier one's outputs aside
-        start_run_log(cfg.trainer.default_local_dir)  # before Ray starts, so that every worker process writes to it
+        # before Ray starts, so that every worker process writes to it
+        start_run_log(resolved(cfg.trainer.default_local_dir, "trainer.default_local_dir"))
         with ray_cluster(cfg.ray_kwargs, cfg.world_size, cfg.trainer.device):
             watch.take_back()  # from Ray's own SIGTERM handler, which ray.init installed
             return train(resolve_embedded_default(cfg), watch)  # may run the embedded SFT warm-up on this cluster
@@ -99,7 +102,7 @@ def main(config: DictConfig) -> None:
 
     setup_console(bool(config.trainer.verbose))  # the library logs' INFO lines go to the run log only
     explicit = explicit_keys(HydraConfig.get().overrides.task)
-    plain = OmegaConf.to_container(config, resolve=True)
+    plain = plain_dict(config)
     remember_secrets(plain)  # a YAML file's or ${oc.env:...}'s secrets, out of every output too
     result = run_ppo(plain, explicit)
     logger.info("result: %s", result, extra=FILE_ONLY)  # the console gets the table

@@ -17,10 +17,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from scaletrain.trainer.config.sft_config import load_sft_config
 from scaletrain.trainer.sft_trainer import run_sft
+from scaletrain.utils.hydra_compose import plain_dict
 from scaletrain.utils.secrets import install_scrubbing, remember_secrets
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ def main(config: DictConfig) -> dict:
     from scaletrain.trainer.run.console import setup_console, start_run_log
 
     setup_console(bool(config.trainer.verbose))  # the library logs' INFO lines go to the run log only
-    plain = OmegaConf.to_container(config, resolve=True)
+    plain = plain_dict(config)
     remember_secrets(plain)  # out of every output (scaletrain/utils/secrets.py)
     cfg = load_sft_config(plain)
     start_run_log(cfg.output_dir)  # <output_dir>/run.log, before run_sft starts Ray

@@ -17,7 +17,7 @@ from scaletrain.trainer.ppo_trainer import RayPPOTrainer
 from scaletrain.trainer.run.checkpoint import CheckpointManager
 from scaletrain.trainer.run.preemption import PreemptionWatch
 from scaletrain.trainer.run.tracking import Tracking
-from scaletrain.utils.typed_config import to_dict
+from scaletrain.utils.typed_config import resolved, to_dict
 from scaletrain.workers.actor_rollout_ref import merged_dir
 
 logger = logging.getLogger(__name__)
@@ -61,9 +61,10 @@ def train(cfg: PPOConfig, watch: PreemptionWatch | None = None) -> RunResult:
     started (a signal during start-up ends the run before its first step); None: fit()'s own."""
     start = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
-    train_set = _dataset(cfg.data.train_files, tokenizer, cfg, cfg.data.max_samples)
+    train_set = resolved(_dataset(cfg.data.train_files, tokenizer, cfg, cfg.data.max_samples), "data.train_files")
     val_set = _dataset(cfg.data.val_files, tokenizer, cfg, cfg.data.val_max_samples)
-    latest = CheckpointManager(os.path.abspath(cfg.trainer.default_local_dir)).latest()
+    run_dir = os.path.abspath(resolved(cfg.trainer.default_local_dir, "trainer.default_local_dir"))
+    latest = CheckpointManager(run_dir).latest()
     plan = plan_run(cfg, len(train_set), latest)
     log_plan(cfg, plan)
     trainer = RayPPOTrainer(cfg, plan, tokenizer, train_set, val_set)
@@ -80,7 +81,7 @@ def _fit(
 ) -> RunResult:
     tracking = Tracking(
         cfg.trainer.project_name,
-        cfg.trainer.experiment_name,
+        resolved(cfg.trainer.experiment_name, "trainer.experiment_name"),
         cfg.trainer.logger,
         plan.run_dir,
         config=to_dict(cfg),

@@ -93,7 +93,8 @@ class RayPPOTrainer:
         self.last_metrics: dict[str, float] = {}  # the last trained step's
         self.pool: RayResourcePool | None = None
         self.worker_groups: list[RayWorkerGroup] = []  # every group init_workers started, freed by close()
-        self.rollouts = None  # where fit()'s batches come from (rollout/schedules.py)
+        self.rollouts: SyncRollouts | FullyAsyncRollouts | None = None  # where fit()'s batches come from
+        # (rollout/schedules.py)
         self.n_devices = cfg.world_size + (0 if cfg.actor_rollout_ref.hybrid_engine else plan.rollout_world_size)
         self.eos_ids = (
             eos_token_ids(tokenizer, cfg.actor_rollout_ref.model.path)  # what ends a response
@@ -202,6 +203,11 @@ class RayPPOTrainer:
             return FullyAsyncRollouts(self.producer, loader, self.weight_sync, at, self.global_step + 1, left)
         return SyncRollouts(self.producer, loader, self.weight_sync)
 
+    def _started_rollouts(self) -> SyncRollouts | FullyAsyncRollouts:
+        if self.rollouts is None:
+            raise RuntimeError("PPOTrainer.train_step runs inside fit(), which starts the rollout source")
+        return self.rollouts
+
     def _due(self, freq: int, last: bool) -> bool:
         return last or (freq > 0 and self.global_step % freq == 0)
 
@@ -212,9 +218,9 @@ class RayPPOTrainer:
     def train_step(self) -> dict[str, float] | None:
         """One step: the rollout source's next batch, then old / ref log-probs, values, advantages, the critic and
         actor updates, and the weights to the rollout engines (when the source says so). None: no batch left."""
-        cfg, timings = self.cfg, {}
+        cfg, timings, rollouts = self.cfg, {}, self._started_rollouts()
         with timer("step", timings):
-            scored = self.rollouts.next(self.global_step + 1, timings)
+            scored = rollouts.next(self.global_step + 1, timings)
             if scored is None:
                 return None
             self.global_step += 1
@@ -238,7 +244,7 @@ class RayPPOTrainer:
                 if cfg.algorithm.use_kl_in_reward:
                     metrics.update(apply_kl_penalty(batch, self.kl_ctrl, cfg.algorithm.kl_penalty))
                 else:
-                    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+                    batch.tensors["token_level_rewards"] = batch.tensors["token_level_scores"]
                 compute_advantage(batch, cfg.algorithm)
 
             if self.critic is not None:
@@ -248,12 +254,12 @@ class RayPPOTrainer:
             if actor_updated:
                 with timer("update_actor", timings):
                     metrics.update(self.actor.update(batch))
-            metrics.update(self.rollouts.after_update(timings, actor_updated))  # the weights to the engines, when due
+            metrics.update(rollouts.after_update(timings, actor_updated))  # the weights to the engines, when due
 
         metrics.update(data_metrics(batch))
         metrics.update(timing_metrics(timings))
         metrics.update(throughput_metrics(batch, timings, self.n_devices, self.actor_params, self.peak_flops))
-        metrics["training/epoch"] = float(self.rollouts.data_state()["epoch"])  # the trained batch's (the
+        metrics["training/epoch"] = float(rollouts.data_state()["epoch"])  # the trained batch's (the
         # rollout thread may be drawing from the loader meanwhile)
         return metrics
 
@@ -273,7 +279,7 @@ class RayPPOTrainer:
             batch.non_tensor_batch["uid"] = np.array([f"val-{start + i}" for i in range(len(batch))], dtype=object)
             batch, scores = self.producer.validation_batch(batch, tag=f"val{start}")
             samples.add(batch, scores, self.tokenizer if decode else None)
-            lengths += batch.batch["response_mask"].sum(-1).float().tolist()
+            lengths += batch.tensors["response_mask"].sum(-1).float().tolist()
         scores: dict[str, list[float]] = {}
         for source, score in zip(samples.data_sources, samples.scores):
             scores.setdefault(source, []).append(score)
@@ -328,6 +334,7 @@ class RayPPOTrainer:
         self.reward_fn.close()
         for group in self.worker_groups:
             group.shutdown()
+            assert group.resource_pool is not None  # a started group's (only role views have none)
             group.resource_pool.release()
         if self.pool is not None:  # placed, but its group did not start
             self.pool.release()

@@ -64,7 +64,7 @@ def greedy_scores(out: DataProto, prompts: DataProto, tokenizer: Any, eos_ids: l
     from scaletrain.reward import default_compute_score
     from scaletrain.reward.scorers.arithmetic import ENDED_WITH_EOS_KEY
 
-    responses, mask = out.batch["responses"], out.batch["response_mask"].bool()
+    responses, mask = out.tensors["responses"], out.tensors["response_mask"].bool()
     rows = prompts.non_tensor_batch
     scores = []
     for i in range(len(out)):
@@ -103,7 +103,7 @@ class SFTTrainer:
         start, metrics = time.perf_counter(), {}
         if self.val_batch is not None:
             out = self.model.eval_loss(self.val_batch)
-            metrics["val/loss"] = out.batch["nll_sum"].sum().item() / max(out.batch["num_tokens"].sum().item(), 1.0)
+            metrics["val/loss"] = out.tensors["nll_sum"].sum().item() / max(out.tensors["num_tokens"].sum().item(), 1.0)
         if self.val_prompts is not None:
             prompts = self.val_prompts.select(
                 batch_keys=["input_ids", "attention_mask", "position_ids"], non_tensor_batch_keys=[]
@@ -233,7 +233,7 @@ def _train_on_workers(cfg: SFTConfig, tokenizer, train, val, prompts) -> dict[st
             call_timeout_s=cfg.trainer.worker_call_timeout_s,
             stack_dump_dir=os.path.join(cfg.output_dir, "stacks"),
         )
-        wg.init_model()
+        SFTRole(wg).init_model()  # the typed role's call of the group method (as SFTTrainer's)
         trainer, t = SFTTrainer(cfg, wg, tokenizer, train, val, prompts), cfg.trainer
         with Tracking(
             t.project_name,
@@ -246,7 +246,7 @@ def _train_on_workers(cfg: SFTConfig, tokenizer, train, val, prompts) -> dict[st
             summary = trainer.fit(tracking)
         if t.save_hf_at_end:
             summary["hf_path"] = os.path.abspath(os.path.join(cfg.output_dir, "hf"))
-            wg.save_hf(summary["hf_path"])
+            SFTRole(wg).save_hf(summary["hf_path"])
         return summary
     finally:
         if wg is not None:

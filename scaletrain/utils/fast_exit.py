@@ -39,7 +39,7 @@ def run_and_exit(main: Callable[[], object]) -> NoReturn:
         status = exit_status(stop.code)
     # the interpreter's own first exit step: threading's exit callbacks (a ThreadPoolExecutor's idle workers are
     # told to stop there: joining them without it waits forever), then the non-daemon threads joined
-    threading._shutdown()
+    threading._shutdown()  # pyright: ignore[reportAttributeAccessIssue]  # CPython's, not in typeshed
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -8,23 +8,30 @@ Works where Hydra is already initialized too (a caller's own ``@hydra.main`` app
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 CONFIG_MODULE = "scaletrain.configs"  # configs/, shipped as a package (setup.py)
+
+
+def plain_dict(config: Any) -> dict[str, Any]:
+    """``OmegaConf.to_container(config, resolve=True)`` of a mapping config (a DictConfig): a plain dict with the
+    ``${...}`` interpolations resolved. OmegaConf types the result as any container; a DictConfig's is a dict."""
+    from omegaconf import OmegaConf
+
+    return cast(dict[str, Any], OmegaConf.to_container(config, resolve=True))
 
 
 def compose_config(config_name: str, overrides: Sequence[str]) -> dict[str, Any]:
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.singleton import Singleton
-    from omegaconf import OmegaConf
 
     # Hydra keeps one global instance and refuses a second initialization: set the caller's aside
     saved = Singleton._instances.pop(GlobalHydra, None)
     try:
         with initialize_config_module(CONFIG_MODULE, version_base=None):
             config = compose(config_name, overrides=list(overrides))
-        return OmegaConf.to_container(config, resolve=True)
+        return plain_dict(config)
     finally:
         if saved is not None:
             Singleton._instances[GlobalHydra] = saved

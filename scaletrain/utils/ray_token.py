@@ -38,7 +38,8 @@ def write_private_token(folder: Path) -> Path:
 
 def _reset_ray_token_cache() -> None:
     # the driver's token loader caches the first token it read: a second private run of this process needs its own
-    from ray._raylet import AuthenticationTokenLoader
+    # compiled into Ray's _raylet extension, which Ray's stubs leave out
+    from ray._raylet import AuthenticationTokenLoader  # pyright: ignore[reportAttributeAccessIssue]
 
     AuthenticationTokenLoader.instance().reset_cache()
 

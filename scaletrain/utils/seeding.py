@@ -40,7 +40,9 @@ def rng_state() -> dict[str, Any]:
     """This process's RNG states (Python, NumPy, torch CPU and, when available, CUDA) as plain lists and numbers,
     so the same dict can go into JSON or ``torch.save``; a resumed run then draws the same random numbers."""
     version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    np_state = np.random.get_state()
+    assert isinstance(np_state, tuple)  # the legacy form, get_state's default (its stub also allows a dict)
+    kind, keys, pos, has_gauss, cached = np_state
     state: dict[str, Any] = {
         "python": [version, list(internal), gauss],
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],

@@ -11,11 +11,21 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Any, Union
+from typing import Any, TypeVar, Union
+
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
     """A config value is missing, unknown or of the wrong type; the message names the dotted key."""
+
+
+def resolved(value: T | None, key: str) -> T:
+    """``value`` of the dotted config ``key`` that the config resolve fills when it is null (a default derived
+    from other keys); a ConfigError when it is still unset, i.e. the config was used before it was resolved."""
+    if value is None:
+        raise ConfigError(f"{key} is unset: the config must be resolved first (its null means a derived default)")
+    return value
 
 
 def _join(path: str, key: Any) -> str:
@@ -41,7 +51,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             except ConfigError as exc:
                 errors.append(str(exc))
         raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} fits none of {options}")
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
@@ -101,7 +111,11 @@ def build(cls: type, data: dict[str, Any] | None, path: str = "") -> Any:
 
 def to_dict(obj: Any) -> Any:
     """The plain-dict form of a (nested) dataclass, for logging and checkpoints."""
-    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+    if not dataclasses.is_dataclass(obj):
+        return obj
+    if isinstance(obj, type):
+        raise TypeError("asdict() should be called on dataclass instances")  # dataclasses.asdict's own refusal
+    return dataclasses.asdict(obj)
 
 
 def execution_only(cls) -> frozenset[str]:

@@ -107,7 +107,7 @@ class ActorRolloutRefWorker(Worker):
             "vllm_async" if rc.use_async_engine else rc.name,
             cfg.model.path,
             self.actor,
-            max_model_len=rc.prompt_length + rc.response_length,
+            max_model_len=sum(rc.resolved_lengths()),
             trust_remote_code=cfg.model.trust_remote_code,
             offload_trainer=rc.offload_train_during_rollout,
             adapter_rank=cfg.model.lora_rank if rc.lora_sync == "adapter" else 0,
@@ -238,9 +238,9 @@ class ActorRolloutRefWorker(Worker):
         keys += [
             k
             for k in ("ref_log_prob", "rollout_log_probs", "token_level_rewards", "rollout_is_weights")
-            if k in data.batch.keys()
+            if k in data.tensors.keys()
         ]
-        if cfg.use_kl_loss and "ref_log_prob" not in data.batch.keys():
+        if cfg.use_kl_loss and "ref_log_prob" not in data.tensors.keys():
             raise ValueError("actor.use_kl_loss needs 'ref_log_prob' in the batch (run compute_ref_log_prob)")
         batch = data.select(batch_keys=keys)
         seed = cfg.data_loader_seed if cfg.shuffle else None

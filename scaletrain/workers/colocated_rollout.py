@@ -55,6 +55,7 @@ class ColocatedRollout:
         """Rollout mode: engine weights woken, trainer offloaded (when configured), then the KV cache woken."""
         self.lifecycle.ensure_weights()
         if self.offload_trainer and not self.trainer_offloaded:
+            assert self.trainer is not None  # offload_trainer implies a trainer (__init__)
             self.trainer.offload()
             self.trainer_offloaded = True
         self.lifecycle.ensure_serving()
@@ -65,6 +66,7 @@ class ColocatedRollout:
         if self.free_cache_engine:
             self.lifecycle.ensure_sleeping()
         if self.trainer_offloaded:
+            assert self.trainer is not None  # offloaded by serve()
             self.trainer.onload()
             self.trainer_offloaded = False
 

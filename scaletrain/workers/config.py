@@ -7,7 +7,7 @@ dataclasses; the workers turn them into the engines' own settings (``backends.co
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, cast
 
 from backends.config import EngineConfig, MicroBatching, ModelConfig, OptimConfig
 from backends.rollout.base import RolloutEngineSettings, SamplingConfig
@@ -20,14 +20,14 @@ VAL_KWARGS = ("n", "temperature", "top_p", "top_k", "do_sample")  # actor_rollou
 class PolicyLossConfig:
     """``loss_mode`` names a registered policy loss; the other fields are read by the losses that use them."""
 
-    loss_mode: str = "vanilla"
-    clip_cov_ratio: float | None = None
-    clip_cov_lb: float | None = None
-    clip_cov_ub: float | None = None
-    kl_cov_ratio: float | None = None
-    ppo_kl_coef: float | None = None
-    tau_pos: float | None = None
-    tau_neg: float | None = None
+    loss_mode: str = "vanilla"  # vanilla (PPO) | gspo | gpg | cispo | sapo | clip_cov | kl_cov (the registered losses)
+    clip_cov_ratio: float | None = None  # clip_cov: share of the tokens whose gradient is detached; null: 2e-4
+    clip_cov_lb: float | None = None  # clip_cov: covariance lower bound of the tokens it may pick; null: 1.0
+    clip_cov_ub: float | None = None  # clip_cov: covariance upper bound of the tokens it may pick; null: 5.0
+    kl_cov_ratio: float | None = None  # kl_cov: share of the tokens (highest covariance) penalised; null: 2e-4
+    ppo_kl_coef: float | None = None  # kl_cov: coefficient of |log pi - log pi_old| on those tokens; null: 1.0
+    tau_pos: float | None = None  # sapo: gate temperature for positive advantages; null: 1.0
+    tau_neg: float | None = None  # sapo: gate temperature for the other advantages; null: 1.05
 
 
 @dataclass
@@ -40,14 +40,19 @@ class MegatronConfig:
     # the layout a checkpoint is sharded for (tensor / pipeline sizes, the distributed optimizer) changes results
     EXECUTION_ONLY = ("sequence_parallel", "param_offload", "optimizer_offload", "grad_offload")
 
-    tensor_model_parallel_size: int | None = None
-    pipeline_model_parallel_size: int | None = None
-    sequence_parallel: bool | None = None
-    use_distributed_optimizer: bool | None = None
-    # verl's offload keys: megatron offload is not implemented, true fails before Ray (rollout_checks.py)
-    param_offload: bool = False
-    optimizer_offload: bool = False
-    grad_offload: bool = False
+    tensor_model_parallel_size: int | None = None  # TP: ranks each layer's weights are split over; null:
+    # backend.extra.megatron's, else 1
+    pipeline_model_parallel_size: int | None = None  # PP: stages the layers are split into; null:
+    # backend.extra.megatron's, else 1
+    sequence_parallel: bool | None = None  # split activations along the sequence over the TP ranks (needs TP > 1);
+    # null: backend.extra.megatron's, else false
+    use_distributed_optimizer: bool | None = None  # shard the optimizer state over the DP ranks; null:
+    # backend.extra.megatron's, else false
+
+    # verl's offload keys: megatron offload is not implemented, true fails before Ray (role_checks.py)
+    param_offload: bool = False  # must stay false (true fails before Ray starts)
+    optimizer_offload: bool = False  # must stay false (true fails before Ray starts)
+    grad_offload: bool = False  # must stay false (true fails before Ray starts)
 
     def merged(self, extra: dict[str, Any]) -> dict[str, Any]:
         """``extra["megatron"]`` with this section's set layout keys on top."""
@@ -84,8 +89,8 @@ class FSDPConfig:
 
     EXECUTION_ONLY = ("*",)
 
-    param_offload: bool | None = None
-    optimizer_offload: bool | None = None
+    param_offload: bool | None = None  # the role's parameters in CPU memory when unused; null: backend.param_offload
+    optimizer_offload: bool | None = None  # optimizer state in CPU memory when unused; null: backend.optimizer_offload
 
     def applied(self, engine: EngineConfig) -> EngineConfig:
         """``engine`` with this section's set keys on top."""
@@ -109,21 +114,25 @@ class ActorConfig:
     # the backend group's (configs/backend, the `backend=` short form)
     ppo_mini_batch_size: int = 256  # prompts per mini-batch (x rollout.n rows), over all DP ranks
     ppo_micro_batch_size_per_gpu: int = 8  # rows per micro-batch on one rank
-    ppo_epochs: int = 1
-    shuffle: bool = False
-    data_loader_seed: int = 1
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = 16384
-    clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
+    ppo_epochs: int = 1  # passes over each step's batch, in mini-batches of ppo_mini_batch_size
+    shuffle: bool = False  # each pass reshuffles the rank's rows into new mini-batches (seed: data_loader_seed);
+    # false: in order
+    data_loader_seed: int = 1  # seed of the mini-batch shuffle (shuffle)
+    use_dynamic_bsz: bool = False  # micro-batches by tokens (ppo_max_token_len_per_gpu) instead of by rows
+    ppo_max_token_len_per_gpu: int = 16384  # valid tokens per micro-batch on one rank, with use_dynamic_bsz
+    clip_ratio: float = 0.2  # PPO clip width: the ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]
+    clip_ratio_low: float | None = None  # null: clip_ratio
+    clip_ratio_high: float | None = None  # null: clip_ratio (DAPO's clip-higher sets it above clip_ratio_low)
+    clip_ratio_c: float = 3.0  # dual clip (vanilla loss): a token with advantage A < 0 loses at most -A x this; > 1
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean |
+    # seq-mean-token-sum-norm: how the per-token losses become one (scaletrain/algos/agg.py)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0  # entropy bonus: the loss minus this x the entropy (aggregated as the loss); 0: off
+    use_kl_loss: bool = False  # add kl_loss_coef x KL(actor || ref) to the loss (runs the reference policy; not
+    # with algorithm.use_kl_in_reward)
+    kl_loss_coef: float = 0.001  # weight of the KL loss (use_kl_loss)
+    kl_loss_type: str = "low_var_kl"  # the KL loss's estimator: kl (k1) | abs | mse (k2) | low_var_kl (k3); a
+    # trailing + keeps the value and takes k2's gradient
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # also the ref policy's layout
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
@@ -139,13 +148,14 @@ class MultiTurnConfig:
     format: str = "hermes"  # registered ToolParser
     default_agent_loop: str | None = None  # rows without agent_name; null: tool_agent if enable, else single_turn
     max_user_turns: int | None = None  # tool results and interaction replies count as user turns
-    max_assistant_turns: int | None = None
+    max_assistant_turns: int | None = None  # assistant turns per trajectory at most; null: no limit
     max_parallel_calls: int = 1  # tool calls run per assistant turn (the rest are dropped and counted)
     max_tool_response_length: int = 256  # characters of a tool's answer shown to the model
     tool_response_truncate_side: str = "middle"  # left (keep the start) | right (keep the end) | middle
-    tool_timeout_s: float = 30.0
-    tools_config_file: str | None = None
-    interaction_config_file: str | None = None
+    tool_timeout_s: float = 30.0  # seconds a tool call may run; then the model gets an error text instead
+    tools_config_file: str | None = None  # YAML of the tools the model may call (scaletrain/agent/tools/base.py)
+    interaction_config_file: str | None = None  # YAML of the simulated users that answer the model
+    # (scaletrain/agent/interactions/base.py)
     max_batch_wait_ms: float = 5.0  # a generate batch waits at most this long for more requests
 
 
@@ -170,12 +180,13 @@ class RolloutWorkerConfig(RolloutEngineSettings):
     name: str = "vllm"  # vllm | hf
     mode: str = "sync"  # sync: one batched generate | async: agent loops (see multi_turn)
     n: int = 8  # samples per prompt (the default estimator, GRPO, compares them)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    temperature: float = 1.0  # training rollouts' sampling temperature (0: greedy); the log-prob passes divide
+    # the logits by it too
+    top_p: float = 1.0  # nucleus sampling: only the most likely tokens up to this probability mass; 1: off
+    top_k: int = -1  # sample among the k most likely tokens only; <= 0: off
     prompt_length: int | None = None  # null: data.max_prompt_length (the trainer's resolve fills it)
     response_length: int | None = None  # null: data.max_response_length
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1  # ranks one engine spans (TP; > 1: vllm only); must divide the ranks
     nnodes: int = 1  # split placement (actor_rollout_ref.hybrid_engine=false): nodes of the rollout pool
     n_gpus_per_node: int = 1  # ... and its ranks per node (the trainer pool is trainer.nnodes x n_gpus_per_node)
     total_rollout_steps: int | None = None  # async_training.mode=fully_async: prompts the rollouter generates in
@@ -183,12 +194,13 @@ class RolloutWorkerConfig(RolloutEngineSettings):
     log_prob_micro_batch_size_per_gpu: int = 8  # rows per micro-batch of the old-log-prob pass
     log_prob_use_dynamic_bsz: bool | None = None  # by tokens instead (max_token_len); null: actor.use_dynamic_bsz
     log_prob_max_token_len_per_gpu: int | None = None  # null: actor.ppo_max_token_len_per_gpu
-    weight_bucket_bytes: int = 256 << 20
+    weight_bucket_bytes: int = 256 << 20  # bytes per bucket of the weights streamed from the actor to the engines
     lora_sync: str | None = None  # LoRA (model.lora_rank > 0): adapter (only the adapter tensors go to the engine,
     # which serves them on its unchanged base weights; vllm, colocated) | merged (the merged full weights, any
     # engine); null: adapter where it works, else merged (scaletrain/trainer/config/lora_checks.py)
     offload_train_during_rollout: bool = False  # the actor's memory goes to CPU while the engine generates
-    val_kwargs: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.0, "n": 1})
+    val_kwargs: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.0, "n": 1})  # validation's
+    # sampling over the training one: n, temperature, top_p, top_k, do_sample (false: greedy)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     async_engine: bool | None = None  # agent loops: vLLM's AsyncLLM in each rollout worker; null: where it runs
 
@@ -204,6 +216,16 @@ class RolloutWorkerConfig(RolloutEngineSettings):
         ``async_engine=false`` keeps the batcher. ``async_engine=true`` where it cannot run is a config error."""
         runs = self.use_agent_loop and self.name == "vllm" and self.tensor_model_parallel_size == 1
         return runs and self.async_engine is not False
+
+    def resolved_lengths(self) -> tuple[int, int]:
+        """(prompt_length, response_length), which the trainer's config resolve fills from data.max_prompt_length /
+        max_response_length; a ConfigError while either is unset."""
+        if self.prompt_length is None or self.response_length is None:
+            raise ConfigError(
+                "actor_rollout_ref.rollout.prompt_length / response_length are unset: the trainer's config resolve "
+                "fills them from data.max_prompt_length / max_response_length"
+            )
+        return self.prompt_length, self.response_length
 
     def val_sampling(self) -> dict[str, Any]:
         """Validation's sampling overrides from ``val_kwargs`` (verl's keys: n, temperature, top_p, top_k,
@@ -229,7 +251,8 @@ class RolloutWorkerConfig(RolloutEngineSettings):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            max_new_tokens=self.response_length,
+            # None only in a config the trainer has not resolved yet (response_length: null)
+            max_new_tokens=cast(int, self.response_length),
             seed=seed,
         )
 
@@ -253,7 +276,7 @@ def log_prob_micro_batching(section) -> MicroBatching:
 class RefConfig:
     EXECUTION_ONLY = ("log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
 
-    log_prob_micro_batch_size_per_gpu: int = 8
+    log_prob_micro_batch_size_per_gpu: int = 8  # rows per micro-batch of the ref log-prob pass
     log_prob_use_dynamic_bsz: bool | None = None  # null: actor.use_dynamic_bsz
     log_prob_max_token_len_per_gpu: int | None = None  # null: actor.ppo_max_token_len_per_gpu
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from backends.base import get_backend
+from backends.base import TrainEngine, get_backend
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
 from scaletrain.workers.actor_rollout_ref import rows_per_rank
@@ -23,7 +23,7 @@ class CriticWorker(Worker):
     def __init__(self, config: CriticConfig) -> None:
         super().__init__()
         self.config = config
-        self.engine = None
+        self.engine: TrainEngine | None = None
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -44,8 +44,8 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
-        out = self.engine.forward(data, outputs=("values",))
-        return DataProto.from_dict({"values": out.batch["values"]})
+        out = self._need_engine().forward(data, outputs=("values",))
+        return DataProto.from_dict({"values": out.tensors["values"]})
 
     @register(dispatch_mode=ENGINE_METRIC)
     def update_critic(self, data: DataProto) -> dict[str, float]:
@@ -54,15 +54,21 @@ class CriticWorker(Worker):
         seed = cfg.data_loader_seed if cfg.shuffle else None
         loss_fn = critic_loss_fn(cfg)
         totals: dict[str, list[float]] = {}
+        engine = self._need_engine()
         for mini in batch.make_iterator(self._mini_rows, epochs=cfg.ppo_epochs, seed=seed):
-            for key, value in self.engine.train_step(mini, loss_fn, outputs=("values",)).items():
+            for key, value in engine.train_step(mini, loss_fn, outputs=("values",)).items():
                 totals.setdefault(key, []).append(float(value))
         return {(k if "/" in k else f"critic/{k}"): sum(v) / len(v) for k, v in totals.items()}
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        self.engine.save(os.path.join(path, "critic"))
+        self._need_engine().save(os.path.join(path, "critic"))
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        self.engine.load(os.path.join(path, "critic"))
+        self._need_engine().load(os.path.join(path, "critic"))
+
+    def _need_engine(self) -> TrainEngine:
+        if self.engine is None:
+            raise RuntimeError("CriticWorker: call init_model first")
+        return self.engine

@@ -50,14 +50,14 @@ def actor_loss_fn(config: ActorConfig) -> LossFn:
     @aggregated(mode)
     def loss_fn(outputs: dict[str, torch.Tensor], mb: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         log_prob = outputs["log_probs"]
-        mask = mb.batch["response_mask"]
+        mask = mb.tensors["response_mask"]
         extra = {
-            k: mb.batch[k]
+            k: mb.tensors[k]
             for k in ("rollout_log_probs", "token_level_rewards", "rollout_is_weights")
-            if k in mb.batch.keys()
+            if k in mb.tensors.keys()
         }
         pg_loss, metrics = policy_loss(
-            mb.batch["old_log_probs"], log_prob, mb.batch["advantages"], mask, mode, config, **extra
+            mb.tensors["old_log_probs"], log_prob, mb.tensors["advantages"], mask, mode, config, **extra
         )
         loss = pg_loss
         if config.entropy_coeff:
@@ -67,7 +67,7 @@ def actor_loss_fn(config: ActorConfig) -> LossFn:
         elif "entropy" in outputs:
             metrics["actor/entropy"] = agg_loss(outputs["entropy"].detach(), mask, mode).item()
         if config.use_kl_loss:
-            kl = agg_loss(kl_penalty(log_prob, mb.batch["ref_log_prob"], config.kl_loss_type), mask, mode)
+            kl = agg_loss(kl_penalty(log_prob, mb.tensors["ref_log_prob"], config.kl_loss_type), mask, mode)
             loss = loss + config.kl_loss_coef * kl
             metrics["actor/kl_loss"] = kl.item()
             metrics["actor/kl_coef"] = config.kl_loss_coef
@@ -88,13 +88,13 @@ def critic_loss_fn(config: CriticConfig) -> Callable:
         vpreds = outputs["values"]
         loss, clipfrac = compute_value_loss(
             vpreds,
-            mb.batch["returns"],
-            mb.batch["values"],
-            mb.batch["response_mask"],
+            mb.tensors["returns"],
+            mb.tensors["values"],
+            mb.tensors["response_mask"],
             config.cliprange_value,
             config.loss_agg_mode,
         )
-        mask = mb.batch["response_mask"].bool()
+        mask = mb.tensors["response_mask"].bool()
         return loss, {
             "critic/vf_loss": loss.item(),
             "critic/vf_clipfrac": float(clipfrac),

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import Any
 
 import torch
 
-from backends.base import get_backend
+from backends.base import TrainEngine, get_backend
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
 from scaletrain.workers.config import RewardModelConfig
@@ -38,8 +39,8 @@ class RewardModelWorker(Worker):
     def __init__(self, config: RewardModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.engine = None
-        self.tokenizers = None  # (the policy's, the RM's) when re-tokenizing
+        self.engine: TrainEngine | None = None
+        self.tokenizers: tuple[Any, Any] | None = None  # (the policy's, the RM's) when re-tokenizing
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -56,14 +57,15 @@ class RewardModelWorker(Worker):
         if cfg.input_tokenizer:
             from transformers import AutoTokenizer
 
-            self.tokenizers = tuple(
+            policy_tokenizer, rm_tokenizer = (
                 AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
                 for path in (cfg.input_tokenizer, cfg.model.path)
             )
+            self.tokenizers = (policy_tokenizer, rm_tokenizer)
 
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:
-        resp_len = data.batch["responses"].shape[1]
+        resp_len = data.tensors["responses"].shape[1]
         if self.tokenizers is None:
             inputs = policy_inputs(data)
         else:
@@ -76,6 +78,8 @@ class RewardModelWorker(Worker):
                     len(data),
                     self.config.max_length,
                 )
-        scores = self.engine.forward(inputs, outputs=("scores",)).batch["scores"]
-        response_mask = data.batch["attention_mask"][:, -resp_len:]
+        if self.engine is None:
+            raise RuntimeError("RewardModelWorker: call init_model first")
+        scores = self.engine.forward(inputs, outputs=("scores",)).tensors["scores"]
+        response_mask = data.tensors["attention_mask"][:, -resp_len:]
         return DataProto.from_dict({"rm_scores": place_at_last_token(scores, response_mask)})

@@ -28,7 +28,7 @@ POLICY_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 def policy_inputs(data: DataProto) -> DataProto:
     """The policy's model inputs alone (no meta_info: the RM engine batches by its own settings)."""
-    return DataProto.from_dict({k: data.batch[k] for k in POLICY_INPUTS})
+    return DataProto.from_dict({k: data.tensors[k] for k in POLICY_INPUTS})
 
 
 def rm_texts(data: DataProto, src_tokenizer: Any, rm_tokenizer: Any) -> list[str]:
@@ -38,8 +38,8 @@ def rm_texts(data: DataProto, src_tokenizer: Any, rm_tokenizer: Any) -> list[str
             "reward_model.model.input_tokenizer re-tokenizes from the rows' chat messages "
             "(non-tensor 'raw_prompt'), which this batch lacks; set data.return_raw_chat=true"
         )
-    responses = data.batch["responses"]
-    response_mask = data.batch["attention_mask"][:, -responses.shape[1] :].bool()
+    responses = data.tensors["responses"]
+    response_mask = data.tensors["attention_mask"][:, -responses.shape[1] :].bool()
     decoded = src_tokenizer.batch_decode(
         [row[m].tolist() for row, m in zip(responses, response_mask)], skip_special_tokens=True
     )

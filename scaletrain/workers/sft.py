@@ -41,8 +41,8 @@ class GreedyRolloutConfig(RolloutEngineSettings):
     """The rollout engine that measures greedy accuracy (named as in ``actor_rollout_ref.rollout``)."""
 
     name: str = "hf"  # hf | vllm
-    tensor_model_parallel_size: int = 1
-    weight_bucket_bytes: int = 256 << 20
+    tensor_model_parallel_size: int = 1  # ranks one rollout engine is sharded over (tensor parallel; vllm)
+    weight_bucket_bytes: int = 256 << 20  # bytes per bucket when the trained weights go to the rollout engine
 
 
 @dataclass
@@ -60,7 +60,7 @@ class SFTWorkerConfig:
 def sft_loss_fn(outputs: dict[str, torch.Tensor], mb: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-mean NLL over the response tokens of one micro-batch; the engine weights micro-batches by their tokens,
     so its step and reported ``loss`` are the token-mean over the whole batch (all ranks)."""
-    return agg_loss(-outputs["log_probs"], mb.batch["response_mask"], "token-mean"), {}
+    return agg_loss(-outputs["log_probs"], mb.tensors["response_mask"], "token-mean"), {}
 
 
 class SFTWorker(Worker):
@@ -117,8 +117,8 @@ class SFTWorker(Worker):
     def eval_loss(self, data: DataProto) -> DataProto:
         """No-grad NLL per row: ``nll_sum`` (summed over response tokens) and ``num_tokens``, both (B,) float."""
         batch = data.select(batch_keys=list(SFT_INPUTS), non_tensor_batch_keys=[])
-        log_probs = self._training().forward(batch, outputs=("log_probs",)).batch["log_probs"]
-        mask = batch.batch["response_mask"].float()
+        log_probs = self._training().forward(batch, outputs=("log_probs",)).tensors["log_probs"]
+        mask = batch.tensors["response_mask"].float()
         return DataProto.from_dict({"nll_sum": -(log_probs * mask).sum(-1), "num_tokens": mask.sum(-1)})
 
     # ---------------------------------------------------------------------------------------------- rollout

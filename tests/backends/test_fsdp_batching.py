@@ -19,7 +19,7 @@ from backends.batching import (
     token_budget_partition,
 )
 from backends.config import OptimConfig
-from backends.optim import build_lr_scheduler, build_optimizer, lr_multiplier
+from backends.optim import build_lr_scheduler, build_optimizer, lr_multiplier, warmup_steps
 from scaletrain.algos import LOSS_AGG_MODES, agg_count, agg_loss
 from scaletrain.protocol import DataProto
 from scaletrain.workers.losses import aggregated
@@ -157,6 +157,14 @@ def test_lr_multiplier_warmup_constant_cosine():
     assert math.isclose(cos[7], 0.1 + 0.9 * 0.5) and math.isclose(cos[12], 0.1) and math.isclose(cos[13], 0.1)
     with pytest.raises(ValueError):
         lr_multiplier(0, 0, 0, "linear", 0.0)
+
+
+def test_warmup_steps_take_verls_ratio_when_unset():
+    """One rule for every engine's schedule (the megatron engine sets its lr from it too)."""
+    assert warmup_steps(OptimConfig(warmup_steps=3, lr_warmup_steps_ratio=0.5, total_steps=10)) == 3
+    assert warmup_steps(OptimConfig(lr_warmup_steps_ratio=0.25, total_steps=10)) == 2
+    with pytest.raises(ValueError, match="needs optim.total_steps"):
+        warmup_steps(OptimConfig(lr_warmup_steps_ratio=0.25))
 
 
 def test_lr_scheduler_drives_optimizer_and_resumes():

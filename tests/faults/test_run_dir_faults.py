@@ -12,7 +12,7 @@ from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.trainer.run.checkpoint import CheckpointManager
 from scaletrain.trainer.run.run_identity import RUN_CONFIG, claim_run_dir, fingerprint, result_keys, result_settings
 from scaletrain.utils.typed_config import ConfigError, execution_only, leaf_fields
-from tests.trainer.test_ppo_config import composed
+from tests.trainer.config.test_ppo_config import composed
 
 
 def config(run_dir, *overrides):

@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
+from tests.trainer.rollout.test_rm_reward import save_char_rm
 from tests.trainer.runs import metrics, run_in_process
-from tests.trainer.test_rm_reward import save_char_rm
 
 pytestmark = pytest.mark.slow
 

@@ -162,6 +162,7 @@ async def _stop(proc: asyncio.subprocess.Process, cgroup: RunCgroup | None) -> i
         cgroup.kill_all()
 
     async def drain_and_wait() -> None:
+        assert proc.stdout is not None  # started with stdout=PIPE (_start)
         while await proc.stdout.read(READ_CHUNK):
             pass
         await proc.wait()
@@ -244,6 +245,7 @@ async def _run(launch: Launch, cgroup: RunCgroup | None, opts: dict[str, Any]) -
     out, timed_out = CappedOutput(opts["max_output_chars"]), False
 
     async def collect() -> None:
+        assert proc.stdout is not None  # started with stdout=PIPE (_start)
         await out.read_from(proc.stdout)
         if not out.truncated:
             await proc.wait()
@@ -256,6 +258,7 @@ async def _run(launch: Launch, cgroup: RunCgroup | None, opts: dict[str, Any]) -
         await _stop(proc, cgroup)  # milliseconds once killed (at most DRAIN_S)
         raise
     returncode = await _stop(proc, cgroup) if timed_out or out.truncated else proc.returncode
+    assert returncode is not None  # else collect() waited for the exit
     text = out.text()
     if out.truncated:
         text += f"\nError: the output exceeded {opts['max_output_chars']} characters; the program was stopped"

@@ -59,14 +59,18 @@ def read_records(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
                 raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
 
 
+def _required_text(record: dict, key: str, where: str) -> str:
+    value = record.get(key)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{where}: '{key}' must be a non-empty string, got {value!r:.100}")
+    return value
+
+
 def convert_record(record: Any, split: str, index: int, where: str) -> dict[str, Any]:
     """One GSM8K record -> one RL row; ValueError naming ``where`` when the record is malformed."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected an object with 'question' and 'answer', got {type(record).__name__}")
-    question, answer = record.get("question"), record.get("answer")
-    for key, value in (("question", question), ("answer", answer)):
-        if not isinstance(value, str) or not value.strip():
-            raise ValueError(f"{where}: '{key}' must be a non-empty string, got {value!r:.100}")
+    question, answer = _required_text(record, "question", where), _required_text(record, "answer", where)
     number = final_answer(answer)
     if number is None:
         raise ValueError(f"{where}: the answer does not end with '#### <number>': {answer[-80:]!r}")

@@ -157,7 +157,7 @@ class RewardManager:
         outcomes = self.score_rows(rows) if len(rows) else []
         scores, extra_info, counts = self.collect(rows, outcomes)
         final = self.adjust_scores(rows, list(scores), extra_info)
-        reward_tensor = self.place(data.batch["responses"], rows.response_lengths, final)
+        reward_tensor = self.place(data.tensors["responses"], rows.response_lengths, final)
         self.examine(rows, final)
 
         if not return_dict:

@@ -52,8 +52,10 @@ class DAPORewardManager(RewardManager):
     def adjust_scores(self, rows: Rows, scores: list[float], extra_info: dict[str, list]) -> list[float]:
         if self.overlong_buffer_len <= 0:
             return scores
+        max_resp_len = self.max_resp_len
+        assert max_resp_len is not None  # __init__ requires it with an overlong buffer
         penalties = [
-            overlong_penalty(n, self.max_resp_len, self.overlong_buffer_len, self.overlong_penalty_factor)
+            overlong_penalty(n, max_resp_len, self.overlong_buffer_len, self.overlong_penalty_factor)
             for n in rows.response_lengths.tolist()
         ]
         extra_info["overlong_reward"] = penalties

@@ -24,7 +24,9 @@ def last_boxed(text: str) -> str | None:
     if start < 0:
         return None
     rest = text[start:]
-    head = re.match(r"\\(?:boxed|fbox)", rest).end()
+    match = re.match(r"\\(?:boxed|fbox)", rest)
+    assert match is not None  # rest starts at the \boxed / \fbox found above
+    head = match.end()
     if rest[head : head + 1] == " ":  # "\boxed 5": the token up to the next space or "$"
         return re.split(r"[\s$]", rest[head + 1 :], maxsplit=1)[0] or None
     if rest[head : head + 1] != "{":
@@ -50,8 +52,9 @@ def is_equiv(answer: str, ground_truth: str) -> bool:
         return True
     in_main = threading.current_thread() is threading.main_thread()
     timeout = _MATH_VERIFY_TIMEOUT_S if in_main else None
-    gold = parse("\\boxed{" + ground_truth + "}", parsing_timeout=timeout)
-    pred = parse("\\boxed{" + answer + "}", parsing_timeout=timeout)
+    # math-verify annotates parsing_timeout as int; None (documented) disables its signal-based timeout
+    gold = parse("\\boxed{" + ground_truth + "}", parsing_timeout=timeout)  # pyright: ignore[reportArgumentType]
+    pred = parse("\\boxed{" + answer + "}", parsing_timeout=timeout)  # pyright: ignore[reportArgumentType]
     if not gold or not pred:
         return False
     return bool(verify(gold, pred, timeout_seconds=timeout))

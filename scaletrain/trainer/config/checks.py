@@ -9,6 +9,7 @@ ConfigError naming the key and changes nothing.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from scaletrain.models.prepare import check_causal_lm
 from scaletrain.trainer.config.async_checks import rollout_world_size, validate_async_training
@@ -167,7 +168,7 @@ def _validate_names(cfg: PPOConfig) -> None:
             raise ConfigError(f"{key}: unknown mode '{mode}'; one of {', '.join(LOSS_AGG_MODES)}")
 
 
-def check_positive(values: dict[str, float]) -> None:
+def check_positive(values: Mapping[str, float]) -> None:
     """Each dotted key's value is > 0."""
     for key, value in values.items():
         if value <= 0:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from backends.config import check_lora_keys
+from backends.config import LoraSettings, check_lora_keys
 from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.utils.typed_config import ConfigError
 
@@ -51,7 +51,7 @@ def lora_sync_fallback(cfg: PPOConfig) -> str:
 
 def validate_lora(cfg: PPOConfig) -> None:
     """The LoRA keys of the actor's and the critic's model sections, and ``lora_sync``, of a resolved config."""
-    sections = [("actor_rollout_ref.model", cfg.actor_rollout_ref.model)]
+    sections: list[tuple[str, LoraSettings]] = [("actor_rollout_ref.model", cfg.actor_rollout_ref.model)]
     if cfg.use_critic:
         sections.append(("critic.model", cfg.critic.model))
     for key, section in sections:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 from scaletrain.trainer.config.lora_checks import lora_sync_fallback, reference_source
 from scaletrain.trainer.config.ppo_config import PPOConfig
+from scaletrain.utils.typed_config import resolved
 
 logger = logging.getLogger(__name__)
 
@@ -123,17 +124,20 @@ def plan_run(cfg: PPOConfig, train_rows: int, latest_checkpoint: str | None) -> 
     resume_step = None
     if resume is not None:  # global_step_<N>: step N is done, the run continues at N + 1
         resume_step = int(os.path.basename(os.path.normpath(resume)).rsplit("_", 1)[1]) + 1
+    critic_optim_steps = 0
+    if cfg.use_critic:
+        mini_batch = resolved(critic.ppo_mini_batch_size, "critic.ppo_mini_batch_size")
+        epochs = resolved(critic.ppo_epochs, "critic.ppo_epochs")
+        critic_optim_steps = total * (data.train_batch_size // mini_batch) * epochs
     return RunPlan(
         world_size=cfg.world_size,
         steps_per_epoch=steps_per_epoch,
         total_steps=total,
         actor_optim_steps=total * (data.train_batch_size // actor.ppo_mini_batch_size) * actor.ppo_epochs,
-        critic_optim_steps=(
-            total * (data.train_batch_size // critic.ppo_mini_batch_size) * critic.ppo_epochs if cfg.use_critic else 0
-        ),
+        critic_optim_steps=critic_optim_steps,
         use_critic=cfg.use_critic,
         use_ref=actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
-        run_dir=os.path.abspath(tr.default_local_dir),
+        run_dir=os.path.abspath(resolved(tr.default_local_dir, "trainer.default_local_dir")),
         resume_path=resume,
         resume_step=resume_step,
         rollout_world_size=0 if cfg.actor_rollout_ref.hybrid_engine else rc.nnodes * rc.n_gpus_per_node,

@@ -24,32 +24,35 @@ class DataConfig:
     EXECUTION_ONLY = ("val_files", "val_batch_size", "val_max_samples")  # validation does not change training
 
     train_files: Any = None  # str | list[str]; null: the embedded default task
-    val_files: Any = None
+    val_files: Any = None  # str | list[str]; null: no validation (the embedded default task: its test split)
     train_batch_size: int = 1024  # prompts per step
     val_batch_size: int | None = None  # null: the whole validation set at once
-    max_prompt_length: int = 512
-    max_response_length: int = 512
-    filter_overlong_prompts: bool = True
+    max_prompt_length: int = 512  # prompt tokens, left-padded to this; longer prompts are filtered or truncated
+    max_response_length: int = 512  # response tokens at most (the rollout's limit unless rollout.response_length
+    # is set)
+    filter_overlong_prompts: bool = True  # drop prompts over max_prompt_length at load; false: truncation decides
     truncation: str = "error"  # error | left | right (when not filtering)
-    shuffle: bool = True
-    seed: int = 1
-    prompt_key: str = "prompt"
+    shuffle: bool = True  # a new order of the training prompts each epoch; false: file order
+    seed: int = 1  # seed of that order (epoch e: derive_seed(seed, e))
+    prompt_key: str = "prompt"  # the column holding each row's chat messages
     return_raw_chat: bool = True  # rows keep their chat messages (raw_prompt); the agent loops need them
-    max_samples: int | None = None
-    val_max_samples: int | None = None
+    max_samples: int | None = None  # the first N rows of train_files (counted before filtering); null: all
+    val_max_samples: int | None = None  # the first N rows of val_files (counted before filtering); null: all
 
 
 @dataclass
 class HFModelConfig:
     EXECUTION_ONLY = ("attn_implementation", "use_remove_padding", "enable_gradient_checkpointing", "trust_remote_code")
 
-    path: str | None = None  # null: the embedded default model
+    path: str | None = None  # HF checkpoint directory; null: the embedded default model for the actor, the
+    # actor's model for the critic (required with reward_model.enable)
     dtype: str = "auto"  # auto: float32 weights for trained models, bfloat16 for frozen ones on
     # CUDA (compute in bfloat16 via backend.mixed_precision=auto); float32 on CPU
     attn_implementation: str | None = None  # sdpa | flash_attention_2 | eager (fsdp, deepspeed); null: sdpa
-    use_remove_padding: bool = False
-    enable_gradient_checkpointing: bool = False
-    trust_remote_code: bool = False
+    use_remove_padding: bool = False  # pack a micro-batch's valid tokens into one sequence (fsdp, deepspeed);
+    # pays off with flash_attention_2, slower with sdpa / eager
+    enable_gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
+    trust_remote_code: bool = False  # let transformers run code shipped with the checkpoint (custom model classes)
 
 
 @dataclass
@@ -96,12 +99,12 @@ class CriticSection:
     strategy: str | None = None  # as actor_rollout_ref.actor.strategy; the roles share one backend
     model: CriticModelConfig = field(default_factory=CriticModelConfig)  # path null: the actor's model
     ppo_mini_batch_size: int | None = None  # null: the actor's
-    ppo_micro_batch_size_per_gpu: int = 8
-    ppo_epochs: int | None = None
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = 16384
-    cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
+    ppo_micro_batch_size_per_gpu: int = 8  # rows per micro-batch on one rank
+    ppo_epochs: int | None = None  # passes over each step's batch; null: the actor's
+    use_dynamic_bsz: bool = False  # micro-batches by tokens (ppo_max_token_len_per_gpu) instead of by rows
+    ppo_max_token_len_per_gpu: int = 16384  # valid tokens per micro-batch on one rank, with use_dynamic_bsz
+    cliprange_value: float = 0.5  # value clip: the loss takes the worse of v and clip(v, v_old - this, v_old + this)
+    loss_agg_mode: str = "token-mean"  # as actor_rollout_ref.actor.loss_agg_mode, for the value loss
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # backend=megatron: the critic's layout
 
@@ -126,13 +129,14 @@ class RewardModelSection:
     micro_batch_size_per_gpu: int = 8  # rows per RM forward on one device
     max_length: int | None = None  # re-tokenized RM inputs keep their last max_length tokens; null: all
     use_dynamic_bsz: bool = False  # micro-batches by tokens (forward_max_token_len_per_gpu) instead
-    forward_max_token_len_per_gpu: int = 16384
+    forward_max_token_len_per_gpu: int = 16384  # valid tokens per RM micro-batch on one device, with use_dynamic_bsz
     reward_manager: str = "naive"  # naive | prime | batch | dapo | multi
-    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)  # more arguments of the reward manager (e.g.
+    # dapo's overlong_buffer_len, multi's scorers); names it does not take fail before Ray starts
     timeout_s: float = 30.0  # seconds one scorer call may take (the sample scores 0, counted as a timeout)
     load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S  # seconds the reward file's top-level code may take to
     # import (in a thread of its own: the driver fails naming the file, never freezes)
-    num_processes: int = 2
+    num_processes: int = 2  # worker processes that run the scorer, in parallel
     step_timeout_s: float | None = 600.0  # seconds the scoring of one step may take; unscored samples get 0
     # and count as timeouts; null: no bound
     max_error_rate: float = 0.5  # more than this share of a step's samples failing (errors + timeouts) ...
@@ -141,17 +145,18 @@ class RewardModelSection:
 
 @dataclass
 class CustomRewardFunction:
-    path: str | None = None
-    name: str = "compute_score"
-    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    path: str | None = None  # a Python file holding the scorer; null: the built-in scorers, picked by data_source
+    name: str = "compute_score"  # the scorer's function name in that file
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments bound to that function
 
 
 @dataclass
 class KLControlConfig:
     type: str = "fixed"  # fixed | adaptive
-    kl_coef: float = 0.001
-    horizon: int = 10000
-    target_kl: float = 0.1
+    kl_coef: float = 0.001  # the in-reward KL coefficient (adaptive: its starting value)
+    horizon: int = 10000  # adaptive: each step scales the coefficient by 1 + clip(kl / target_kl - 1, -0.2, 0.2)
+    # x the batch's rows / horizon
+    target_kl: float = 0.1  # adaptive: the KL the coefficient steers towards
 
 
 @dataclass
@@ -182,12 +187,14 @@ class FilterGroupsConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_adv_by_std_in_grpo: bool = True
-    use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"
+    adv_estimator: str = "grpo"  # grpo | gae (trains a critic) | rloo | grpo_passk | reinforce_plus_plus |
+    # reinforce_plus_plus_baseline | remax | opo | gpg (the registered advantage estimators)
+    gamma: float = 1.0  # reward discount (gae, reinforce_plus_plus)
+    lam: float = 1.0  # GAE's lambda (gae)
+    norm_adv_by_std_in_grpo: bool = True  # grpo, grpo_passk: divide by the group's score std; false: Dr. GRPO
+    use_kl_in_reward: bool = False  # token rewards minus kl_ctrl's coefficient x KL(old || ref) (runs the reference
+    # policy; not with actor.use_kl_loss)
+    kl_penalty: str = "kl"  # the in-reward KL's estimator: kl (k1) | abs | mse (k2) | low_var_kl (k3)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
@@ -200,9 +207,12 @@ class BackendConfig:
 
     name: str = "fsdp"  # fsdp | deepspeed | megatron
     mixed_precision: str | None = "auto"  # auto: bfloat16 compute for trained models on CUDA, off on CPU | null
-    param_offload: bool = False
-    optimizer_offload: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    param_offload: bool = False  # fsdp, deepspeed: parameters in CPU memory when unused (PPO: a role's
+    # fsdp_config.param_offload overrides it); megatron does not offload
+    optimizer_offload: bool = False  # fsdp, deepspeed: optimizer state in CPU memory when unused (PPO: a role's
+    # fsdp_config.optimizer_offload overrides it); megatron does not offload
+    extra: dict[str, Any] = field(default_factory=dict)  # backend-specific settings: megatron (its layout keys),
+    # deepspeed_config (merged over the generated DeepSpeed config)
 
 
 @dataclass
@@ -235,34 +245,36 @@ class TrainerSection:
         "verbose",
     )
 
-    project_name: str = "scaletrain"
+    project_name: str = "scaletrain"  # the loggers' project; names the default run dir (default_local_dir)
     experiment_name: str | None = None  # null: <adv_estimator>_<backend.name>, so runs on different backends
     # keep separate checkpoint directories
-    total_epochs: int = 1
-    total_training_steps: int | None = None
-    n_gpus_per_node: int = 2
-    nnodes: int = 1
+    total_epochs: int = 1  # passes over the training prompts (when total_training_steps is null)
+    total_training_steps: int | None = None  # set: the run's steps, overriding total_epochs; null: total_epochs x
+    # steps per epoch
+    n_gpus_per_node: int = 2  # training ranks per node (one worker process each; a GPU each on CUDA)
+    nnodes: int = 1  # nodes of the training pool (world size: nnodes x n_gpus_per_node)
     device: str = "auto"  # auto | cpu | cuda
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # console | jsonl | tensorboard |
+    # wandb | mlflow
     default_local_dir: str | None = None  # the run directory; null: checkpoints/<project_name>/<experiment_name>
     save_freq: int = -1  # steps between checkpoints; -1: only at the end (and by save_freq_minutes)
     save_freq_minutes: float | None = 30.0  # also a checkpoint after the first step ending this long after the
     # run's start or its last checkpoint, so a crash loses at most about this much training; null: by steps only
     test_freq: int = -1  # steps between validations; -1: only at the end
-    val_before_train: bool = True
+    val_before_train: bool = True  # validate once before the first step (not when resuming)
     resume_mode: str = "auto"  # auto | disable | resume_path
-    resume_from_path: str | None = None
-    max_ckpt_to_keep: int | None = 2
+    resume_from_path: str | None = None  # resume_mode=resume_path: the global_step_<N> directory to continue from
+    max_ckpt_to_keep: int | None = 2  # the newest complete checkpoints kept; null or <= 0: all
     save_hf_at_end: bool = True  # <run dir>/hf: the HF model; with LoRA (model.lora_rank > 0) the PEFT adapter
     save_merged: bool = False  # with LoRA: also the merged full model in <run dir>/hf_merged (transformers and vLLM
     # load it like any checkpoint); without LoRA <run dir>/hf is the full model already
-    plot_at_end: bool = True
+    plot_at_end: bool = True  # curves from metrics.jsonl into <run dir>/plots at the end (needs the jsonl logger)
     collective_timeout_s: float = 600.0  # a step waiting longer on a dead rank fails, naming it
     worker_call_timeout_s: float | None = 3600.0  # a worker-group call running longer fails the run, naming the
     # role, ranks and method, with every worker's Python stack in <run dir>/stacks; null: wait forever
     worker_call_timeout_s_by_role: dict[str, float] = field(default_factory=dict)  # actor_rollout | critic | rm |
     # rollout (split placement)
-    seed: int = 1
+    seed: int = 1  # seeds the engines (before each model is built) and, per step, the rollout's sampling
     rollout_data_dir: str | None = None  # set: each step's scored rollouts dumped to <dir>/<step>.jsonl
     validation_data_dir: str | None = None  # set: each validation's scored samples dumped to <dir>/<step>.jsonl
     log_val_generations: int = 0  # validation samples (input, output, score) shown in the loggers
@@ -302,9 +314,9 @@ class RayInitConfig:
     resources: dict[str, float] = field(default_factory=dict)  # a private cluster's custom resources
     namespace: str | None = None  # the Ray namespace of this run's actors (null: Ray's anonymous one)
     runtime_env: dict[str, Any] = field(default_factory=dict)  # merged over the run log's; null values dropped
-    include_dashboard: bool = False
+    include_dashboard: bool = False  # true: a private cluster starts Ray's dashboard
     dashboard_host: str | None = None  # null: Ray's (127.0.0.1)
-    dashboard_port: int | None = None
+    dashboard_port: int | None = None  # a private cluster's dashboard port (null: Ray's, 8265)
 
 
 @dataclass

@@ -9,9 +9,10 @@ is read here once, for every trainer.
 from __future__ import annotations
 
 from dataclasses import fields, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from backends.config import EngineConfig, LoraSettings, ModelConfig
+from scaletrain.utils.typed_config import resolved
 
 if TYPE_CHECKING:
     from scaletrain.trainer.config.plan import RunPlan
@@ -25,7 +26,7 @@ def model_config(section: HFModelConfig, path: str | None, kind: str = "causal_l
     lora = {f.name: getattr(section, f.name) for f in fields(LoraSettings)} if isinstance(section, LoraSettings) else {}
     return ModelConfig(
         **lora,
-        path=path,
+        path=cast(str, path),  # None only before the embedded default model's path is filled in
         kind=kind,
         dtype=section.dtype,
         gradient_checkpointing=section.enable_gradient_checkpointing,
@@ -75,9 +76,9 @@ def _critic_config(cfg: PPOConfig, plan: RunPlan, engine: EngineConfig) -> Criti
     return CriticConfig(
         model=model_config(c.model, c.model.path or arr.model.path, kind="value"),  # null: the actor's model
         backend=cfg.backend.name,
-        ppo_mini_batch_size=c.ppo_mini_batch_size,
+        ppo_mini_batch_size=resolved(c.ppo_mini_batch_size, "critic.ppo_mini_batch_size"),
         ppo_micro_batch_size_per_gpu=c.ppo_micro_batch_size_per_gpu,
-        ppo_epochs=c.ppo_epochs,
+        ppo_epochs=resolved(c.ppo_epochs, "critic.ppo_epochs"),
         use_dynamic_bsz=c.use_dynamic_bsz,
         ppo_max_token_len_per_gpu=c.ppo_max_token_len_per_gpu,
         cliprange_value=c.cliprange_value,

@@ -72,7 +72,7 @@ def validate_filter_groups(cfg: PPOConfig) -> None:
 def metric_values(scored: Scored, metric: str) -> np.ndarray:
     """One float per row: the group-filter metric of each sample."""
     if metric in SEQ_METRICS:
-        return scored.batch.batch["token_level_scores"].sum(-1).double().numpy()
+        return scored.batch.tensors["token_level_scores"].sum(-1).double().numpy()
     extra = scored.reward.get("reward_extra_info") or {}
     if metric not in extra:
         known = sorted([*SEQ_METRICS, *extra])

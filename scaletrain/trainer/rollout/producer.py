@@ -44,11 +44,12 @@ def build_agent_manager(cfg: PPOConfig, rollout: ActorRolloutRefRole | RolloutRo
     from scaletrain.agent.server import AsyncEngineBackend, AsyncServerManager, WorkerGroupBackend
 
     rc, at = cfg.actor_rollout_ref.rollout, cfg.async_training
-    segment = (at.partial_rollout_segment_tokens or max(1, rc.response_length // 4)) if at.partial_rollout else None
+    prompt_length, response_length = rc.resolved_lengths()
+    segment = (at.partial_rollout_segment_tokens or max(1, response_length // 4)) if at.partial_rollout else None
     backend = (AsyncEngineBackend if rc.use_async_engine else WorkerGroupBackend)(rollout)
     server = AsyncServerManager(backend, rc.multi_turn.max_batch_wait_ms, segment)
     return AgentLoopManager(
-        rc.multi_turn, server, tokenizer, prompt_length=rc.prompt_length, response_length=rc.response_length
+        rc.multi_turn, server, tokenizer, prompt_length=prompt_length, response_length=response_length
     )
 
 
@@ -108,10 +109,10 @@ class RolloutProducer:
             batch.non_tensor_batch["rollout_version"] = np.full(len(batch), version, dtype=np.int64)
         batch.meta_info["temperature"] = sampling.temperature  # the log-prob passes scale the logits by it
         if baseline is not None:
-            batch.batch["reward_baselines"] = baseline.repeat_interleave(sampling.n)
+            batch.tensors["reward_baselines"] = baseline.repeat_interleave(sampling.n)
         with timer("reward", timings), self.reward_lock:
             reward = self.train_reward_fn(batch, return_dict=True)
-            batch.batch["token_level_scores"] = reward["reward_tensor"]
+            batch.tensors["token_level_scores"] = reward["reward_tensor"]
         self.reward_guard.observe(step, reward["metrics"], len(batch))  # a scorer failing step after step stops
         return Scored(batch, reward, {**metrics, **reward["metrics"]})
 

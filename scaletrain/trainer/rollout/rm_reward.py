@@ -39,7 +39,7 @@ class RewardWithRM:
     def __call__(self, batch: DataProto, return_dict: bool = False):
         batch.union(self.reward_model.compute_rm_score(batch))
         rule = self.rule_fn(batch, return_dict=True) if self.rule_fn is not None else None
-        reward = combine_rewards(batch.batch["rm_scores"], rule)
+        reward = combine_rewards(batch.tensors["rm_scores"], rule)
         return reward if return_dict else reward["reward_tensor"]
 
 

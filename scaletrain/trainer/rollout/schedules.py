@@ -98,11 +98,12 @@ class OneStepOffRollouts(SyncRollouts):
         self.consumed_state = loader.state_dict()
         self.rollout_done_at: float | None = None
 
-    def _start(self, step: int) -> None:
+    def _start(self, step: int) -> _Pending:
         batch = next_batch(self.loader)
         timings: dict[str, float] = {}
         future = self.pool.submit(self._generate, batch, step, timings)
         self.pending = _Pending(future, self.loader.state_dict(), timings)
+        return self.pending
 
     def _generate(self, batch, step: int, timings: dict[str, float]) -> Scored:
         scored = self.producer.scored(batch, step, 0, timings)
@@ -110,15 +111,14 @@ class OneStepOffRollouts(SyncRollouts):
         return scored
 
     def next(self, step: int, timings: dict[str, float]) -> Scored | None:
-        if self.pending is None:
-            self._start(step)
+        pending = self.pending if self.pending is not None else self._start(step)
         waited = time.perf_counter()
-        scored = self.pending.future.result()  # a rollout error raises here, in the trainer's thread
+        scored = pending.future.result()  # a rollout error raises here, in the trainer's thread
         now = time.perf_counter()
         metrics = {"async/trainer_idle_s": now - waited, "async/queue_size": 0.0}
         idle = now - self.rollout_done_at if self.rollout_done_at is not None else 0.0
-        timings.update(self.pending.timings)
-        self.consumed_state = self.pending.data_state
+        timings.update(pending.timings)
+        self.consumed_state = pending.data_state
         self.pending = None
         if self.unpushed:  # the weights step `step` trains from go to the engines, then step + 1 starts on them
             metrics.update(self._push(timings))

@@ -144,7 +144,9 @@ class CheckpointManager:
         """After a complete save of step ``current``: keep the newest ``max_to_keep`` complete checkpoints (always
         the newest and the pointer's), and remove leftovers of crashed saves of earlier steps."""
         steps = sorted(self.saved_steps())
-        keep = set(steps[-self.max_to_keep :]) if self.max_to_keep and self.max_to_keep > 0 else set(steps)
+        keep: set[int | None] = set(steps)  # None: no pointer (_pointer_step)
+        if self.max_to_keep and self.max_to_keep > 0:
+            keep = set(steps[-self.max_to_keep :])
         keep.update(steps[-1:])
         keep.add(self._pointer_step())
         for step in steps:

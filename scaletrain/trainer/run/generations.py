@@ -65,10 +65,10 @@ class ScoredSamples:
                 raise ValueError(f"reward extra info '{key}' has {len(values)} values for a batch of {n} samples")
             self.extra.setdefault(key, [None] * before).extend(values)
         if tokenizer is not None:
-            prompt_len = batch.batch["prompts"].shape[1]
-            mask = batch.batch["attention_mask"]
-            self.inputs += _decode(tokenizer, batch.batch["prompts"], mask[:, :prompt_len])
-            self.outputs += _decode(tokenizer, batch.batch["responses"], mask[:, prompt_len:])
+            prompt_len = batch.tensors["prompts"].shape[1]
+            mask = batch.tensors["attention_mask"]
+            self.inputs += _decode(tokenizer, batch.tensors["prompts"], mask[:, :prompt_len])
+            self.outputs += _decode(tokenizer, batch.tensors["responses"], mask[:, prompt_len:])
             self.gts += [(rm or {}).get("ground_truth") for rm in non_tensor.get("reward_model", [None] * n)]
 
     def columns(self) -> dict[str, list]:

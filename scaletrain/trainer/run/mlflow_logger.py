@@ -63,9 +63,10 @@ class MlflowLogger(LoggerBackend):
         tracking = require_module("mlflow.tracking", "mlflow", "mlflow")
         self._entities = importlib.import_module("mlflow.entities")
         local_root = None if os.environ.get("MLFLOW_TRACKING_URI") else run.log_dir / "mlruns"
+        self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI", "")
         if local_root is not None:
             local_root.mkdir(parents=True, exist_ok=True)
-        self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(local_root / 'mlflow.db').resolve()}"
+            self.tracking_uri = f"sqlite:///{(local_root / 'mlflow.db').resolve()}"
         self.client = tracking.MlflowClient(tracking_uri=self.tracking_uri)
         try:
             experiment = self.client.get_experiment_by_name(run.project_name)

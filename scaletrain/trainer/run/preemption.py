@@ -17,6 +17,10 @@ import logging
 import signal
 import threading
 from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from signal import _HANDLER  # typeshed's type of a signal handler, as signal.signal returns it
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +32,7 @@ class PreemptionWatch:
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, _HANDLER] = {}
 
     @property
     def requested(self) -> bool:

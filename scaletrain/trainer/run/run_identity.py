@@ -28,7 +28,7 @@ from typing import Any
 from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.trainer.run.checkpoint import CheckpointManager
 from scaletrain.utils.secrets import redact_secrets
-from scaletrain.utils.typed_config import ConfigError, execution_only, leaf_fields, to_dict
+from scaletrain.utils.typed_config import ConfigError, execution_only, leaf_fields, resolved, to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def claim_run_dir(cfg: PPOConfig) -> None:
     """Checks that a resumed run continues its own run, clears the way for a fresh one, and records this run's
     settings (see the module docstring). Raises ConfigError naming the differing keys."""
     tr = cfg.trainer
-    run_dir = os.path.abspath(tr.default_local_dir)
+    run_dir = os.path.abspath(resolved(tr.default_local_dir, "trainer.default_local_dir"))
     current, stored = result_settings(cfg), _read_settings(run_dir)
     latest = CheckpointManager(run_dir).latest()
     resuming = tr.resume_mode == "resume_path" or (tr.resume_mode == "auto" and latest is not None)

@@ -35,11 +35,12 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scaletrain.utils.hydra_compose import plain_dict
 from scaletrain.utils.registry import Registry
 from scaletrain.utils.secrets import redact_secrets, scrubbed_argv
 
@@ -119,7 +120,7 @@ class Tracking:
         for backend in self.backends.values():
             backend.log(clean, int(step))
 
-    def log_generations(self, samples: list[Mapping[str, Any]], step: int) -> None:
+    def log_generations(self, samples: Sequence[Mapping[str, Any]], step: int) -> None:
         """Logs validation samples (``input``, ``output``, ``score``) to every backend that shows them."""
         rows = [{"input": str(s["input"]), "output": str(s["output"]), "score": float(s["score"])} for s in samples]
         for backend in self.backends.values():
@@ -168,9 +169,7 @@ def _plain_config(config: Mapping | None) -> dict:
     if config is None:
         return {}
     if type(config).__module__.startswith("omegaconf"):
-        from omegaconf import OmegaConf
-
-        config = OmegaConf.to_container(config, resolve=True)
+        config = plain_dict(config)
     return redact_secrets(dict(config))
 
 

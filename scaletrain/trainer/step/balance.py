@@ -50,7 +50,7 @@ def imbalance(lengths: list[int], parts: list[list[int]]) -> float:
 
 def balance_batch(batch: DataProto, dp_size: int) -> dict[str, float]:
     """Reorder ``batch`` in place (see the module docstring); returns the imbalance before and after."""
-    lengths = batch.batch["attention_mask"].sum(-1).tolist()
+    lengths = batch.tensors["attention_mask"].sum(-1).tolist()
     room = len(lengths) // dp_size
     before = imbalance(lengths, [list(range(r * room, (r + 1) * room)) for r in range(dp_size)])
     parts = equal_count_parts(lengths, dp_size)

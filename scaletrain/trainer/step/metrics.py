@@ -37,21 +37,21 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 
 def data_metrics(batch: DataProto) -> dict[str, float]:
-    mask = batch.batch["response_mask"].bool()
+    mask = batch.tensors["response_mask"].bool()
     resp_len = mask.sum(-1)
-    prompt_len = batch.batch["attention_mask"][:, : -mask.shape[1]].sum(-1)
+    prompt_len = batch.tensors["attention_mask"][:, : -mask.shape[1]].sum(-1)
     max_resp = mask.shape[1]
     metrics = {
-        **_stats("critic/score", batch.batch["token_level_scores"].sum(-1)),
-        **_stats("critic/rewards", batch.batch["token_level_rewards"].sum(-1)),
-        **_stats("critic/advantages", batch.batch["advantages"][mask]),
-        **_stats("critic/returns", batch.batch["returns"][mask]),
+        **_stats("critic/score", batch.tensors["token_level_scores"].sum(-1)),
+        **_stats("critic/rewards", batch.tensors["token_level_rewards"].sum(-1)),
+        **_stats("critic/advantages", batch.tensors["advantages"][mask]),
+        **_stats("critic/returns", batch.tensors["returns"][mask]),
         **_stats("response_length", resp_len),
         "response_length/clip_ratio": (resp_len >= max_resp).float().mean().item(),
         **_stats("prompt_length", prompt_len),
     }
-    if "values" in batch.batch.keys():
-        metrics.update(_stats("critic/values", batch.batch["values"][mask]))
+    if "values" in batch.tensors.keys():
+        metrics.update(_stats("critic/values", batch.tensors["values"][mask]))
     if "uid" in batch.non_tensor_batch:
         metrics["critic/mixed_reward_groups"] = mixed_group_share(batch)
     return metrics
@@ -59,7 +59,7 @@ def data_metrics(batch: DataProto) -> dict[str, float]:
 
 def mixed_group_share(batch: DataProto) -> float:
     """Share of prompts whose samples got different scores: the groups GRPO can learn from."""
-    scores = batch.batch["token_level_scores"].sum(-1)
+    scores = batch.tensors["token_level_scores"].sum(-1)
     groups: dict[str, set] = {}
     for uid, score in zip(batch.non_tensor_batch["uid"], scores.tolist()):
         groups.setdefault(uid, set()).add(round(score, 6))
@@ -69,7 +69,7 @@ def mixed_group_share(batch: DataProto) -> float:
 def throughput_metrics(
     batch: DataProto, timings: dict[str, float], world_size: int, actor_params: int, peak_flops: float | None
 ) -> dict[str, float]:
-    tokens = int(batch.batch["attention_mask"].sum())
+    tokens = int(batch.tensors["attention_mask"].sum())
     metrics = {"perf/total_num_tokens": float(tokens)}
     step_s = timings.get("step")
     if step_s:

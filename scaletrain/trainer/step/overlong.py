@@ -22,16 +22,16 @@ from scaletrain.protocol import DataProto
 
 def truncated_rows(batch: DataProto, eos_ids: list[int]) -> torch.Tensor:
     """Bool (rows,): the response fills its last position (``attention_mask``) with a token that is no EOS."""
-    last_token = batch.batch["responses"][:, -1]
-    filled = batch.batch["attention_mask"][:, -1].bool()
+    last_token = batch.tensors["responses"][:, -1]
+    filled = batch.tensors["attention_mask"][:, -1].bool()
     return filled & ~torch.isin(last_token, torch.tensor(eos_ids, dtype=last_token.dtype))
 
 
 def mask_overlong_responses(batch: DataProto, eos_ids: list[int]) -> dict[str, float]:
     """Clear ``response_mask`` (in place) on the truncated rows; returns the masked count and share."""
     truncated = truncated_rows(batch, eos_ids)
-    mask = batch.batch["response_mask"]
-    batch.batch["response_mask"] = mask * (~truncated).to(mask.dtype)[:, None]
+    mask = batch.tensors["response_mask"]
+    batch.tensors["response_mask"] = mask * (~truncated).to(mask.dtype)[:, None]
     return {
         "train/overlong_masked": float(truncated.sum()),
         "train/overlong_masked_ratio": truncated.float().mean().item(),

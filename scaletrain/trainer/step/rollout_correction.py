@@ -142,13 +142,13 @@ def old_log_probs(
     """``batch`` with ``old_log_probs``: the actor's forward pass (its entropy as ``actor/entropy``) and then the
     rollout correction, or in bypass mode the rollout's own log-probs."""
     if cfg.bypass_mode:
-        if "rollout_log_probs" not in batch.batch.keys():
+        if "rollout_log_probs" not in batch.tensors.keys():
             raise ValueError(f"{KEY}.bypass_mode=true needs the rollout's log-probs, and this batch has none")
-        batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+        batch.tensors["old_log_probs"] = batch.tensors["rollout_log_probs"]
         return batch
     with timer("old_log_prob", timings):
         old = actor.compute_log_prob(batch)
-        entropy = old.batch["entropys"][batch.batch["response_mask"].bool()]
+        entropy = old.tensors["entropys"][batch.tensors["response_mask"].bool()]
         metrics["actor/entropy"] = entropy.mean().item()
         batch = batch.union(old.select(batch_keys=["old_log_probs"]))
     metrics.update(apply_rollout_correction(batch, cfg))
@@ -159,11 +159,11 @@ def old_log_probs(
 def apply_rollout_correction(batch: DataProto, cfg: RolloutCorrectionConfig) -> dict[str, float]:
     """The ``rollout_corr/*`` metrics; with correction enabled also ``rollout_is_weights`` / a rejection-masked
     ``response_mask`` in ``batch`` (in place). Nothing when the rollout returned no log-probs."""
-    if "rollout_log_probs" not in batch.batch.keys():
+    if "rollout_log_probs" not in batch.tensors.keys():
         return {}
-    old = batch.batch["old_log_probs"].float()
-    rollout = batch.batch["rollout_log_probs"].float()
-    mask = batch.batch["response_mask"]
+    old = batch.tensors["old_log_probs"].float()
+    rollout = batch.tensors["rollout_log_probs"].float()
+    mask = batch.tensors["response_mask"]
     metrics = compute_mismatch_metrics(old, rollout, mask, cfg.mismatch_log_prob_threshold)
     if cfg.rollout_is is not None:
         weights, is_metrics = compute_rollout_correction(
@@ -172,7 +172,7 @@ def apply_rollout_correction(batch: DataProto, cfg: RolloutCorrectionConfig) -> 
         metrics.update(is_metrics)
         if cfg.rollout_is_batch_normalize:
             weights, metrics["rollout_corr/is_batch_norm_factor"] = _batch_normalize(weights, mask, cfg.rollout_is)
-        batch.batch["rollout_is_weights"] = weights
+        batch.tensors["rollout_is_weights"] = weights
     if cfg.rollout_rs is not None:
         metrics.update(_reject(batch, old, rollout, cfg))
     return metrics
@@ -191,8 +191,9 @@ def _batch_normalize(weights: torch.Tensor, mask: torch.Tensor, level: str) -> t
 
 def _reject(batch: DataProto, old: torch.Tensor, rollout: torch.Tensor, cfg: RolloutCorrectionConfig) -> dict:
     """Clear ``response_mask`` where the token (or sequence) ratio is outside the ``rollout_rs_threshold`` bounds."""
+    assert cfg.rollout_rs is not None  # called only with rollout_rs set
     lower, upper = rs_bounds(cfg)
-    mask = batch.batch["response_mask"]
+    mask = batch.tensors["response_mask"]
     kept, rs_metrics = compute_rollout_correction(
         old,
         rollout,
@@ -205,7 +206,7 @@ def _reject(batch: DataProto, old: torch.Tensor, rollout: torch.Tensor, cfg: Rol
     keep = kept > 0  # mask mode: the ratio (always > 0) inside the bounds, 0 outside
     valid = mask.bool()
     rejected = valid & ~keep
-    batch.batch["response_mask"] = (mask * keep).to(mask.dtype)
+    batch.tensors["response_mask"] = (mask * keep).to(mask.dtype)
     n_valid = max(int(valid.sum()), 1)
     n_seqs = max(int(valid.any(-1).sum()), 1)
     return {

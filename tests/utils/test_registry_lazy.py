@@ -9,7 +9,7 @@ from scaletrain.utils.registry import Registry
 
 def test_lazy_builtin_imported_on_first_get(tmp_path, monkeypatch):
     (tmp_path / "lazy_plugin_for_test.py").write_text(
-        "from tests.test_registry_lazy import REG\n@REG.register('plug')\nclass Plug: pass\n"
+        "from tests.utils.test_registry_lazy import REG\n@REG.register('plug')\nclass Plug: pass\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert "lazy_plugin_for_test" not in sys.modules

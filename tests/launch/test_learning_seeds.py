@@ -51,7 +51,7 @@ def test_a_run_without_two_validations_is_refused_naming_it(tmp_path):
 def test_the_seed_and_the_run_directory_win_over_a_recipes_own(tmp_path, monkeypatch):
     """A recipe's overrides (launch/recipes/smollm2_reasoning_gym.sh's PRINT_ONLY output names its own run
     directory) go first; each run's seed and directory come last, and Hydra keeps a key's last value."""
-    from tests.trainer.test_ppo_config import composed
+    from tests.trainer.config.test_ppo_config import composed
 
     calls = []
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd) or SimpleNamespace(returncode=0))

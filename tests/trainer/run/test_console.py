@@ -13,7 +13,7 @@ import pytest
 
 from scaletrain.trainer.run.tracking import Tracking, step_line_every
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 DRIVER = textwrap.dedent(
     """

@@ -9,7 +9,7 @@ from scaletrain.protocol import DataProto
 from scaletrain.trainer.rollout.rm_reward import combine_rewards
 from scaletrain.utils.typed_config import ConfigError
 from scaletrain.workers.rm_inputs import retokenized_inputs
-from tests.trainer.test_ppo_config import checked
+from tests.trainer.config.test_ppo_config import checked
 
 
 def save_char_rm(path) -> str:

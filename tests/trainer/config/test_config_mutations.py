@@ -22,7 +22,7 @@ from scaletrain.trainer.config.ppo_config import PPOConfig, load_ppo_config
 from scaletrain.trainer.config.worker_configs import ppo_worker_configs
 from scaletrain.utils.typed_config import ConfigError, leaf_fields
 from tests.backends.tiny import save_tiny_reward_model
-from tests.trainer.test_ppo_config import composed
+from tests.trainer.config.test_ppo_config import composed
 
 # a valid other value, by dotted key or else by field name: a string no check accepts would be refused before it
 # reaches the worker, which would hide a dropped line

@@ -5,6 +5,7 @@ samples) running one step on the embedded default with only the model and data p
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,23 @@ VERL_RAY_KEYS = ["ray_kwargs.ray_init.runtime_env.py_executable=null"]
             ],
             [],
         ),
+        (  # verl's newer sections and selectors: checkpoint_engine (megabytes), model_engine, reward.*, tool config
+            [
+                "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=4096",
+                "model_engine=megatron",
+                "reward.reward_model.model_path=/m",
+                "reward.custom_reward_function.path=r.py",
+                "actor_rollout_ref.rollout.multi_turn.tool_config_path=t.yaml",
+                "--config-path=config",
+            ],
+            [
+                "backend=megatron",
+                "actor_rollout_ref.rollout.weight_bucket_bytes=4294967296",
+                "reward_model.model.path=/m",
+                "custom_reward_function.path=r.py",
+                "actor_rollout_ref.rollout.multi_turn.tools_config_file=t.yaml",
+            ],
+        ),
     ],
 )
 def test_translation(argv, expected):
@@ -86,6 +104,10 @@ def test_translation(argv, expected):
         (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "use backend=megatron with"),
         (["algorithm.pf_ppo.weight_pow=2.0"], "policy-filtration PPO is not implemented"),
         (["reward_model.rollout.name=vllm"], "generative reward models"),
+        (["reward.reward_kwargs.x=1"], "verl's reward.\\* keys taken here: .*reward.num_workers"),
+        (["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"], "rollout.weight_bucket_bytes"),
+        (["model_engine=veomni"], "unknown strategy 'veomni'"),
+        (["--config-name=ppo_megatron_trainer", "backend=fsdp"], "backend=fsdp conflicts with --config-name"),
     ],
 )
 def test_unsupported_and_conflicting_keys_are_named(argv, message):
@@ -134,3 +156,34 @@ def test_verl_grpo_example_runs_one_step(ray_cluster, tmp_path, monkeypatch):
     step = [row for row in rows if row["step"] == 1][0]
     assert step["actor/kl_loss"] >= 0 and "rollout_corr/log_prob_abs_diff_mean" in step
     assert step["training/seq_balance/imbalance_after"] <= step["training/seq_balance/imbalance_before"]
+
+
+def _porting_rows() -> list[tuple[str, str]]:
+    """(override, status) of each row of docs/porting.md's table of verl's example keys."""
+    text = (ROOT / "docs" / "porting.md").read_text()
+    table = text[text.index("<!-- verl-example-keys:start -->") : text.index("<!-- verl-example-keys:end -->")]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| `")]
+    return [(cells[0].removeprefix("| `").removesuffix("`"), cells[2]) for cells in rows]
+
+
+@pytest.mark.parametrize("override, status", _porting_rows(), ids=[row[0].split("=")[0] for row in _porting_rows()])
+def test_every_key_of_verls_examples_has_the_status_this_page_gives(override, status):
+    """docs/porting.md's claim, row by row: a refused key fails before anything starts naming itself and what to use
+    instead; any other key (as in verl, renamed, accepted and dropped, a backend selector) composes into a config
+    that loads."""
+    from scaletrain.trainer.config.ppo_config import load_ppo_config
+    from scaletrain.utils.hydra_compose import compose_config
+
+    key = override.split("=", 1)[0]
+    if status.startswith("refused: "):
+        with pytest.raises(ConfigError, match=re.escape(key)) as refused:
+            verl_overrides([override])
+        assert status.removeprefix("refused: ").rstrip(" |") in str(refused.value)
+        return
+    hydra_args = verl_overrides([override])
+    load_ppo_config(compose_config("ppo_trainer", [a for a in hydra_args if not a.startswith("--config")]))
+    if status.startswith("renamed: "):
+        target = status.removeprefix("renamed: `").split("`")[0]
+        assert any(a.startswith(f"{target}=") for a in hydra_args), hydra_args
+    elif status.startswith("accepted"):
+        assert not any(a.startswith(f"{key}=") for a in hydra_args), hydra_args

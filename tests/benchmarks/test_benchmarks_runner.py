@@ -90,4 +90,4 @@ def test_readme_section_appended_when_markers_absent(tmp_path):
     run_all.update_readme(readme, run_all.readme_section(doc))
     run_all.update_readme(readme, run_all.readme_section(doc))
     text = readme.read_text()
-    assert text.startswith("# proj\n\n<!-- perf:start -->\n## Performance") and text.count("## Performance") == 1
+    assert text.startswith("# proj\n\n<!-- perf:start -->\n## The benchmarks") and text.count("## The benchmarks") == 1

@@ -11,7 +11,7 @@ from scaletrain.protocol import DataProto
 from scaletrain.trainer.config.ppo_config import RolloutCorrectionConfig
 from scaletrain.trainer.step.rollout_correction import apply_rollout_correction, old_log_probs, rs_bounds
 from scaletrain.utils.typed_config import ConfigError
-from tests.trainer.test_ppo_config import checked as checked_config
+from tests.trainer.config.test_ppo_config import checked as checked_config
 
 KEY = "algorithm.rollout_correction"
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])

@@ -14,7 +14,7 @@ from scaletrain.trainer.rollout.producer import RolloutProducer
 from scaletrain.trainer.rollout.remax import greedy_baseline
 from scaletrain.trainer.step.overlong import mask_overlong_responses, truncated_rows
 from scaletrain.workers import RolloutWorkerConfig
-from tests.trainer.test_ppo_config import checked, composed
+from tests.trainer.config.test_ppo_config import checked, composed
 
 N = 2  # samples per prompt
 

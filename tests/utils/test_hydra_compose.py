@@ -26,7 +26,7 @@ def test_a_source_checkout_without_install_finds_its_configs():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     code = (
         "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]; "
         f"sys.path.insert(0, {str(root)!r}); "

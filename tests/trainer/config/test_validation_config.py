@@ -4,7 +4,7 @@ import pytest
 
 from scaletrain.trainer.config.ppo_config import load_ppo_config
 from scaletrain.utils.typed_config import ConfigError
-from tests.trainer.test_ppo_config import checked, composed
+from tests.trainer.config.test_ppo_config import checked, composed
 
 
 def test_defaults_are_off_and_val_kwargs_greedy():

@@ -10,7 +10,7 @@ from scaletrain.trainer.config.ppo_config import load_ppo_config
 from scaletrain.trainer.config.worker_configs import ppo_worker_configs
 from scaletrain.trainer.main_ppo import verl_overrides
 from scaletrain.utils.typed_config import ConfigError
-from tests.trainer.test_ppo_config import checked, composed
+from tests.trainer.config.test_ppo_config import checked, composed
 
 # the LoRA part of verl's examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh (model and data paths removed)
 VERL_LORA = [

@@ -11,7 +11,7 @@ from scaletrain.trainer.config.plan import plan_run, resolve_config
 from scaletrain.trainer.config.ppo_config import PPOConfig, load_ppo_config
 from scaletrain.trainer.embedded_default import apply_embedded_overlay, embedded_overlay
 from scaletrain.utils.typed_config import to_dict
-from tests.trainer.test_ppo_config import composed
+from tests.trainer.config.test_ppo_config import composed
 
 
 def test_overlay_sets_the_embedded_sizes_only_where_the_user_did_not():
