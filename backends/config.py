@@ -23,16 +23,38 @@ class LoraSettings:
     lora_adapter_path: str | None = None  # a trained PEFT adapter directory to start from (its rank = lora_rank)
 
 
+@dataclass
+class ModelSettings:
+    """An HF model and how to load it, verl's keys: the keys of every model section (``actor_rollout_ref.model``,
+    ``critic.model``, ``reward_model.model``, the SFT trainer's ``model``) and their defaults live here once;
+    ModelConfig and the trainer's model sections extend this class."""
+
+    EXECUTION_ONLY = ("attn_implementation", "use_remove_padding", "enable_gradient_checkpointing", "trust_remote_code")
+
+    path: str | None = None  # HF checkpoint directory; null: the embedded default model for the actor, the
+    # actor's model for the critic (required with reward_model.enable)
+    dtype: str = "auto"  # auto: float32 weights for trained models, bfloat16 for frozen ones on
+    # CUDA (compute in bfloat16 via backend.mixed_precision=auto); float32 on CPU
+    attn_implementation: str | None = None  # sdpa | flash_attention_2 | eager (fsdp, deepspeed); null: sdpa
+    use_remove_padding: bool = False  # pack a micro-batch's valid tokens into one sequence (fsdp, deepspeed);
+    # pays off with flash_attention_2, slower with sdpa / eager
+    enable_gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
+    trust_remote_code: bool = False  # let transformers run code shipped with the checkpoint (custom model classes)
+
+
 @dataclass(kw_only=True)
-class ModelConfig(LoraSettings):
-    path: str  # a local HF checkpoint directory
+class ModelConfig(ModelSettings, LoraSettings):
+    """What an engine builds: a role's model section (its path resolved) and the head the role needs."""
+
     kind: str = "causal_lm"  # causal_lm (actor/ref) | value (critic) | reward (seq. classifier)
-    dtype: str = "auto"  # weights: float32 | bfloat16 | auto (see resolve_precision)
-    attn_implementation: str | None = None  # sdpa | flash_attention_2 | eager; null: transformers' default
-    gradient_checkpointing: bool = False
-    use_remove_padding: bool = False  # pack valid tokens of a micro-batch into one sequence
-    trust_remote_code: bool = False
-    override_config: dict[str, Any] = field(default_factory=dict)
+    override_config: dict[str, Any] = field(default_factory=dict)  # HF config attributes set before loading
+
+    @property
+    def checkpoint(self) -> str:
+        """``path``, which an engine needs set (the trainer resolves a section's null path before it builds one)."""
+        if self.path is None:
+            raise ValueError("ModelConfig.path is unset: the model section's path must be resolved first")
+        return self.path
 
     def __post_init__(self) -> None:
         check_lora_keys(self)
@@ -77,20 +99,32 @@ DEFAULT_FORWARD = ForwardOptions()  # the engine's own micro-batching, the train
 
 
 @dataclass
-class EngineConfig:
-    """How a training engine batches and shards; shared by every backend (backend-specific knobs in extra)."""
+class BackendSettings:
+    """The backend section's engine keys (the trainer's ``backend.*``), their defaults here once: EngineConfig and
+    the trainer's backend section extend this class."""
+
+    EXECUTION_ONLY = ("param_offload", "optimizer_offload")
+
+    mixed_precision: str | None = "auto"  # auto: bfloat16 compute for trained models on CUDA, off on CPU | null
+    # (weights stay in the model's dtype, gradients are reduced in float32)
+    param_offload: bool = False  # fsdp, deepspeed: parameters in CPU memory when unused (PPO: a role's
+    # fsdp_config.param_offload overrides it); megatron does not offload
+    optimizer_offload: bool = False  # fsdp, deepspeed: optimizer state in CPU memory when unused (PPO: a role's
+    # fsdp_config.optimizer_offload overrides it); megatron does not offload
+    extra: dict[str, Any] = field(default_factory=dict)  # backend-specific settings: megatron (its layout keys),
+    # deepspeed_config (merged over the generated DeepSpeed config)
+
+
+@dataclass
+class EngineConfig(BackendSettings):
+    """How a training engine batches and shards: the backend section's settings and a role's micro-batching."""
 
     micro_batch_size_per_gpu: int = 4
     use_dynamic_bsz: bool = False
     max_token_len_per_gpu: int = 16384  # token budget of one micro-batch when use_dynamic_bsz
-    mixed_precision: str | None = "auto"  # None | bfloat16 | auto: the compute dtype (params stay in
-    # ModelConfig.dtype, gradients reduced in float32)
-    param_offload: bool = False
-    optimizer_offload: bool = False
     entropy_chunk_size: int = 1024
     seed: int = 1
     collective_timeout_s: float = 600.0  # a collective waiting longer (a peer died) fails
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def check_lora_keys(cfg: LoraSettings, key: str = "model") -> None:

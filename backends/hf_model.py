@@ -68,7 +68,7 @@ def build_hf_config(model_config: ModelConfig):
     """The HF config of ``model_config.path`` with ``override_config`` applied (value/reward: one label)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_config.path, trust_remote_code=model_config.trust_remote_code)
+    config = AutoConfig.from_pretrained(model_config.checkpoint, trust_remote_code=model_config.trust_remote_code)
     for key, value in model_config.override_config.items():
         if key != "attn_implementation":
             setattr(config, key, value)
@@ -107,7 +107,7 @@ def build_model(model_config: ModelConfig) -> nn.Module:
         trust_remote_code=model_config.trust_remote_code,
         **kwargs,
     )
-    if model_config.gradient_checkpointing:
+    if model_config.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_enabled(model_config):
         model = wrap_lora(model, model_config)

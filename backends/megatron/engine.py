@@ -131,7 +131,7 @@ class MegatronEngine(TrainEngine):
             self.parallel.sequence_parallel,
             torch_dtype(model_config.dtype),
             torch_dtype(engine_config.mixed_precision) if engine_config.mixed_precision else None,
-            model_config.gradient_checkpointing,
+            model_config.enable_gradient_checkpointing,
         )
         model = build_gpt_model(self.hf_config, self.tf_config, self.layout, "score.bias" in hf_state)
         load_hf_weights(model, hf_state, self.layout, self.tp_rank, self.pp_rank)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,9 +43,42 @@ class AdvantageEstimator(str, enum.Enum):
     GPG = "gpg"
 
 
-def register_adv_est(name: str | AdvantageEstimator, *, override: bool = False) -> Callable:
-    """Decorator: register an advantage estimator under ``name`` (then usable as ``algorithm.adv_estimator=name``)."""
-    return ADV_ESTIMATORS.register(name, override=override)
+@dataclass(frozen=True)
+class EstimatorTraits:
+    """What the trainer must know of an estimator, stated where it is registered (verl hard-codes these lists)."""
+
+    needs_values: bool = False  # it reads a critic's values: the trainer builds a critic (critic.enable: null)
+    group_based: bool = False  # it compares the samples of one prompt: rollout.n must be >= 2
+    greedy_baseline: bool = False  # it reads reward_baselines: the score of one greedy response per prompt (ReMax)
+
+
+ESTIMATOR_TRAITS: dict[str, EstimatorTraits] = {}
+
+
+def register_adv_est(
+    name: str | AdvantageEstimator,
+    *,
+    override: bool = False,
+    needs_values: bool = False,
+    group_based: bool = False,
+    greedy_baseline: bool = False,
+) -> Callable:
+    """Decorator: register an advantage estimator under ``name`` (then usable as ``algorithm.adv_estimator=name``),
+    with its traits (``EstimatorTraits``)."""
+    register = ADV_ESTIMATORS.register(name, override=override)
+
+    def decorator(fn: Callable) -> Callable:
+        register(fn)
+        key = name.value if isinstance(name, enum.Enum) else name
+        ESTIMATOR_TRAITS[key] = EstimatorTraits(needs_values, group_based, greedy_baseline)
+        return fn
+
+    return decorator
+
+
+def estimator_traits(name: str) -> EstimatorTraits:
+    """The traits registered with estimator ``name`` (none for a name nobody registered: the config check names it)."""
+    return ESTIMATOR_TRAITS.get(name, EstimatorTraits())
 
 
 def get_adv_estimator(name: str | AdvantageEstimator) -> Callable:
@@ -52,7 +86,7 @@ def get_adv_estimator(name: str | AdvantageEstimator) -> Callable:
     return ADV_ESTIMATORS.get(name)
 
 
-@register_adv_est(AdvantageEstimator.GAE)
+@register_adv_est(AdvantageEstimator.GAE, needs_values=True)
 @torch.no_grad()
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,
@@ -150,7 +184,7 @@ def compute_reinforce_plus_plus_advantage(
     return advantages, returns
 
 
-@register_adv_est(AdvantageEstimator.REMAX)
+@register_adv_est(AdvantageEstimator.REMAX, greedy_baseline=True)
 @torch.no_grad()
 def compute_remax_advantage(
     token_level_rewards: torch.Tensor,

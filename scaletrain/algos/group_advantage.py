@@ -68,7 +68,7 @@ def _broadcast(per_row: torch.Tensor, response_mask: torch.Tensor) -> tuple[torc
     return adv, adv
 
 
-@register_adv_est(AdvantageEstimator.GRPO)
+@register_adv_est(AdvantageEstimator.GRPO, group_based=True)
 @torch.no_grad()
 def compute_grpo_advantage(
     token_level_rewards: torch.Tensor,
@@ -95,7 +95,7 @@ def compute_grpo_advantage(
     return _broadcast(adv, response_mask)
 
 
-@register_adv_est(AdvantageEstimator.GRPO_PASSK)
+@register_adv_est(AdvantageEstimator.GRPO_PASSK, group_based=True)
 @torch.no_grad()
 def compute_grpo_passk_advantage(
     token_level_rewards: torch.Tensor,
@@ -136,7 +136,7 @@ def compute_grpo_passk_advantage(
     return _broadcast(torch.where(won, adv, 0.0), response_mask)
 
 
-@register_adv_est(AdvantageEstimator.RLOO)
+@register_adv_est(AdvantageEstimator.RLOO, group_based=True)
 @torch.no_grad()
 def compute_rloo_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, config: Any = None, **kwargs
@@ -150,7 +150,7 @@ def compute_rloo_advantage(
     return _broadcast(adv, response_mask)
 
 
-@register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE)
+@register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE, group_based=True)
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, config: Any = None, **kwargs
@@ -165,7 +165,7 @@ def compute_reinforce_plus_plus_baseline_advantage(
     return adv, adv
 
 
-@register_adv_est(AdvantageEstimator.OPO)
+@register_adv_est(AdvantageEstimator.OPO, group_based=True)
 @torch.no_grad()
 def compute_opo_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, config: Any = None, **kwargs

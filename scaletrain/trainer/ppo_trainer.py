@@ -110,11 +110,11 @@ class RayPPOTrainer:
         split = not cfg.actor_rollout_ref.hybrid_engine
         actor_cfg, critic_cfg, rm_cfg = ppo_worker_configs(cfg, self.plan)
         role = "actor" + ("" if split else "_rollout") + ("_ref" if self.use_ref else "")
-        roles = {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, actor_cfg, role)}
+        roles = {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, *actor_cfg, role)}
         if critic_cfg is not None:
-            roles["critic"] = RayClassWithInitArgs(CriticWorker, critic_cfg)
+            roles["critic"] = RayClassWithInitArgs(CriticWorker, *critic_cfg)
         if rm_cfg is not None:  # the reward model: one more colocated role on the same processes
-            roles["rm"] = RayClassWithInitArgs(RewardModelWorker, rm_cfg)
+            roles["rm"] = RayClassWithInitArgs(RewardModelWorker, *rm_cfg)
         self.pool = RayResourcePool([tc.n_gpus_per_node] * tc.nnodes, use_gpu=self.device == "cuda")
         self.worker_groups.append(
             colocated := RayWorkerGroup(
@@ -146,7 +146,7 @@ class RayPPOTrainer:
         self.producer = RolloutProducer(
             cfg, self.rollout, self.weight_sync, self.reward_fn, train_reward_fn, self.reward_guard, agents
         )
-        self.actor_params = count_params(actor_cfg.model.path)
+        self.actor_params = count_params(actor_cfg[1].model.checkpoint)
         self.peak_flops = device_peak_flops(self.device)
 
     # ---------------------------------------------------------------------------------------------------- fit

@@ -52,6 +52,7 @@ from scaletrain.trainer.config.sft_config import (
 from scaletrain.trainer.config.worker_configs import engine_config, model_config
 from scaletrain.utils.seeding import derive_seed
 from scaletrain.utils.typed_config import to_dict
+from scaletrain.workers.config import EngineSetup
 from scaletrain.workers.roles import SFTRole
 from scaletrain.workers.sft import SFTWorkerConfig
 
@@ -156,19 +157,19 @@ def total_steps(cfg: SFTConfig, train_rows: int) -> int:
     return cfg.trainer.total_steps or cfg.trainer.total_epochs * (train_rows // cfg.data.train_batch_size)
 
 
-def worker_config(cfg: SFTConfig, train_rows: int) -> SFTWorkerConfig:
+def worker_config(cfg: SFTConfig, train_rows: int) -> tuple[SFTWorkerConfig, EngineSetup]:
+    """The SFT worker's arguments: what it trains with, and its engine's setup."""
     engine = engine_config(cfg.backend, cfg.trainer.seed, micro_batch_size_per_gpu=cfg.data.micro_batch_size_per_gpu)
     optim = cfg.optim if cfg.optim.total_steps else replace(cfg.optim, total_steps=total_steps(cfg, train_rows))
     rollout = cfg.rollout if cfg.data.val_prompts_file else None  # no accuracy to measure: no rollout engine
-    return SFTWorkerConfig(
-        model=model_config(cfg.model, cfg.model.path),
-        backend=cfg.backend.name,
+    config = SFTWorkerConfig(
         optim=optim,
-        engine=engine,
         rollout=rollout,
         max_prompt_length=cfg.data.max_prompt_length,
         max_response_length=cfg.data.max_response_length,
     )
+    setup = EngineSetup(model=model_config(cfg.model, cfg.model.path), backend=cfg.backend.name, engine=engine)
+    return config, setup
 
 
 def _datasets(data: SFTDataConfig, tokenizer: Any) -> tuple[SFTDataset, SFTDataset | None, DataProto | None]:
@@ -228,7 +229,7 @@ def _train_on_workers(cfg: SFTConfig, tokenizer, train, val, prompts) -> dict[st
     try:
         wg = RayWorkerGroup(
             pool,
-            RayClassWithInitArgs(SFTWorker, worker_config(cfg, len(train))),
+            RayClassWithInitArgs(SFTWorker, *worker_config(cfg, len(train))),
             name_prefix="sft",
             call_timeout_s=cfg.trainer.worker_call_timeout_s,
             stack_dump_dir=os.path.join(cfg.output_dir, "stacks"),

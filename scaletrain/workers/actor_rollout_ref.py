@@ -29,7 +29,7 @@ from scaletrain.controller.weight_transport import WeightBuckets, put_buckets, r
 from scaletrain.protocol import DataProto
 from scaletrain.utils.seeding import derive_seed
 from scaletrain.workers.colocated_rollout import ColocatedRollout
-from scaletrain.workers.config import ActorRolloutRefConfig, log_prob_micro_batching
+from scaletrain.workers.config import ActorRolloutRefConfig, EngineSetup, log_prob_micro_batching
 from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO, ROLLOUT_TOKENS, declare_engine_mesh
 from scaletrain.workers.losses import ACTOR_INPUTS, actor_loss_fn, actor_outputs
 from scaletrain.workers.rollout_setup import build_colocated_rollout
@@ -49,12 +49,15 @@ def rows_per_rank(prompts: int, n: int, dp_size: int, what: str) -> int:
 
 
 class ActorRolloutRefWorker(Worker):
-    def __init__(self, config: ActorRolloutRefConfig, role: str = "actor_rollout_ref") -> None:
+    def __init__(self, config: ActorRolloutRefConfig, setup: EngineSetup, role: str = "actor_rollout_ref") -> None:
+        """``config``: the ``actor_rollout_ref.*`` section; ``setup``: the engine's model (the policy's, its path
+        resolved), backend and settings the trainer derived for it; ``role``: which of actor, rollout, ref this
+        worker hosts."""
         super().__init__()
         parts = role.split("_")
         if not parts or any(p not in ROLES for p in parts):
             raise ValueError(f"role '{role}' must join some of {ROLES} with '_', e.g. actor_rollout_ref")
-        self.config, self.role, self.parts = config, role, set(parts)
+        self.config, self.setup, self.role, self.parts = config, setup, role, set(parts)
         self.actor: TrainEngine | None = None
         self.ref: TrainEngine | None = None
         self.rollout: ColocatedRollout | None = None
@@ -65,16 +68,16 @@ class ActorRolloutRefWorker(Worker):
     # ------------------------------------------------------------------------------------------------- build
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        cfg = self.config
-        backend = get_backend(cfg.backend)
+        cfg, setup = self.config, self.setup
+        backend = get_backend(setup.backend)
         engine_cfg = replace(
-            cfg.actor.fsdp_config.applied(cfg.engine),
+            cfg.actor.fsdp_config.applied(cfg.engine_config(setup)),
             micro_batch_size_per_gpu=cfg.actor.ppo_micro_batch_size_per_gpu,
             use_dynamic_bsz=cfg.actor.use_dynamic_bsz,
             max_token_len_per_gpu=cfg.actor.ppo_max_token_len_per_gpu,
         )
         if "actor" in self.parts:
-            self.actor = backend(cfg.model, cfg.actor.optim, engine_cfg)
+            self.actor = backend(setup.model, cfg.actor.optim, engine_cfg)
             declare_engine_mesh(self, self.actor)
             self._mini_rows = rows_per_rank(
                 cfg.actor.ppo_mini_batch_size, cfg.rollout.n, self.actor.dp_size, "actor.ppo_mini_batch_size"
@@ -87,30 +90,30 @@ class ActorRolloutRefWorker(Worker):
     def _init_ref(self, backend) -> None:
         """The reference policy: with a LoRA actor, the actor itself with its adapters disabled (no second model);
         otherwise a frozen engine of its own (the base model's, when a ref-only worker has LoRA keys)."""
-        cfg = self.config
+        cfg, policy = self.config, self.setup.model
         if self.actor is not None and self.actor.has_adapter:
             if self.rank == 0:
                 logger.info("reference policy: the actor's base model with its LoRA adapters disabled (no ref engine)")
             return
-        model = replace(cfg.model, lora_rank=0, lora_adapter_path=None) if cfg.model.lora_rank else cfg.model
-        self.ref = backend(model, None, cfg.ref.fsdp_config.applied(cfg.engine))
+        model = replace(policy, lora_rank=0, lora_adapter_path=None) if policy.lora_rank else policy
+        self.ref = backend(model, None, cfg.ref.fsdp_config.applied(cfg.engine_config(self.setup)))
         if self.rank == 0:
             logger.info("reference policy: a separate frozen engine of %s", model.path)
         if self.actor is None:
             declare_engine_mesh(self, self.ref)
 
     def _init_rollout(self) -> None:
-        cfg, rc = self.config, self.config.rollout
+        rc, policy = self.config.rollout, self.setup.model
         self.rollout, self.tokenizer = build_colocated_rollout(
             self,
             rc,
             "vllm_async" if rc.use_async_engine else rc.name,
-            cfg.model.path,
+            policy.checkpoint,
             self.actor,
             max_model_len=sum(rc.resolved_lengths()),
-            trust_remote_code=cfg.model.trust_remote_code,
+            trust_remote_code=policy.trust_remote_code,
             offload_trainer=rc.offload_train_during_rollout,
-            adapter_rank=cfg.model.lora_rank if rc.lora_sync == "adapter" else 0,
+            adapter_rank=policy.lora_rank if rc.lora_sync == "adapter" else 0,
         )
         # random weights (dummy) or a LoRA actor (its adapter, maybe loaded from lora_adapter_path): the actor's
         # weights go in first (a rollout-only worker gets them pushed by the trainer before it generates)

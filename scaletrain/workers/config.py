@@ -11,7 +11,9 @@ from typing import Any, cast
 
 from backends.config import EngineConfig, MicroBatching, ModelConfig, OptimConfig
 from backends.rollout.base import RolloutEngineSettings, SamplingConfig
+from scaletrain.reward.loader import DEFAULT_LOAD_TIMEOUT_S
 from scaletrain.utils.typed_config import ConfigError
+from scaletrain.workers.model_sections import CriticModelConfig, FSDPConfig, PolicyModelConfig, RewardModelModelConfig
 
 VAL_KWARGS = ("n", "temperature", "top_p", "top_k", "do_sample")  # actor_rollout_ref.rollout.val_kwargs
 
@@ -82,23 +84,6 @@ LAYOUT_KEYS = (
 )
 
 
-@dataclass
-class FSDPConfig:
-    """``*.fsdp_config.*`` (verl's name; backends fsdp and deepspeed): keep the role's parameters / optimizer
-    state in CPU memory between uses. Null: the backend section's ``param_offload`` / ``optimizer_offload``."""
-
-    EXECUTION_ONLY = ("*",)
-
-    param_offload: bool | None = None  # the role's parameters in CPU memory when unused; null: backend.param_offload
-    optimizer_offload: bool | None = None  # optimizer state in CPU memory when unused; null: backend.optimizer_offload
-
-    def applied(self, engine: EngineConfig) -> EngineConfig:
-        """``engine`` with this section's set keys on top."""
-        return replace(
-            engine, **{f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-        )
-
-
 def with_megatron(engine: EngineConfig, backend: str, section: MegatronConfig) -> EngineConfig:
     """A copy of ``engine`` whose ``extra["megatron"]`` holds the role's layout (only for backend=megatron)."""
     if backend != "megatron":
@@ -107,25 +92,34 @@ def with_megatron(engine: EngineConfig, backend: str, section: MegatronConfig) -
 
 
 @dataclass
-class ActorConfig:
+class PPOUpdateSettings:
+    """The keys the actor's and the critic's PPO updates share (verl names them alike in both sections), with their
+    defaults here once; each role's section adds its own."""
+
     EXECUTION_ONLY = ("ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu")
 
-    strategy: str | None = None  # verl's backend selector: fsdp | fsdp2 | deepspeed | megatron; null:
-    # the backend group's (configs/backend, the `backend=` short form)
-    ppo_mini_batch_size: int = 256  # prompts per mini-batch (x rollout.n rows), over all DP ranks
+    strategy: str | None = None  # verl's backend selector: fsdp | fsdp2 | deepspeed | megatron (the roles share one
+    # backend); null: the backend group's (configs/backend, the `backend=` short form)
     ppo_micro_batch_size_per_gpu: int = 8  # rows per micro-batch on one rank
-    ppo_epochs: int = 1  # passes over each step's batch, in mini-batches of ppo_mini_batch_size
     shuffle: bool = False  # each pass reshuffles the rank's rows into new mini-batches (seed: data_loader_seed);
     # false: in order
     data_loader_seed: int = 1  # seed of the mini-batch shuffle (shuffle)
     use_dynamic_bsz: bool = False  # micro-batches by tokens (ppo_max_token_len_per_gpu) instead of by rows
     ppo_max_token_len_per_gpu: int = 16384  # valid tokens per micro-batch on one rank, with use_dynamic_bsz
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean |
+    # seq-mean-token-sum-norm: how the per-token losses become one (scaletrain/algos/agg.py)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # backend=megatron: this role's layout (the
+    # actor's is the ref policy's too)
+
+
+@dataclass
+class ActorConfig(PPOUpdateSettings):
+    ppo_mini_batch_size: int = 256  # prompts per mini-batch (x rollout.n rows), over all DP ranks
+    ppo_epochs: int = 1  # passes over each step's batch, in mini-batches of ppo_mini_batch_size
     clip_ratio: float = 0.2  # PPO clip width: the ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]
     clip_ratio_low: float | None = None  # null: clip_ratio
     clip_ratio_high: float | None = None  # null: clip_ratio (DAPO's clip-higher sets it above clip_ratio_low)
     clip_ratio_c: float = 3.0  # dual clip (vanilla loss): a token with advantage A < 0 loses at most -A x this; > 1
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean |
-    # seq-mean-token-sum-norm: how the per-token losses become one (scaletrain/algos/agg.py)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     entropy_coeff: float = 0.0  # entropy bonus: the loss minus this x the entropy (aggregated as the loss); 0: off
     use_kl_loss: bool = False  # add kl_loss_coef x KL(actor || ref) to the loss (runs the reference policy; not
@@ -134,7 +128,6 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"  # the KL loss's estimator: kl (k1) | abs | mse (k2) | low_var_kl (k3); a
     # trailing + keeps the value and takes k2's gradient
     optim: OptimConfig = field(default_factory=OptimConfig)
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # also the ref policy's layout
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -160,16 +153,25 @@ class MultiTurnConfig:
 
 
 @dataclass
-class RolloutWorkerConfig(RolloutEngineSettings):
+class LogProbSettings:
+    """A log-prob pass's micro-batching (verl's ``log_prob_*`` keys: the rollout section's size the old log-probs,
+    the ref section's the reference's), with the defaults here once."""
+
+    EXECUTION_ONLY = ("log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
+
+    log_prob_micro_batch_size_per_gpu: int = 8  # rows per micro-batch of this log-prob pass on one rank
+    log_prob_use_dynamic_bsz: bool | None = None  # by tokens instead (max_token_len); null: actor.use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: int | None = None  # null: actor.ppo_max_token_len_per_gpu
+
+
+@dataclass
+class RolloutWorkerConfig(RolloutEngineSettings, LogProbSettings):
     """``actor_rollout_ref.rollout``: sampling, lengths, layout and the rollout path; the engine's memory and
     kernel settings (dtype, gpu_memory_utilization, free_cache_engine, ...) come from RolloutEngineSettings."""
 
     EXECUTION_ONLY = (
         "tensor_model_parallel_size",
         "total_rollout_steps",
-        "log_prob_micro_batch_size_per_gpu",
-        "log_prob_use_dynamic_bsz",
-        "log_prob_max_token_len_per_gpu",
         "weight_bucket_bytes",
         "lora_sync",
         "offload_train_during_rollout",
@@ -191,9 +193,6 @@ class RolloutWorkerConfig(RolloutEngineSettings):
     n_gpus_per_node: int = 1  # ... and its ranks per node (the trainer pool is trainer.nnodes x n_gpus_per_node)
     total_rollout_steps: int | None = None  # async_training.mode=fully_async: prompts the rollouter generates in
     # all; null: as many as total_training_steps trains on
-    log_prob_micro_batch_size_per_gpu: int = 8  # rows per micro-batch of the old-log-prob pass
-    log_prob_use_dynamic_bsz: bool | None = None  # by tokens instead (max_token_len); null: actor.use_dynamic_bsz
-    log_prob_max_token_len_per_gpu: int | None = None  # null: actor.ppo_max_token_len_per_gpu
     weight_bucket_bytes: int = 256 << 20  # bytes per bucket of the weights streamed from the actor to the engines
     lora_sync: str | None = None  # LoRA (model.lora_rank > 0): adapter (only the adapter tensors go to the engine,
     # which serves them on its unchanged base weights; vllm, colocated) | merged (the merged full weights, any
@@ -273,60 +272,106 @@ def log_prob_micro_batching(section) -> MicroBatching:
 
 
 @dataclass
-class RefConfig:
-    EXECUTION_ONLY = ("log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
+class RefConfig(LogProbSettings):
+    """``actor_rollout_ref.ref.*``: the reference policy (its log-prob pass: ``LogProbSettings``)."""
 
-    log_prob_micro_batch_size_per_gpu: int = 8  # rows per micro-batch of the ref log-prob pass
-    log_prob_use_dynamic_bsz: bool | None = None  # null: actor.use_dynamic_bsz
-    log_prob_max_token_len_per_gpu: int | None = None  # null: actor.ppo_max_token_len_per_gpu
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # must match the actor's layout (colocated)
 
 
 @dataclass
 class ActorRolloutRefConfig:
-    model: ModelConfig
-    backend: str = "fsdp"
+    """``actor_rollout_ref.*``: the policy's section, which is also the actor/rollout/ref worker's config; the worker
+    gets the derived rest (the engine's model settings, the backend, the engine settings) as an ``EngineSetup``."""
+
+    hybrid_engine: bool = True  # true: rollout engines share the training ranks (colocated); false: they run on
+    # their own pool (rollout.nnodes x rollout.n_gpus_per_node), fed by a weight push (split placement)
+    model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutWorkerConfig = field(default_factory=RolloutWorkerConfig)
     ref: RefConfig = field(default_factory=RefConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
 
-    def __post_init__(self):
-        self.engine = with_megatron(self.engine, self.backend, self.actor.megatron)
+    def engine_config(self, setup: EngineSetup) -> EngineConfig:
+        """The actor's and the ref's engine settings before their own offload keys: the setup's, with the actor's
+        megatron layout (the ref's is the actor's)."""
+        return with_megatron(setup.engine, setup.backend, self.actor.megatron)
 
 
 @dataclass
-class CriticConfig:
+class EngineSetup:
+    """What the trainer derives for a training role's worker beside the role's own config section: the engine's
+    model settings (path fallbacks resolved), the backend, the shared engine settings and the rows per prompt."""
+
     model: ModelConfig
     backend: str = "fsdp"
-    ppo_mini_batch_size: int = 8
-    ppo_micro_batch_size_per_gpu: int = 4
-    ppo_epochs: int = 1
-    shuffle: bool = False
-    data_loader_seed: int = 1
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = 16384
-    cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
-    rollout_n: int = 1  # rows per prompt, to turn ppo_mini_batch_size into rows
-    optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    rollout_n: int = 1  # rows per prompt, to turn a mini-batch of prompts into rows
 
-    def __post_init__(self):
-        self.engine = with_megatron(self.engine, self.backend, self.megatron)
+
+@dataclass
+class CriticConfig(PPOUpdateSettings):
+    """``critic.*``: the value model's section, which is also the critic worker's config (one dataclass, so a Python
+    user and a command-line user start from the same defaults); the worker gets the derived rest as an
+    ``EngineSetup``."""
+
+    enable: bool | None = None  # null: on for estimators that need values (gae)
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)  # path null: the actor's model
+    ppo_mini_batch_size: int | None = None  # prompts per critic mini-batch (x rollout.n rows); null: the actor's
+    ppo_epochs: int | None = None  # passes over each step's batch; null: the actor's
+    cliprange_value: float = 0.5  # value clip: the loss takes the worse of v and clip(v, v_old - this, v_old + this)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+
+    def engine_config(self, setup: EngineSetup) -> EngineConfig:
+        """The critic engine's settings: the setup's, with this section's micro-batching and megatron layout."""
+        return replace(
+            with_megatron(setup.engine, setup.backend, self.megatron),
+            micro_batch_size_per_gpu=self.ppo_micro_batch_size_per_gpu,
+            use_dynamic_bsz=self.use_dynamic_bsz,
+            max_token_len_per_gpu=self.ppo_max_token_len_per_gpu,
+        )
 
 
 @dataclass
 class RewardModelConfig:
-    """The reward-model worker's settings (the trainer fills them from ``reward_model.*``)."""
+    """``reward_model.*``: verl's section for the reward model and the rule reward's scoring, which is also the
+    reward-model worker's config (the worker gets the derived rest as an ``EngineSetup``)."""
 
-    model: ModelConfig
-    backend: str = "fsdp"
-    micro_batch_size_per_gpu: int = 8
-    use_dynamic_bsz: bool = False
-    forward_max_token_len_per_gpu: int = 16384
-    input_tokenizer: str | None = None  # set: the policy's tokenizer; rollouts are re-tokenized for the RM
-    max_length: int | None = None  # re-tokenized inputs longer than this keep their last tokens
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    EXECUTION_ONLY = (
+        "micro_batch_size_per_gpu",
+        "use_dynamic_bsz",
+        "forward_max_token_len_per_gpu",
+        "timeout_s",
+        "load_timeout_s",
+        "num_processes",
+        "step_timeout_s",
+        "max_error_rate",
+        "max_error_steps",
+    )
+
+    enable: bool = False  # the RM's score replaces the rule reward (verl), or is added to
+    # custom_reward_function's score when that is set; see rm_reward.py
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    micro_batch_size_per_gpu: int = 8  # rows per RM forward on one device
+    max_length: int | None = None  # re-tokenized RM inputs keep their last max_length tokens; null: all
+    use_dynamic_bsz: bool = False  # micro-batches by tokens (forward_max_token_len_per_gpu) instead
+    forward_max_token_len_per_gpu: int = 16384  # valid tokens per RM micro-batch on one device, with use_dynamic_bsz
+    reward_manager: str = "naive"  # naive | prime | batch | dapo | multi
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)  # more arguments of the reward manager (e.g.
+    # dapo's overlong_buffer_len, multi's scorers); names it does not take fail before Ray starts
+    timeout_s: float = 30.0  # seconds one scorer call may take (the sample scores 0, counted as a timeout)
+    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S  # seconds the reward file's top-level code may take to
+    # import (in a thread of its own: the driver fails naming the file, never freezes)
+    num_processes: int = 2  # worker processes that run the scorer, in parallel
+    step_timeout_s: float | None = 600.0  # seconds the scoring of one step may take; unscored samples get 0
+    # and count as timeouts; null: no bound
+    max_error_rate: float = 0.5  # more than this share of a step's samples failing (errors + timeouts) ...
+    max_error_steps: int = 3  # ... this many steps in a row stops the run, naming the scorer and its traceback
+
+    def engine_config(self, setup: EngineSetup) -> EngineConfig:
+        """The RM engine's settings: the setup's, with this section's micro-batching."""
+        return replace(
+            setup.engine,
+            micro_batch_size_per_gpu=self.micro_batch_size_per_gpu,
+            use_dynamic_bsz=self.use_dynamic_bsz,
+            max_token_len_per_gpu=self.forward_max_token_len_per_gpu,
+        )

@@ -13,34 +13,30 @@ from dataclasses import replace
 from backends.base import TrainEngine, get_backend
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
+from scaletrain.utils.typed_config import resolved
 from scaletrain.workers.actor_rollout_ref import rows_per_rank
-from scaletrain.workers.config import CriticConfig
+from scaletrain.workers.config import CriticConfig, EngineSetup
 from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, declare_engine_mesh
 from scaletrain.workers.losses import CRITIC_INPUTS, critic_loss_fn
 
 
 class CriticWorker(Worker):
-    def __init__(self, config: CriticConfig) -> None:
+    def __init__(self, config: CriticConfig, setup: EngineSetup) -> None:
+        """``config``: the ``critic.*`` section (resolved: no null mini-batch or epochs); ``setup``: the engine's
+        model, backend and settings the trainer derived for it."""
         super().__init__()
         self.config = config
+        self.setup = setup
         self.engine: TrainEngine | None = None
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        cfg = self.config
-        if cfg.model.kind != "value":
-            cfg = replace(cfg, model=replace(cfg.model, kind="value"))
-        engine_cfg = replace(
-            cfg.engine,
-            micro_batch_size_per_gpu=cfg.ppo_micro_batch_size_per_gpu,
-            use_dynamic_bsz=cfg.use_dynamic_bsz,
-            max_token_len_per_gpu=cfg.ppo_max_token_len_per_gpu,
-        )
-        self.engine = get_backend(cfg.backend)(cfg.model, cfg.optim, engine_cfg)
+        cfg, setup = self.config, self.setup
+        model = setup.model if setup.model.kind == "value" else replace(setup.model, kind="value")
+        self.engine = get_backend(setup.backend)(model, cfg.optim, cfg.engine_config(setup))
         declare_engine_mesh(self, self.engine)
-        self._mini_rows = rows_per_rank(
-            cfg.ppo_mini_batch_size, cfg.rollout_n, self.engine.dp_size, "critic.ppo_mini_batch_size"
-        )
+        mini_batch = resolved(cfg.ppo_mini_batch_size, "critic.ppo_mini_batch_size")
+        self._mini_rows = rows_per_rank(mini_batch, setup.rollout_n, self.engine.dp_size, "critic.ppo_mini_batch_size")
 
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
@@ -55,7 +51,8 @@ class CriticWorker(Worker):
         loss_fn = critic_loss_fn(cfg)
         totals: dict[str, list[float]] = {}
         engine = self._need_engine()
-        for mini in batch.make_iterator(self._mini_rows, epochs=cfg.ppo_epochs, seed=seed):
+        epochs = resolved(cfg.ppo_epochs, "critic.ppo_epochs")
+        for mini in batch.make_iterator(self._mini_rows, epochs=epochs, seed=seed):
             for key, value in engine.train_step(mini, loss_fn, outputs=("values",)).items():
                 totals.setdefault(key, []).append(float(value))
         return {(k if "/" in k else f"critic/{k}"): sum(v) / len(v) for k, v in totals.items()}

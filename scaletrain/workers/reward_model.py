@@ -19,7 +19,7 @@ import torch
 from backends.base import TrainEngine, get_backend
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
-from scaletrain.workers.config import RewardModelConfig
+from scaletrain.workers.config import EngineSetup, RewardModelConfig
 from scaletrain.workers.dispatch import ENGINE_PROTO, declare_engine_mesh
 from scaletrain.workers.rm_inputs import policy_inputs, retokenized_inputs
 
@@ -36,30 +36,27 @@ def place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> to
 
 
 class RewardModelWorker(Worker):
-    def __init__(self, config: RewardModelConfig) -> None:
+    def __init__(self, config: RewardModelConfig, setup: EngineSetup) -> None:
+        """``config``: the ``reward_model.*`` section; ``setup``: the engine's model, backend and settings the
+        trainer derived for it."""
         super().__init__()
         self.config = config
+        self.setup = setup
         self.engine: TrainEngine | None = None
         self.tokenizers: tuple[Any, Any] | None = None  # (the policy's, the RM's) when re-tokenizing
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        cfg = self.config
-        model = replace(cfg.model, kind="reward")
-        engine_cfg = replace(
-            cfg.engine,
-            micro_batch_size_per_gpu=cfg.micro_batch_size_per_gpu,
-            use_dynamic_bsz=cfg.use_dynamic_bsz,
-            max_token_len_per_gpu=cfg.forward_max_token_len_per_gpu,
-        )
-        self.engine = get_backend(cfg.backend)(model, None, engine_cfg)
+        cfg, setup = self.config, self.setup
+        model = replace(setup.model, kind="reward")
+        self.engine = get_backend(setup.backend)(model, None, cfg.engine_config(setup))
         declare_engine_mesh(self, self.engine)
-        if cfg.input_tokenizer:
+        if cfg.model.input_tokenizer:
             from transformers import AutoTokenizer
 
             policy_tokenizer, rm_tokenizer = (
-                AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-                for path in (cfg.input_tokenizer, cfg.model.path)
+                AutoTokenizer.from_pretrained(path, trust_remote_code=model.trust_remote_code)
+                for path in (cfg.model.input_tokenizer, model.path)
             )
             self.tokenizers = (policy_tokenizer, rm_tokenizer)
 

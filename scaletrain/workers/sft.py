@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 import torch
 
 from backends.base import TrainEngine, get_backend
-from backends.config import EngineConfig, ModelConfig, OptimConfig
+from backends.config import OptimConfig
 from backends.rollout.base import RolloutEngineSettings, SamplingConfig
 from scaletrain.algos import agg_loss
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
 from scaletrain.workers.colocated_rollout import ColocatedRollout
+from scaletrain.workers.config import EngineSetup
 from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO, declare_engine_mesh
 from scaletrain.workers.losses import aggregated
 from scaletrain.workers.rollout_setup import build_colocated_rollout
@@ -47,10 +48,9 @@ class GreedyRolloutConfig(RolloutEngineSettings):
 
 @dataclass
 class SFTWorkerConfig:
-    model: ModelConfig
-    backend: str = "fsdp"
+    """What the SFT worker trains with beside its ``EngineSetup`` (the engine's model, backend and settings)."""
+
     optim: OptimConfig = field(default_factory=OptimConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)  # micro_batch_size_per_gpu etc.
     rollout: GreedyRolloutConfig | None = field(default_factory=GreedyRolloutConfig)  # None: no generation
     max_prompt_length: int = 16
     max_response_length: int = 8  # also the greedy generation's max_new_tokens
@@ -64,9 +64,10 @@ def sft_loss_fn(outputs: dict[str, torch.Tensor], mb: DataProto) -> tuple[torch.
 
 
 class SFTWorker(Worker):
-    def __init__(self, config: SFTWorkerConfig) -> None:
+    def __init__(self, config: SFTWorkerConfig, setup: EngineSetup) -> None:
         super().__init__()
         self.config = config
+        self.setup = setup
         self.engine: TrainEngine | None = None
         self.rollout: ColocatedRollout | None = None
         self._rollout_stale = True
@@ -74,8 +75,8 @@ class SFTWorker(Worker):
     # ------------------------------------------------------------------------------------------------- build
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        cfg = self.config
-        self.engine = get_backend(cfg.backend)(cfg.model, cfg.optim, cfg.engine)
+        cfg, setup = self.config, self.setup
+        self.engine = get_backend(setup.backend)(setup.model, cfg.optim, setup.engine)
         declare_engine_mesh(self, self.engine)
         if cfg.rollout is not None:
             rc = cfg.rollout
@@ -83,10 +84,10 @@ class SFTWorker(Worker):
                 self,
                 rc,
                 rc.name,
-                cfg.model.path,
+                setup.model.checkpoint,
                 self.engine,
                 max_model_len=cfg.max_prompt_length + cfg.max_response_length,
-                trust_remote_code=cfg.model.trust_remote_code,
+                trust_remote_code=setup.model.trust_remote_code,
                 offload_trainer=False,
             )
             self._rollout_stale = True  # the engine may have loaded other weights than the path (e.g. a resume)

@@ -136,7 +136,6 @@ def test_accumulation_defaults_to_row_shares():
 def test_worker_losses_declare_their_units():
     """The actor, critic and SFT losses tell the engines the units of their loss_agg_mode (an empty row is no
     sequence), so all three are weighted exactly."""
-    from backends.config import ModelConfig
     from scaletrain.workers.config import ActorConfig, CriticConfig
     from scaletrain.workers.losses import actor_loss_fn, critic_loss_fn
     from scaletrain.workers.sft import sft_loss_fn
@@ -145,7 +144,7 @@ def test_worker_losses_declare_their_units():
     tokens = float(sum(lengths) - lengths[4])
     assert sft_loss_fn.count(data) == actor_loss_fn(ActorConfig()).count(data) == tokens
     assert actor_loss_fn(ActorConfig(loss_agg_mode="seq-mean-token-mean")).count(data) == 8.0
-    critic = CriticConfig(model=ModelConfig(path="unused"), loss_agg_mode="seq-mean-token-sum-norm")
+    critic = CriticConfig(loss_agg_mode="seq-mean-token-sum-norm")
     assert critic_loss_fn(critic).count(data) == 9.0
 
 

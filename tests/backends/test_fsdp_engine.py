@@ -138,7 +138,7 @@ VARIANTS = {  # name -> (ModelConfig kwargs, EngineConfig kwargs)
     "dynamic_bsz": ({}, {"use_dynamic_bsz": True, "max_token_len_per_gpu": 40}),
     "remove_padding": ({"use_remove_padding": True}, {"micro_batch_size_per_gpu": 3}),
     "dynamic_rmpad_checkpointing": (
-        {"use_remove_padding": True, "gradient_checkpointing": True},
+        {"use_remove_padding": True, "enable_gradient_checkpointing": True},
         {"use_dynamic_bsz": True, "max_token_len_per_gpu": 30},
     ),
 }

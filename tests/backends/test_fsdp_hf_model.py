@@ -101,7 +101,7 @@ def test_value_and_reward_heads(model_dir, batch):
 def test_build_options(model_dir):
     model = build_model(
         ModelConfig(
-            path=model_dir, dtype="bfloat16", gradient_checkpointing=True, override_config={"rms_norm_eps": 1e-5}
+            path=model_dir, dtype="bfloat16", enable_gradient_checkpointing=True, override_config={"rms_norm_eps": 1e-5}
         )
     )
     assert next(model.parameters()).dtype == torch.bfloat16

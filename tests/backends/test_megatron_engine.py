@@ -287,7 +287,7 @@ def _extra_engine(ctx, layout):
     model_config, overrides = {
         "bf16": (ModelConfig(path=s.model_dir), dict(mixed_precision="bfloat16")),
         "dynamic_bsz": (ModelConfig(path=s.model_dir), dict(use_dynamic_bsz=True, max_token_len_per_gpu=40)),
-        "recompute": (ModelConfig(path=s.model_dir, gradient_checkpointing=True), {}),
+        "recompute": (ModelConfig(path=s.model_dir, enable_gradient_checkpointing=True), {}),
         "forward_only": (ModelConfig(path=s.model_dir), {}),
     }[name]
     config = EngineConfig(**{"micro_batch_size_per_gpu": s.micro, "extra": {"megatron": s.settings}, **overrides})

@@ -155,6 +155,7 @@ def test_sft_worker_checkpoint_roundtrip_and_greedy_sync(ray_cluster, embedded, 
     from backends.config import ModelConfig, OptimConfig
     from scaletrain.data import RLDataset
     from scaletrain.data.sft_dataset import SFTDataset
+    from scaletrain.workers.config import EngineSetup
     from scaletrain.workers.sft import SFTWorker, SFTWorkerConfig
     from tests.controller.workers import started_group
 
@@ -164,13 +165,9 @@ def test_sft_worker_checkpoint_roundtrip_and_greedy_sync(ray_cluster, embedded, 
     prompts = prompts.get_batch(range(len(prompts))).select(
         batch_keys=["input_ids", "attention_mask", "position_ids"], non_tensor_batch_keys=[]
     )
-    config = SFTWorkerConfig(
-        model=ModelConfig(path=embedded["model"]),
-        optim=OptimConfig(lr=1e-2),
-        max_prompt_length=8,
-        max_response_length=5,
-    )
-    with started_group(ray_cluster, 2, SFTWorker, config, use_gpu=False, name_prefix="sft_ckpt") as wg:
+    config = SFTWorkerConfig(optim=OptimConfig(lr=1e-2), max_prompt_length=8, max_response_length=5)
+    setup = EngineSetup(model=ModelConfig(path=embedded["model"]))
+    with started_group(ray_cluster, 2, SFTWorker, config, setup, use_gpu=False, name_prefix="sft_ckpt") as wg:
         wg.init_model()
         batch = data.get_batch(range(16))
         wg.train_batch(batch)

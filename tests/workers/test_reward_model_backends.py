@@ -6,7 +6,7 @@ deepspeed: the ``reward_scores`` check of tests/backends/test_deepspeed_engine.p
 import pytest
 
 from backends.config import EngineConfig, ModelConfig
-from scaletrain.workers import RewardModelConfig, RewardModelWorker
+from scaletrain.workers import EngineSetup, RewardModelConfig, RewardModelWorker
 from tests.backends.tiny import make_batch, reference_rm_scores, save_tiny_reward_model
 from tests.controller.workers import started_group
 
@@ -16,13 +16,15 @@ pytestmark = pytest.mark.slow
 def test_reward_model_on_megatron_tp2_equals_transformers(ray_cluster, tmp_path):
     path = save_tiny_reward_model(str(tmp_path / "rm"))
     batch = make_batch(batch_size=6, prompt_len=8, response_len=6, seed=11)
-    config = RewardModelConfig(
+    config = RewardModelConfig(micro_batch_size_per_gpu=2)  # 3 micro-batches: the rows' order must be kept
+    setup = EngineSetup(
         model=ModelConfig(path=path, kind="reward"),
         backend="megatron",
-        micro_batch_size_per_gpu=2,  # 3 micro-batches: the rows' order must be kept
         engine=EngineConfig(extra={"megatron": {"tensor_model_parallel_size": 2}}),
     )
-    with started_group(ray_cluster, 2, RewardModelWorker, config, use_gpu=False, name_prefix="rm_megatron") as wg:
+    with started_group(
+        ray_cluster, 2, RewardModelWorker, config, setup, use_gpu=False, name_prefix="rm_megatron"
+    ) as wg:
         wg.init_model()
         scores = wg.compute_rm_score(batch).batch["rm_scores"]
     expected = reference_rm_scores(path, batch)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from backends.config import EngineConfig, ModelConfig, OptimConfig
+from backends.config import ModelConfig, OptimConfig
 from scaletrain.algos import get_adv_estimator
 from scaletrain.protocol import DataProto
 from scaletrain.workers import (
@@ -22,6 +22,7 @@ from scaletrain.workers import (
     ActorRolloutRefWorker,
     CriticConfig,
     CriticWorker,
+    EngineSetup,
     RolloutWorkerConfig,
     reduce_metrics,
 )
@@ -111,8 +112,6 @@ def test_actor_rollout_ref_ppo_update_matches_reference(ray_cluster, tmp_path, r
     # a large eps keeps Adam smooth in near-zero gradients, whose float noise would otherwise move them by ~lr
     optim = OptimConfig(lr=5e-3, grad_clip=1.0, eps=1e-3)
     config = ActorRolloutRefConfig(
-        model=ModelConfig(path=path),
-        backend="fsdp",
         actor=ActorConfig(
             ppo_mini_batch_size=len(PROMPTS),
             ppo_micro_batch_size_per_gpu=2,
@@ -130,13 +129,14 @@ def test_actor_rollout_ref_ppo_update_matches_reference(ray_cluster, tmp_path, r
             prompt_length=PLEN,
             load_format="dummy",
         ),
-        engine=EngineConfig(),
     )
+    setup = EngineSetup(model=ModelConfig(path=path), backend="fsdp")
     with started_group(
         ray_cluster,
         2,
         ActorRolloutRefWorker,
         config,
+        setup,
         "actor_rollout_ref",
         use_gpu=False,
         name_prefix="actor_rollout_ref",
@@ -218,15 +218,11 @@ def test_critic_update_matches_reference(ray_cluster, tmp_path):
     make_tokenizer().save_pretrained(path)
     optim = OptimConfig(lr=1e-2, grad_clip=1.0, eps=1e-3)
     config = CriticConfig(
-        model=ModelConfig(path=path, kind="value"),
-        ppo_mini_batch_size=4,
-        ppo_micro_batch_size_per_gpu=2,
-        rollout_n=2,
-        cliprange_value=0.2,
-        optim=optim,
+        ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, ppo_epochs=1, cliprange_value=0.2, optim=optim
     )
+    setup = EngineSetup(model=ModelConfig(path=path, kind="value"), rollout_n=2)
     batch = make_batch(batch_size=8, prompt_len=PLEN, response_len=RESP, seed=5)
-    with started_group(ray_cluster, 2, CriticWorker, config, use_gpu=False, name_prefix="critic") as wg:
+    with started_group(ray_cluster, 2, CriticWorker, config, setup, use_gpu=False, name_prefix="critic") as wg:
         wg.init_model()
         values = wg.compute_values(batch).batch["values"]
         model = AutoModelForTokenClassification.from_pretrained(path)
@@ -258,14 +254,14 @@ def test_critic_update_matches_reference(ray_cluster, tmp_path):
 def test_reward_model_scores_at_last_response_token(ray_cluster, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from scaletrain.workers import RewardModelConfig, RewardModelWorker
+    from scaletrain.workers import EngineSetup, RewardModelConfig, RewardModelWorker
 
     torch.manual_seed(1)
     path = str(tmp_path / "rm")
     AutoModelForSequenceClassification.from_config(tiny_qwen2_config(num_labels=1)).save_pretrained(path)
     batch = make_batch(batch_size=6, prompt_len=PLEN, response_len=RESP, seed=9)
-    config = RewardModelConfig(model=ModelConfig(path=path, kind="reward"), micro_batch_size_per_gpu=2)
-    with started_group(ray_cluster, 2, RewardModelWorker, config, use_gpu=False, name_prefix="rm") as wg:
+    config, setup = RewardModelConfig(micro_batch_size_per_gpu=2), EngineSetup(ModelConfig(path=path, kind="reward"))
+    with started_group(ray_cluster, 2, RewardModelWorker, config, setup, use_gpu=False, name_prefix="rm") as wg:
         wg.init_model()
         scores = wg.compute_rm_score(batch).batch["rm_scores"]
     model = AutoModelForSequenceClassification.from_pretrained(path)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from backends.config import EngineConfig, ModelConfig, OptimConfig
+from backends.config import ModelConfig, OptimConfig
 from backends.rollout.base import SamplingConfig
 from scaletrain.algos import get_adv_estimator
 from scaletrain.protocol import DataProto
@@ -20,6 +20,7 @@ from scaletrain.workers import (
     ActorConfig,
     ActorRolloutRefConfig,
     ActorRolloutRefWorker,
+    EngineSetup,
     RolloutWorkerConfig,
     reduce_metrics,
 )
@@ -77,8 +78,6 @@ def test_vllm_fsdp_mismatch_is_small_after_update_and_sync(ray_cluster, smollm2_
 
     prompts = chat_prompts(AutoTokenizer.from_pretrained(smollm2_dir))
     config = ActorRolloutRefConfig(
-        model=ModelConfig(path=smollm2_dir),
-        backend="fsdp",
         actor=ActorConfig(
             ppo_mini_batch_size=len(QUESTIONS),
             ppo_micro_batch_size_per_gpu=len(QUESTIONS) * N,
@@ -87,10 +86,17 @@ def test_vllm_fsdp_mismatch_is_small_after_update_and_sync(ray_cluster, smollm2_
         rollout=RolloutWorkerConfig(
             name="vllm", n=N, response_length=RESP, prompt_length=prompts.batch["input_ids"].shape[1]
         ),
-        engine=EngineConfig(),
     )
+    setup = EngineSetup(model=ModelConfig(path=smollm2_dir), backend="fsdp")
     with started_group(
-        ray_cluster, 1, ActorRolloutRefWorker, config, "actor_rollout", use_gpu=False, name_prefix="smollm2_mismatch"
+        ray_cluster,
+        1,
+        ActorRolloutRefWorker,
+        config,
+        setup,
+        "actor_rollout",
+        use_gpu=False,
+        name_prefix="smollm2_mismatch",
     ) as wg:
         wg.init_model()
         batch = rollout_and_log_probs(wg, prompts, config.rollout.train_sampling(seed=1))

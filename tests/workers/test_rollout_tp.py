@@ -11,10 +11,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from backends.config import EngineConfig, ModelConfig, OptimConfig
+from backends.config import ModelConfig, OptimConfig
 from backends.rollout.base import RolloutConfig, SamplingConfig, get_rollout
 from scaletrain.algos import get_adv_estimator
-from scaletrain.workers import ActorConfig, ActorRolloutRefConfig, ActorRolloutRefWorker, RolloutWorkerConfig
+from scaletrain.workers import (
+    ActorConfig,
+    ActorRolloutRefConfig,
+    ActorRolloutRefWorker,
+    EngineSetup,
+    RolloutWorkerConfig,
+)
 from scaletrain.workers.config import MegatronConfig
 from tests.backends.tiny import make_tokenizer, save_tiny_qwen2
 from tests.controller.workers import started_group
@@ -58,10 +64,7 @@ def test_rollout_tp2_through_the_worker(ray_cluster, tmp_path, backend):
         megatron=MegatronConfig(tensor_model_parallel_size=2 if backend == "megatron" else None),
     )
     config = ActorRolloutRefConfig(
-        model=ModelConfig(path=path),
-        backend=backend,
         actor=actor,
-        engine=EngineConfig(),
         rollout=RolloutWorkerConfig(
             name="vllm",
             n=N,
@@ -71,11 +74,13 @@ def test_rollout_tp2_through_the_worker(ray_cluster, tmp_path, backend):
             load_format="dummy",
         ),
     )
+    setup = EngineSetup(model=ModelConfig(path=path), backend=backend)
     with started_group(
         ray_cluster,
         2,
         ActorRolloutRefWorker,
         config,
+        setup,
         "actor_rollout",
         use_gpu=False,
         name_prefix=f"rollout_tp_{backend}",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from scaletrain.algos.advantage import estimator_traits
 from scaletrain.models.prepare import check_causal_lm
 from scaletrain.trainer.config.async_checks import rollout_world_size, validate_async_training
 from scaletrain.trainer.config.lora_checks import validate_lora
@@ -83,7 +84,7 @@ def _validate_batch_sizes(cfg: PPOConfig) -> None:
 
 def _validate_algorithm(cfg: PPOConfig) -> None:
     estimator, n = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
-    if estimator in ("grpo", "rloo", "grpo_passk", "opo", "reinforce_plus_plus_baseline") and n < 2:
+    if estimator_traits(estimator).group_based and n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={estimator} compares samples of one prompt: "
             f"set actor_rollout_ref.rollout.n >= 2 (got {n})"

@@ -14,8 +14,9 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from backends.config import OptimConfig
-from scaletrain.trainer.config.ppo_config import BackendConfig, HFModelConfig, RayKwargsConfig, files_of
+from backends.config import ModelSettings, OptimConfig
+from scaletrain.trainer.config.common_sections import DataSettings, RunSettings
+from scaletrain.trainer.config.ppo_config import BackendConfig, RayKwargsConfig, files_of
 from scaletrain.utils.hydra_compose import plain_dict
 from scaletrain.utils.typed_config import ConfigError, build
 from scaletrain.workers.sft import GreedyRolloutConfig
@@ -25,42 +26,23 @@ DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
-class SFTDataConfig:
-    train_files: Any = None  # str | list[str]; null: the embedded default's sft_train
-    val_files: Any = None  # null: no validation loss (embedded default: its sft_val)
+class SFTDataConfig(DataSettings):
     val_prompts_file: str | None = None  # RL-format parquet for greedy accuracy (embedded default: its val)
-    prompt_key: str = "prompt"  # the column holding the prompt text (rendered as one user message)
     response_key: str = "response"  # the column holding the target response text (EOS appended)
     train_batch_size: int = 128  # rows per optimizer step, over all ranks
     micro_batch_size_per_gpu: int = 64  # rows per forward/backward on each rank
     max_prompt_length: int = 8  # prompt tokens, left-padded to this (longer ones: truncation decides)
     max_response_length: int = 5  # response + EOS; also the greedy generation's max_new_tokens
-    truncation: str = "error"  # error | truncate (prompt keeps its end, response its start)
-    seed: int = 1  # seed of each epoch's shuffle of the training rows
-    max_samples: int | None = None  # the first N training rows; null: all
-    val_max_samples: int | None = None  # the first N rows of val_files and of val_prompts_file; null: all
 
 
 @dataclass
-class SFTTrainerSection:
-    project_name: str = "scaletrain"  # the loggers' project; names the default output dir (default_local_dir)
+class SFTTrainerSection(RunSettings):
     experiment_name: str = "sft"  # the loggers' run name; names the default output dir too
-    total_epochs: int = 1  # passes over the training rows (when total_steps is null)
     total_steps: int | None = 1200  # set: overrides total_epochs
-    n_gpus_per_node: int = 2  # ranks per node (one worker process each; a GPU each on CUDA)
-    nnodes: int = 1  # nodes (world size: nnodes x n_gpus_per_node)
-    device: str = "auto"  # auto | cpu | cuda
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # console | jsonl | tensorboard |
-    # wandb | mlflow
     default_local_dir: str | None = None  # null: outputs/<project_name>/<experiment_name>
     test_freq: int = 25  # steps between evaluations (and at the last step); <= 0: never
     val_before_train: bool = False  # evaluate (val loss, greedy accuracy) once before the first step
     stop_at_val_acc: float | None = 0.15  # stop once greedy val accuracy >= this; null: never
-    save_hf_at_end: bool = True  # the trained model as an HF checkpoint in <output dir>/hf
-    seed: int = 1  # the training engine's seed (set before the model is built); data.seed orders the rows
-    worker_call_timeout_s: float | None = 3600.0  # a worker call running longer fails, with every worker's stack
-    # in <output dir>/stacks (as trainer.worker_call_timeout_s of the PPO trainer); null: wait forever
-    verbose: bool = False  # the console shows libraries' INFO logs too (run.log always has them: console.py)
 
 
 @dataclass
@@ -68,7 +50,7 @@ class SFTConfig:
     """Defaults = configs/sft_trainer.yaml's (the warm-up recipe), so ``run_sft`` on a dict of paths follows it."""
 
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    model: HFModelConfig = field(default_factory=HFModelConfig)
+    model: ModelSettings = field(default_factory=ModelSettings)
     optim: OptimConfig = field(
         default_factory=lambda: OptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=0.0, warmup_steps=100)
     )

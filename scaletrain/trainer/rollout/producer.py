@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from backends.rollout.base import SamplingConfig
+from scaletrain.algos.advantage import estimator_traits
 from scaletrain.protocol import DataProto
 from scaletrain.trainer.rollout.dynamic_sampling import Scored, collect_groups
 from scaletrain.trainer.rollout.remax import greedy_baseline
@@ -98,7 +99,7 @@ class RolloutProducer:
             gen_out, metrics = self.generate(batch, gen_batch, sampling, tag=f"step{step}{suffix}")
         version = gen_out.meta_info.pop("weight_version", self.weight_sync.version)
         baseline = None
-        if cfg.algorithm.adv_estimator == "remax":
+        if estimator_traits(cfg.algorithm.adv_estimator).greedy_baseline:
             with timer("gen_max", timings):
                 baseline, baseline_metrics = greedy_baseline(
                     self.generate, self.train_reward_fn, batch, gen_batch, sampling, tag=f"step{step}{suffix}"

@@ -18,11 +18,15 @@ from scaletrain.workers.roles import ActorRolloutRefRole, RolloutRole
 if TYPE_CHECKING:
     from scaletrain.trainer.config.plan import RunPlan
     from scaletrain.trainer.config.ppo_config import PPOConfig
-    from scaletrain.workers.config import ActorRolloutRefConfig
+    from scaletrain.workers.config import ActorRolloutRefConfig, EngineSetup
 
 
 def spawn_rollout_pool(
-    cfg: PPOConfig, plan: RunPlan, actor_cfg: ActorRolloutRefConfig, actor: ActorRolloutRefRole, started: list
+    cfg: PPOConfig,
+    plan: RunPlan,
+    actor_cfg: tuple[ActorRolloutRefConfig, EngineSetup],
+    actor: ActorRolloutRefRole,
+    started: list,
 ) -> RolloutRole:
     """The rollout pool's workers, their engines built (``rollout.load_format=dummy`` or a LoRA actor, whose adapter
     may start from ``lora_adapter_path``: the actor's weights pushed once, as version 0). The group goes into
@@ -32,7 +36,7 @@ def spawn_rollout_pool(
     try:
         group = RayWorkerGroup(
             pool,
-            RayClassWithInitArgs(ActorRolloutRefWorker, actor_cfg, "rollout"),
+            RayClassWithInitArgs(ActorRolloutRefWorker, *actor_cfg, "rollout"),
             name_prefix="rollout",
             call_timeout_s=tc.worker_call_timeout_s_by_role.get("rollout", tc.worker_call_timeout_s),
             stack_dump_dir=os.path.join(plan.run_dir, "stacks"),  # where a stuck call's stacks go

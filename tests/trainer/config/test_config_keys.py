@@ -26,7 +26,7 @@ NAMED_GETTERS = ("getattr", "option")
 # classes whose fields are consumed wholesale, and where
 GENERIC_CONSUMERS = {
     "RolloutEngineSettings": "backends/rollout/base.py resolved_for / check (fields(RolloutEngineSettings))",
-    "FSDPConfig": "scaletrain/workers/config.py FSDPConfig.applied (fields(self))",
+    "FSDPConfig": "scaletrain/workers/model_sections.py FSDPConfig.applied (fields(self))",
     "MegatronConfig": "scaletrain/workers/config.py MegatronConfig.merged (LAYOUT_KEYS) and role_checks.py",
     "CustomRewardFunction": "scaletrain/trainer/ppo_trainer.py to_dict(cfg.custom_reward_function)",
 }
@@ -91,3 +91,72 @@ def test_every_field_is_read(cls):
         if f.name not in loads and owner(owning, f.name) not in GENERIC_CONSUMERS
     ]
     assert not unread, f"config fields no code reads: {unread}"
+
+
+# pairs of unrelated config classes allowed to declare the same fields, and why
+SHARED_FIELDS_ALLOWED = {
+    ("RolloutWorkerConfig", "SamplingConfig"): "the rollout section's sampling keys are the defaults of the per-call "
+    "SamplingConfig value it builds (train_sampling / validation_sampling)",
+}
+
+
+def config_classes() -> set[type]:
+    """Every dataclass reachable from the trainers' configs and the workers' and engines' own settings, with bases."""
+    import dataclasses
+    import typing
+
+    from backends.config import EngineConfig, ModelConfig
+    from backends.rollout.base import RolloutConfig, SamplingConfig
+    from scaletrain.workers.config import EngineSetup
+    from scaletrain.workers.sft import SFTWorkerConfig
+
+    seen: set[type] = set()
+    todo = [
+        PPOConfig,
+        SFTConfig,
+        ModelConfig,
+        EngineConfig,
+        EngineSetup,
+        SFTWorkerConfig,
+        SamplingConfig,
+        RolloutConfig,
+    ]
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        todo += [base for base in cls.__mro__[1:] if dataclasses.is_dataclass(base)]
+        for tp in typing.get_type_hints(cls).values():
+            todo += [a for a in (tp, *typing.get_args(tp)) if isinstance(a, type) and dataclasses.is_dataclass(a)]
+    return seen
+
+
+def declared_defaults(cls) -> dict[str, str]:
+    """{field: repr of its default} for the fields ``cls``'s own body declares."""
+    import dataclasses
+
+    own = vars(cls).get("__annotations__", {})
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.name in own:
+            factory = f.default_factory
+            out[f.name] = repr(f.default if factory is dataclasses.MISSING else factory())
+    return out
+
+
+def test_no_config_class_repeats_another_ones_keys():
+    """One place for each default: two config classes that do not extend one another never declare three or more
+    of the same keys with the same defaults (a shared base class holds them instead)."""
+    import itertools
+
+    twins = []
+    for a, b in itertools.combinations(sorted(config_classes(), key=lambda c: c.__qualname__), 2):
+        if issubclass(a, b) or issubclass(b, a) or (a.__name__, b.__name__) in SHARED_FIELDS_ALLOWED:
+            continue
+        da, db = declared_defaults(a), declared_defaults(b)
+        same = sorted(k for k in da.keys() & db.keys() if da[k] == db[k])
+        if len(same) >= 3:
+            twins.append(f"{a.__name__} ~ {b.__name__}: {same}")
+    assert len(config_classes()) > 30
+    assert not twins, f"config classes repeating each other's keys and defaults: {twins}"

@@ -20,7 +20,7 @@ from scaletrain.trainer.config.checks import check_config
 from scaletrain.trainer.config.plan import plan_run, resolve_config
 from scaletrain.trainer.config.ppo_config import PPOConfig, load_ppo_config
 from scaletrain.trainer.config.worker_configs import ppo_worker_configs
-from scaletrain.utils.typed_config import ConfigError, leaf_fields
+from scaletrain.utils.typed_config import ConfigError, leaf_fields, to_dict
 from tests.backends.tiny import save_tiny_reward_model
 from tests.trainer.config.test_ppo_config import composed
 
@@ -89,11 +89,33 @@ def mutated(value, annotation, key):
     return next((example for kind, example in ((int, 3), (float, 0.37), (bool, True)) if kind in kinds), "mutated")
 
 
+# the sections that travel whole to their workers (each worker's config is its section, ppo_worker_configs)
+WORKER_SECTIONS = ("actor_rollout_ref", "critic", "reward_model")
+
+
+def worker_view(args, section: str):
+    """A worker's arguments (its section, its setup) without the section's keys the driver reads: those travel
+    with the section, but no worker reads them, so they must show elsewhere or be listed in DRIVER_READ."""
+    if args is None:
+        return None
+    config, setup = args
+    data = to_dict(config)
+    for key in DRIVER_READ:
+        if key.startswith(section + "."):
+            *parents, leaf = key.split(".")[1:]
+            node = data
+            for part in parents:
+                node = node[part]
+            node.pop(leaf)
+    return data, setup
+
+
 def observed(data: dict) -> str:
-    """What the trainer derives before Ray starts: the plan and every worker's config (not the config itself)."""
+    """What the trainer derives before Ray starts: the plan and every worker's arguments (not the config itself)."""
     cfg = check_config(resolve_config(load_ppo_config(data)))
     plan = plan_run(cfg, 64, None)
-    return repr((plan, ppo_worker_configs(cfg, plan)))
+    workers = ppo_worker_configs(cfg, plan)
+    return repr((plan, [worker_view(args, section) for args, section in zip(workers, WORKER_SECTIONS)]))
 
 
 @pytest.fixture(scope="module")

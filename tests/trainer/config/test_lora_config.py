@@ -39,9 +39,9 @@ def test_verl_lora_keys_reach_the_engines():
     assert (model.lora_rank, model.lora_alpha, model.target_modules) == (64, 32, "all-linear")
     assert cfg.actor_rollout_ref.rollout.lora_sync == "adapter"  # vllm, colocated: the adapter alone
     plan = plan_run(cfg, train_rows=2048, latest_checkpoint=None)
-    actor, critic, _ = ppo_worker_configs(cfg, plan)
+    (_, actor), critic, _ = ppo_worker_configs(cfg, plan)
     assert (actor.model.lora_rank, actor.model.lora_alpha, actor.model.target_modules) == (64, 32, "all-linear")
-    assert (critic.model.lora_rank, critic.model.kind) == (8, "value")
+    assert critic is not None and (critic[1].model.lora_rank, critic[1].model.kind) == (8, "value")
 
 
 def test_target_and_exclude_modules_take_lists():

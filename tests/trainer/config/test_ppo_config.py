@@ -125,10 +125,9 @@ def test_bad_configs_name_the_key(overrides, message):
 
 
 def test_megatron_layout_keys_reach_the_engine_config():
-    from dataclasses import replace
 
     from backends.config import EngineConfig, ModelConfig
-    from scaletrain.workers.config import ActorRolloutRefConfig, CriticConfig
+    from scaletrain.workers.config import ActorRolloutRefConfig, CriticConfig, EngineSetup
 
     cfg = checked(
         "backend=megatron",
@@ -139,19 +138,20 @@ def test_megatron_layout_keys_reach_the_engine_config():
         "critic.megatron.tensor_model_parallel_size=2",
     )
     arr, base = cfg.actor_rollout_ref, EngineConfig(extra=cfg.backend.extra)
-    actor = ActorRolloutRefConfig(model=ModelConfig(path="m"), backend="megatron", actor=arr.actor, engine=base)
-    assert actor.engine.extra["megatron"] == {
+    megatron = EngineSetup(ModelConfig(path="m"), "megatron", base)
+    actor = ActorRolloutRefConfig(actor=arr.actor).engine_config(megatron)
+    assert actor.extra["megatron"] == {
         "tensor_model_parallel_size": 2,
         "pipeline_model_parallel_size": 2,
         "sequence_parallel": False,
         "use_distributed_optimizer": False,
     }
-    critic = CriticConfig(model=ModelConfig(path="m"), backend="megatron", megatron=cfg.critic.megatron, engine=base)
-    assert critic.engine.extra["megatron"]["sequence_parallel"] is True
-    assert critic.engine.extra["megatron"]["pipeline_model_parallel_size"] == 2  # resolved from the actor's
+    critic = CriticConfig(megatron=cfg.critic.megatron).engine_config(megatron)
+    assert critic.extra["megatron"]["sequence_parallel"] is True
+    assert critic.extra["megatron"]["pipeline_model_parallel_size"] == 2  # resolved from the actor's
     assert base.extra["megatron"]["sequence_parallel"] is False  # the shared engine config is not mutated
-    fsdp = ActorRolloutRefConfig(model=ModelConfig(path="m"), backend="fsdp", actor=arr.actor, engine=replace(base))
-    assert fsdp.engine.extra == base.extra
+    fsdp = ActorRolloutRefConfig(actor=arr.actor).engine_config(EngineSetup(ModelConfig(path="m"), "fsdp", base))
+    assert fsdp.extra == base.extra
     with pytest.raises(ConfigError, match="actor_rollout_ref.actor.megatron: world size 2 is not divisible"):
         checked("backend=megatron", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4")
     with pytest.raises(ConfigError, match="critic.megatron"):
@@ -213,3 +213,25 @@ def test_rollout_checks_against_the_model_before_ray(tmp_path):
             "data.max_prompt_length=8",
             "data.max_response_length=8",
         )
+
+
+def test_the_estimator_registry_owns_what_the_trainer_needs_to_know():
+    """A user's estimator registered with its traits gets a critic (values) and the n >= 2 check (groups) like the
+    built-in gae and grpo, with no list in the trainer to extend."""
+    from scaletrain.algos import register_adv_est
+    from scaletrain.algos.advantage import estimator_traits
+
+    @register_adv_est("test_only_value_estimator", override=True, needs_values=True)
+    def value_estimator(token_level_rewards, response_mask, **kwargs):
+        return token_level_rewards, token_level_rewards
+
+    @register_adv_est("test_only_group_estimator", override=True, group_based=True)
+    def group_estimator(token_level_rewards, response_mask, **kwargs):
+        return token_level_rewards, token_level_rewards
+
+    assert estimator_traits("gae").needs_values and estimator_traits("grpo").group_based
+    assert estimator_traits("remax").greedy_baseline and not estimator_traits("grpo").needs_values
+    assert checked("algorithm.adv_estimator=test_only_value_estimator").use_critic
+    assert not checked("algorithm.adv_estimator=grpo").use_critic
+    with pytest.raises(ConfigError, match="test_only_group_estimator compares samples of one prompt"):
+        checked("algorithm.adv_estimator=test_only_group_estimator", "actor_rollout_ref.rollout.n=1")
