@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -145,10 +146,33 @@ BACKENDS = Registry(
 )
 
 
-def register_backend(name: str):
+@dataclass(frozen=True)
+class BackendTraits:
+    """What a backend supports, known without importing it (the config checks read it before Ray starts)."""
+
+    offload: bool = True  # param_offload / optimizer_offload keep parameters / optimizer state in CPU memory
+    lora: bool = True  # model.lora_rank > 0 trains LoRA adapters on a frozen base
+
+
+# the built-ins' traits (their modules load lazily); register_backend records a new backend's
+BACKEND_TRAITS = {
+    "fsdp": BackendTraits(),
+    "deepspeed": BackendTraits(),
+    "megatron": BackendTraits(offload=False, lora=False),
+}
+
+
+def register_backend(name: str, *, traits: BackendTraits | None = None):
     """``@register_backend("fsdp")`` on a TrainEngine subclass whose __init__ takes
-    (model_config, optim_config, engine_config)."""
+    (model_config, optim_config, engine_config); ``traits``: what it supports (default: everything)."""
+    if traits is not None or name not in BACKEND_TRAITS:
+        BACKEND_TRAITS[name] = traits or BackendTraits()
     return BACKENDS.register(name)
+
+
+def backend_traits(name: str) -> BackendTraits:
+    """The traits of backend ``name`` (everything for a name nobody registered: the config check names it)."""
+    return BACKEND_TRAITS.get(name, BackendTraits())
 
 
 def get_backend(name: str) -> type[TrainEngine]:

@@ -121,12 +121,10 @@ def attention_kwargs(model_config: ModelConfig) -> dict[str, str]:
     if name is None:
         return {}
     if name not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(
-            f"actor_rollout_ref.model.attn_implementation: unknown '{name}'; known: {', '.join(ATTN_IMPLEMENTATIONS)}"
-        )
+        raise ValueError(f"the model's attn_implementation: unknown '{name}'; known: {', '.join(ATTN_IMPLEMENTATIONS)}")
     if name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise ImportError(
-            "actor_rollout_ref.model.attn_implementation=flash_attention_2 needs the flash-attn "
+            "the model's attn_implementation=flash_attention_2 needs the flash-attn "
             "package (`pip install flash-attn --no-build-isolation`, CUDA only); or use sdpa"
         )
     return {"attn_implementation": name}

@@ -46,7 +46,7 @@ class VLLMAsyncRolloutEngine(VLLMRolloutEngine):
         if config.tensor_parallel_size != 1:
             raise ValueError(
                 f"the vLLM async engine runs at tensor_parallel_size=1 (got {config.tensor_parallel_size}); "
-                "use the synchronous engine (actor_rollout_ref.rollout.async_engine=false)"
+                "use the synchronous engine (the rollout's async_engine=false)"
             )
         self._init_common(config, tokenizer)
         self.in_process, self.tp_rank, self.spmd_seeds = False, 0, None  # the model runs in the engine core

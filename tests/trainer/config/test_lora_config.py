@@ -105,3 +105,19 @@ def test_lora_sync_fallback(overrides, expected):
 def test_refusals_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         checked(*overrides)
+
+
+def test_a_backend_states_what_it_supports_where_it_is_registered():
+    """The checks read a backend's traits, not its name: a user's backend registered without LoRA or offload gets
+    megatron's refusals, naming it and the backends that do support them."""
+    from backends.base import BackendTraits, TrainEngine, backend_traits, register_backend
+
+    @register_backend("test_only_plain", traits=BackendTraits(offload=False, lora=False))
+    class PlainEngine(TrainEngine):  # never built: the checks need only its registration
+        pass
+
+    assert not backend_traits("megatron").lora and backend_traits("fsdp").lora and backend_traits("deepspeed").offload
+    with pytest.raises(ConfigError, match="lora_rank=8: LoRA is not supported by backend=test_only_plain; .*fsdp"):
+        checked("backend.name=test_only_plain", "actor_rollout_ref.model.lora_rank=8")
+    with pytest.raises(ConfigError, match="the test_only_plain backend does not offload \\(fsdp, deepspeed do\\)"):
+        checked("backend.name=test_only_plain", "backend.param_offload=true")
