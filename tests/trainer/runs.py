@@ -97,7 +97,9 @@ def signalled_when(
     holds (as ``kill -SIG -PGID``, systemd's stop or SLURM's preemption do) and wait for the run to end; returns
     (exit code, console output). The console goes to ``output`` (a file, never a pipe nobody reads while polling);
     ``ready()`` may assert on what must not happen first. Fails if the run ends before ``ready()``, or ``what`` is not
-    there within 300 s; the group is SIGKILLed if it outlives the 300 s after the signal."""
+    there within 300 s; the group is SIGKILLed if it outlives the 300 s after the signal. Without ``output`` the
+    console goes to a temporary file, removed once read (kept, and named in the error, when the run fails first)."""
+    temporary = output is None
     if output is None:
         fd, name = tempfile.mkstemp(prefix="run-", suffix=".txt")
         os.close(fd)
@@ -118,7 +120,10 @@ def signalled_when(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    return returncode, output.read_text()
+    console = output.read_text()
+    if temporary:
+        output.unlink()
+    return returncode, console
 
 
 def metrics(run_dir) -> dict[int, dict]:
