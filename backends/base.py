@@ -11,10 +11,11 @@ with the response tokens: ``log_probs`` / ``entropy`` / ``values`` of shape (B, 
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -152,13 +153,14 @@ class BackendTraits:
 
     offload: bool = True  # param_offload / optimizer_offload keep parameters / optimizer state in CPU memory
     lora: bool = True  # model.lora_rank > 0 trains LoRA adapters on a frozen base
+    check: str | None = None  # "module:function" checking a role's engine settings (check_engine_settings)
 
 
 # the built-ins' traits (their modules load lazily); register_backend records a new backend's
 BACKEND_TRAITS = {
     "fsdp": BackendTraits(),
     "deepspeed": BackendTraits(),
-    "megatron": BackendTraits(offload=False, lora=False),
+    "megatron": BackendTraits(offload=False, lora=False, check="backends.megatron.checks:check_engine_settings"),
 }
 
 
@@ -173,6 +175,17 @@ def register_backend(name: str, *, traits: BackendTraits | None = None):
 def backend_traits(name: str) -> BackendTraits:
     """The traits of backend ``name`` (everything for a name nobody registered: the config check names it)."""
     return BACKEND_TRAITS.get(name, BackendTraits())
+
+
+def check_engine_settings(name: str, extra: dict[str, Any], world_size: int, hf_config: Any = None) -> Any:
+    """Backend ``name``'s own check of a role's engine settings (``EngineConfig.extra``) on ``world_size`` ranks and
+    the model's HF config (None: not on disk yet): ValueError / TypeError naming the setting it cannot run; returns
+    what the check resolved (megatron: the layout), None for a backend without a check."""
+    check = backend_traits(name).check
+    if check is None:
+        return None
+    module, function = check.split(":")
+    return getattr(importlib.import_module(module), function)(extra, world_size, hf_config)
 
 
 def get_backend(name: str) -> type[TrainEngine]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from backends.base import backend_traits, check_engine_settings
+from backends.config import EngineConfig
 from scaletrain.algos.advantage import estimator_traits
 from scaletrain.models.prepare import check_causal_lm
 from scaletrain.trainer.config.async_checks import rollout_world_size, validate_async_training
@@ -18,6 +20,7 @@ from scaletrain.trainer.config.lora_checks import validate_lora
 from scaletrain.trainer.config.ppo_config import PPOConfig, TrainerSection, files_of
 from scaletrain.trainer.config.rollout_checks import validate_rollout, validate_rollout_model
 from scaletrain.utils.typed_config import ConfigError
+from scaletrain.workers.config import with_megatron
 
 WORKER_ROLES = ("actor_rollout", "critic", "rm", "rollout")  # the PPO trainer's worker groups (init_workers;
 # rollout: the split placement's pool)
@@ -41,12 +44,11 @@ def check_config(cfg: PPOConfig) -> PPOConfig:
     validate_roles(cfg)
     validate_rollout_correction(cfg)
     validate_filter_groups(cfg)
-    if cfg.backend.name == "megatron":
-        _validate_megatron(cfg, cfg.world_size)
+    _validate_engine_settings(cfg, cfg.world_size)
     _validate_trainer(cfg)
     cfg.actor_rollout_ref.rollout.val_sampling()  # raises ConfigError naming a bad val_kwargs key
     _validate_paths(cfg)
-    validate_reward_model(cfg)  # after _validate_megatron: the RM shares the resolved layout
+    validate_reward_model(cfg)  # after _validate_engine_settings: the RM shares the resolved layout
     check_ray_kwargs(cfg.ray_kwargs)
     return cfg
 
@@ -222,36 +224,35 @@ def _validate_generation_outputs(trainer: TrainerSection) -> None:
             raise ConfigError(f"trainer.{key}: {path} cannot be written ({existing} is not writable)")
 
 
-def _validate_megatron(cfg: PPOConfig, world: int) -> None:
-    """The actor's (and ref's) and the critic's Megatron layouts fit the world (and the model, when on disk).
+def _validate_engine_settings(cfg: PPOConfig, world: int) -> None:
+    """The backend's own check (``check_engine_settings``, exposed by its registry entry) of the actor's (and ref's)
+    and the critic's engine settings on the world and the model, when on disk (megatron: the layout).
 
-    The roles are colocated in one process per device and megatron's parallel state is per process, so they share
-    one layout: ``resolve_config`` put the actor's in ``backend.extra["megatron"]``; the critic's set keys must
-    agree with it."""
-    from backends.megatron.hf_mapping import check_mappable
-
+    The roles are colocated in one process per device, so a backend's per-process state (megatron's parallel
+    state) is shared: ``resolve_config`` put the actor's layout in ``backend.extra``; the critic's set keys must agree
+    with what the check resolved for the actor."""
+    if backend_traits(cfg.backend.name).check is None:
+        return
     arr = cfg.actor_rollout_ref
     sections = [("actor_rollout_ref.actor.megatron", arr.actor.megatron, arr.model.path)]
     if cfg.use_critic:
         sections.append(("critic.megatron", cfg.critic.megatron, cfg.critic.model.path or arr.model.path))
-    layouts = []
+    resolved = []
     for key, section, path in sections:
         hf_config = None
         if path and os.path.isfile(os.path.join(path, "config.json")):
             from transformers import AutoConfig
 
             hf_config = AutoConfig.from_pretrained(path, trust_remote_code=arr.model.trust_remote_code)
+        extra = with_megatron(EngineConfig(extra=cfg.backend.extra), cfg.backend.name, section).extra
         try:
-            layout = section.resolved(cfg.backend.extra)
-            layout.validate(world, hf_config)
-            if hf_config is not None:
-                check_mappable(hf_config)  # a model the HF <-> megatron mapping cannot reproduce fails before Ray
+            resolved.append((key, check_engine_settings(cfg.backend.name, extra, world, hf_config)))
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{key}: {exc} (trainer.n_gpus_per_node x trainer.nnodes = {world} ranks)") from exc
-        layouts.append((key, layout))
-    for key, layout in layouts[1:]:
-        if layout != layouts[0][1]:
+    for key, settings in resolved[1:]:
+        if settings != resolved[0][1]:
             raise ConfigError(
-                f"{key} ({layout}) differs from {layouts[0][0]} ({layouts[0][1]}): the roles share "
-                "one process per device and megatron's parallel state, so they need the same layout"
+                f"{key} ({settings}) differs from {resolved[0][0]} ({resolved[0][1]}): the roles share "
+                f"one process per device and the {cfg.backend.name} backend's parallel state, so they need the same "
+                "layout"
             )

@@ -82,8 +82,7 @@ def validate_reward_model(cfg) -> None:
         raise ConfigError(f"reward_model.max_length must be positive or null, got {rm.max_length}")
     hf_config = _sequence_classifier_config(rm.model)
     _validate_tokenizers(cfg)
-    if cfg.backend.name == "megatron":
-        _validate_megatron_rm(cfg, hf_config)
+    _validate_rm_engine_settings(cfg, hf_config)
 
 
 def _sequence_classifier_config(model):
@@ -173,16 +172,15 @@ def _validate_tokenizers(cfg) -> None:
         )
 
 
-def _validate_megatron_rm(cfg, hf_config) -> None:
-    """The RM runs in the actor's processes with megatron's one layout (resolved by _validate_megatron)."""
-    from backends.megatron.hf_mapping import check_mappable
-    from backends.megatron.parallel import MegatronParallelConfig
+def _validate_rm_engine_settings(cfg, hf_config) -> None:
+    """The backend's own check of the RM's engine settings: it runs in the actor's processes with the actor's
+    layout (resolved by the config check's _validate_engine_settings)."""
+    from backends.base import check_engine_settings
 
     try:
-        check_mappable(hf_config)
-        MegatronParallelConfig.from_extra(cfg.backend.extra).validate(cfg.world_size, hf_config)
+        check_engine_settings(cfg.backend.name, cfg.backend.extra, cfg.world_size, hf_config)
     except (ValueError, TypeError) as exc:
         raise ConfigError(
-            f"reward_model.model.path: {exc} (backend=megatron: the reward model shares the actor's "
+            f"reward_model.model.path: {exc} (backend={cfg.backend.name}: the reward model shares the actor's "
             f"layout on {cfg.world_size} ranks)"
         ) from exc

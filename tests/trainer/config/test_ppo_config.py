@@ -235,3 +235,26 @@ def test_the_estimator_registry_owns_what_the_trainer_needs_to_know():
     assert not checked("algorithm.adv_estimator=grpo").use_critic
     with pytest.raises(ConfigError, match="test_only_group_estimator compares samples of one prompt"):
         checked("algorithm.adv_estimator=test_only_group_estimator", "actor_rollout_ref.rollout.n=1")
+
+
+def two_ranks_only(extra, world_size, hf_config):
+    """A backend's own engine check, for the test below."""
+    if world_size != 2:
+        raise ValueError(f"this backend runs on 2 ranks, not {world_size}")
+    return ("layout", 2)
+
+
+def test_a_backends_own_check_runs_through_its_registry_entry():
+    """The config check calls the check a backend's registry entry names (megatron's layout check is one), and
+    prefixes its error with the role's keys: no backend's name is written in the trainer."""
+    from backends.base import BackendTraits, TrainEngine, register_backend
+
+    check = "tests.trainer.config.test_ppo_config:two_ranks_only"
+
+    @register_backend("test_only_checked", traits=BackendTraits(check=check))
+    class CheckedEngine(TrainEngine):  # never built: the check needs only its registration
+        pass
+
+    checked("backend.name=test_only_checked")
+    with pytest.raises(ConfigError, match="actor_rollout_ref.actor.megatron: this backend runs on 2 ranks, not 4"):
+        checked("backend.name=test_only_checked", "trainer.n_gpus_per_node=4")
