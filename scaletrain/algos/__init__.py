@@ -22,7 +22,7 @@ from scaletrain.algos.advantage import (
     get_adv_estimator,
     register_adv_est,
 )
-from scaletrain.algos.agg import LOSS_AGG_MODES, agg_count, agg_loss
+from scaletrain.algos.agg import ENGINE_AGG_MODES, LOSS_AGG_MODES, agg_count, agg_loss
 from scaletrain.algos.entropy import entropy_from_logits, logprobs_from_logits
 from scaletrain.algos.group_advantage import group_ids, group_mean_std
 from scaletrain.algos.kl import (
@@ -36,7 +36,7 @@ from scaletrain.algos.kl import (
 from scaletrain.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from scaletrain.algos.policy_loss import POLICY_LOSSES, get_policy_loss, register_policy_loss
 from scaletrain.algos.rollout_correction import compute_mismatch_metrics, compute_rollout_correction
-from scaletrain.algos.scan import discounted_suffix_sum, segmented_discounted_suffix_sum
+from scaletrain.algos.scan import discounted_suffix_sum
 from scaletrain.algos.value import compute_value_loss
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "POLICY_LOSSES",
     "register_policy_loss",
     "get_policy_loss",
+    "ENGINE_AGG_MODES",
     "LOSS_AGG_MODES",
     "agg_count",
     "agg_loss",
@@ -69,5 +70,4 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "discounted_suffix_sum",
-    "segmented_discounted_suffix_sum",
 ]

@@ -18,12 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from scaletrain.algos.masked import masked_whiten
 from scaletrain.algos.options import get_option
-from scaletrain.algos.scan import discounted_suffix_sum, segmented_discounted_suffix_sum
+from scaletrain.algos.scan import discounted_suffix_sum
 from scaletrain.utils.registry import Registry
 
 ADV_ESTIMATORS = Registry("advantage estimator")
@@ -41,6 +40,8 @@ class AdvantageEstimator(str, enum.Enum):
     REMAX = "remax"
     OPO = "opo"
     GPG = "gpg"
+    GRPO_VECTORIZED = "grpo_vectorized"  # verl's name for its vectorized GRPO: grpo here (already vectorized)
+    RLOO_VECTORIZED = "rloo_vectorized"  # likewise rloo
 
 
 @dataclass(frozen=True)
@@ -90,12 +91,11 @@ def get_adv_estimator(name: str | AdvantageEstimator) -> Callable:
 @torch.no_grad()
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
     response_mask: torch.Tensor,
-    index: np.ndarray | None = None,
-    config: Any = None,
-    values: torch.Tensor | None = None,
     gamma: float | None = None,
     lam: float | None = None,
+    config: Any = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016) with critic ``values``; advantages are whitened.
@@ -104,21 +104,26 @@ def compute_gae_advantage_return(
     unmasked token t, the "next" value is the value at the next unmasked token, and rewards and values at masked
     positions never enter the recursion. Equivalently, GAE runs on the unmasked tokens packed to the left.
     ``returns = advantages + values`` (before whitening). ``gamma`` and ``lam`` default to config, then 1.0.
+    Positional order as verl's: (token_level_rewards, values, response_mask, gamma, lam).
     """
-    if values is None:
-        raise ValueError("gae needs critic values: pass values=<(batch, response_length) tensor>")
     opts = {"gamma": gamma, "lam": lam}
     gamma = float(get_option(config, "gamma", 1.0, opts))
     lam = float(get_option(config, "lam", 1.0, opts))
 
-    dtype = torch.promote_types(values.dtype, torch.float32)
-    keep = response_mask.to(dtype)
-    if _is_prefix_mask(response_mask):  # the usual case: already packed, no gather / scatter
-        advantages, returns = _packed_gae(token_level_rewards.to(dtype), values.to(dtype), keep, gamma, lam)
-    else:
-        advantages, returns = _gae_with_holes(token_level_rewards, values, response_mask.bool(), dtype, gamma, lam)
+    advantages, returns = _gae_over_kept_tokens(token_level_rewards, values, response_mask, gamma, lam)
+    keep = response_mask.to(advantages.dtype)
     advantages = masked_whiten(advantages, keep).mul_(keep)
     return advantages, returns
+
+
+def _gae_over_kept_tokens(
+    rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) of GAE over the unmasked tokens (masked ones skipped), 0 at masked positions."""
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    if _is_prefix_mask(response_mask):  # the usual case: already packed, no gather / scatter
+        return _packed_gae(rewards.to(dtype), values.to(dtype), response_mask.to(dtype), gamma, lam)
+    return _gae_with_holes(rewards, values, response_mask.bool(), dtype, gamma, lam)
 
 
 def _is_prefix_mask(mask: torch.Tensor) -> bool:
@@ -167,19 +172,20 @@ def _gae_with_holes(
 def compute_reinforce_plus_plus_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
-    index: np.ndarray | None = None,
     config: Any = None,
     gamma: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the batch.
 
-    As in verl, the running return restarts at every masked position ("reset after EOS"): a token's return only
-    sums rewards up to the next masked position. For the usual right-padded mask that is the end of the response.
+    As in verl 0.9, masked positions inside a response (tool observations) are skipped, not ends: the return
+    carries across them (their rewards do not enter it and no discount step is taken there), so a final reward
+    reaches the tokens of every earlier turn. It is GAE over the unmasked tokens with zero values and lambda 1.
     """
     gamma = float(get_option(config, "gamma", 1.0, {"gamma": gamma}))
+    zero_values = torch.zeros_like(token_level_rewards, dtype=torch.float32)
+    returns, _ = _gae_over_kept_tokens(token_level_rewards, zero_values, response_mask, gamma, 1.0)
     keep = response_mask.bool()
-    returns = segmented_discounted_suffix_sum(token_level_rewards.float(), keep, gamma)
     advantages = torch.where(keep, masked_whiten(returns, keep), 0.0)
     return advantages, returns
 
@@ -188,18 +194,15 @@ def compute_reinforce_plus_plus_advantage(
 @torch.no_grad()
 def compute_remax_advantage(
     token_level_rewards: torch.Tensor,
+    reward_baselines: torch.Tensor,
     response_mask: torch.Tensor,
-    index: np.ndarray | None = None,
     config: Any = None,
-    reward_baselines: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al. 2023): undiscounted return-to-go minus the reward of the greedy response (per row).
 
     ``reward_baselines`` is (batch,): the score of the greedy decode for that row's prompt.
     """
-    if reward_baselines is None:
-        raise ValueError("remax needs reward_baselines: pass reward_baselines=<(batch,) tensor>")
     keep = response_mask.bool()
     rewards = torch.where(keep, token_level_rewards.float(), 0.0)
     returns = rewards.flip(-1).cumsum(-1).flip(-1)

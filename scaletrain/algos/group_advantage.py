@@ -74,9 +74,9 @@ def compute_grpo_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     index: Any = None,
-    config: Any = None,
-    norm_adv_by_std_in_grpo: bool | None = None,
     epsilon: float | None = None,
+    norm_adv_by_std_in_grpo: bool | None = None,
+    config: Any = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO (Shao et al. 2024): (score - group mean) / (group std + eps), std unbiased; eps defaults to 1e-6.
@@ -101,9 +101,9 @@ def compute_grpo_passk_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     index: Any = None,
-    config: Any = None,
-    norm_adv_by_std_in_grpo: bool | None = None,
     epsilon: float | None = None,
+    norm_adv_by_std_in_grpo: bool | None = None,
+    config: Any = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass@k GRPO: only the best response of each group gets a non-zero advantage,
@@ -139,7 +139,12 @@ def compute_grpo_passk_advantage(
 @register_adv_est(AdvantageEstimator.RLOO, group_based=True)
 @torch.no_grad()
 def compute_rloo_advantage(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, config: Any = None, **kwargs
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    epsilon: float | None = None,
+    config: Any = None,
+    **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO (Ahmadian et al. 2024): score minus the mean score of the *other* responses of the group."""
     scores = _scores(token_level_rewards)
@@ -153,7 +158,12 @@ def compute_rloo_advantage(
 @register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE, group_based=True)
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_advantage(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, config: Any = None, **kwargs
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    epsilon: float | None = None,
+    config: Any = None,
+    **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with a group-mean baseline: (score - group mean), then whitened over all response tokens."""
     scores = _scores(token_level_rewards)
@@ -168,7 +178,12 @@ def compute_reinforce_plus_plus_baseline_advantage(
 @register_adv_est(AdvantageEstimator.OPO, group_based=True)
 @torch.no_grad()
 def compute_opo_advantage(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None, config: Any = None, **kwargs
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    epsilon: float | None = None,
+    config: Any = None,
+    **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO (Hao et al. 2025): score minus the length-weighted group mean sum(len * score) / sum(len)."""
     scores = _scores(token_level_rewards)
@@ -187,17 +202,25 @@ def compute_gpg_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     index: Any = None,
-    config: Any = None,
+    epsilon: float | None = None,
     f_norm: float | None = None,
+    alpha: float | None = None,
+    config: Any = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPG (Chu et al. 2025): alpha * (score - group mean) / f_norm with alpha = batch / #rows with non-zero score.
 
-    alpha rescales the gradient when many rows have zero reward; ``f_norm`` defaults to 1.
+    alpha rescales the gradient when many rows have zero reward; ``f_norm`` defaults to 1. ``epsilon`` and
+    ``alpha`` are in verl's signature only: verl's GPG also computes alpha from the batch and uses no epsilon.
     """
     f_norm = float(get_option(config, "f_norm", 1.0, {"f_norm": f_norm}))
     scores = _scores(token_level_rewards)
     gid, G = group_ids(index, scores.device)
     mean, _, _ = group_mean_std(scores, gid, G)
-    alpha = scores.numel() / (scores != 0).sum().clamp(min=1)
-    return _broadcast(alpha * (scores - mean) / f_norm, response_mask)
+    batch_alpha = scores.numel() / (scores != 0).sum().clamp(min=1)
+    return _broadcast(batch_alpha * (scores - mean) / f_norm, response_mask)
+
+
+# verl's names for its vectorized twins of grpo and rloo: the same computation here, which has no Python loop
+register_adv_est(AdvantageEstimator.GRPO_VECTORIZED, group_based=True)(compute_grpo_advantage)
+register_adv_est(AdvantageEstimator.RLOO_VECTORIZED, group_based=True)(compute_rloo_advantage)

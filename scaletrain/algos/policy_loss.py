@@ -175,3 +175,19 @@ def compute_policy_loss_sapo(
         "actor/sapo_gate": masked_mean((4.0 * gate * (1.0 - gate)).detach(), response_mask),
     }
     return finish(pg_losses, response_mask, loss_agg_mode, kwargs, metrics)
+
+
+@register_policy_loss("dro")
+def compute_policy_loss_dro(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, **kwargs
+):
+    """DRO (Direct Reward Optimization, Richemond et al. 2024): ``-(log pi * A - beta / 2 * (log pi - log
+    pi_old)**2)``, a quadratic penalty on the log-ratio instead of a clip. ``policy_loss.dro_beta`` must be > 0."""
+    beta = option(config, "dro_beta", None, kwargs)
+    if beta is None or float(beta) <= 0:
+        raise ValueError(f"policy_loss.dro_beta must be a positive value when using DRO, got {beta!r}")
+    ratio_log = log_ratio(log_prob, old_log_prob)
+    pg_losses = -(log_prob * advantages - 0.5 * float(beta) * ratio_log.square())
+    return finish(
+        pg_losses, response_mask, loss_agg_mode, kwargs, {"actor/ppo_kl": ppo_kl(old_log_prob, log_prob, response_mask)}
+    )

@@ -58,25 +58,3 @@ def discounted_suffix_sum(x: torch.Tensor, factor: float, chunk_size: int = 32) 
     tail = (torch.tensor(factor, dtype=torch.float64, device=x.device) ** exps).to(dtype)
     y = local.view(-1, C).addmm_(carry.reshape(-1, 1), tail.view(1, C))  # + carry * tail: a rank-1 update
     return y.view(-1, n * C)[:, :T].reshape(*lead, T).to(x.dtype)
-
-
-def segmented_discounted_suffix_sum(
-    x: torch.Tensor, mask: torch.Tensor, factor: float, chunk_size: int = 32
-) -> torch.Tensor:
-    """Like ``discounted_suffix_sum`` but the sum restarts at every masked position.
-
-    ``y[t] = sum over s in [t, e_t) of factor**(s - t) * x[s]`` where ``e_t`` is the first masked position at or
-    after t; masked positions get 0. This is the REINFORCE++ return with its reset after EOS. Computed as
-    ``D(t) - factor**(e_t - t) * D(e_t)`` from the unsegmented sum D of the masked input, in float64 (for a mask
-    that is all ones followed by all zeros, D(e_t) is exactly 0).
-    """
-    T = x.shape[-1]
-    keep = mask.bool()
-    xm = torch.where(keep, x.to(torch.float64), 0.0)
-    D = F.pad(discounted_suffix_sum(xm, factor, chunk_size), (0, 1))  # D[..., T] = 0
-    pos = torch.arange(T, device=x.device).expand_as(keep)
-    stop = torch.where(keep, torch.full_like(pos, T), pos)
-    stop = stop.flip(-1).cummin(-1).values.flip(-1)  # first masked position >= t (or T)
-    decay = torch.tensor(float(factor), dtype=torch.float64, device=x.device) ** (stop - pos)
-    y = D[..., :T] - decay * D.gather(-1, stop)
-    return torch.where(keep, y, 0.0).to(x.dtype)

@@ -22,7 +22,8 @@ VAL_KWARGS = ("n", "temperature", "top_p", "top_k", "do_sample")  # actor_rollou
 class PolicyLossConfig:
     """``loss_mode`` names a registered policy loss; the other fields are read by the losses that use them."""
 
-    loss_mode: str = "vanilla"  # vanilla (PPO) | gspo | gpg | cispo | sapo | clip_cov | kl_cov (the registered losses)
+    loss_mode: str = "vanilla"  # vanilla (PPO) | gspo | gpg | cispo | sapo | clip_cov | kl_cov | dro (the registered
+    # losses)
     clip_cov_ratio: float | None = None  # clip_cov: share of the tokens whose gradient is detached; null: 2e-4
     clip_cov_lb: float | None = None  # clip_cov: covariance lower bound of the tokens it may pick; null: 1.0
     clip_cov_ub: float | None = None  # clip_cov: covariance upper bound of the tokens it may pick; null: 5.0
@@ -30,6 +31,7 @@ class PolicyLossConfig:
     ppo_kl_coef: float | None = None  # kl_cov: coefficient of |log pi - log pi_old| on those tokens; null: 1.0
     tau_pos: float | None = None  # sapo: gate temperature for positive advantages; null: 1.0
     tau_neg: float | None = None  # sapo: gate temperature for the other advantages; null: 1.05
+    dro_beta: float | None = None  # dro: weight of the squared log-ratio penalty; must be set (> 0)
 
 
 @dataclass
@@ -110,6 +112,13 @@ class PPOUpdateSettings:
     # seq-mean-token-sum-norm: how the per-token losses become one (scaletrain/algos/agg.py)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # backend=megatron: this role's layout (the
     # actor's is the ref policy's too)
+
+    @property
+    def global_batch_info(self) -> dict[str, Any]:
+        """verl's ``agg_loss`` keyword arguments for one micro-batch's loss (a verl-written policy loss spreads them
+        into its ``agg_loss`` call). scaletrain's engines weight each micro-batch by its units over the whole
+        mini-batch (backends/accumulation.py), so a loss is its micro-batch's local mean: dp_size 1, local counts."""
+        return {"dp_size": 1, "batch_num_tokens": None, "global_batch_size": None, "loss_scale_factor": None}
 
 
 @dataclass

@@ -9,6 +9,7 @@ micro-batches and DP ranks (backends/accumulation.py).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -46,16 +47,13 @@ def actor_loss_fn(config: ActorConfig) -> LossFn:
     """PPO-family policy loss (registered ``policy_loss.loss_mode``) - entropy bonus + KL loss."""
     policy_loss = get_policy_loss(config.policy_loss.loss_mode)
     mode = config.loss_agg_mode
+    optional = _accepted(policy_loss, ("rollout_log_probs", "token_level_rewards", "rollout_is_weights"))
 
     @aggregated(mode)
     def loss_fn(outputs: dict[str, torch.Tensor], mb: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         log_prob = outputs["log_probs"]
         mask = mb.tensors["response_mask"]
-        extra = {
-            k: mb.tensors[k]
-            for k in ("rollout_log_probs", "token_level_rewards", "rollout_is_weights")
-            if k in mb.tensors.keys()
-        }
+        extra = {k: mb.tensors[k] for k in optional if k in mb.tensors.keys()}
         pg_loss, metrics = policy_loss(
             mb.tensors["old_log_probs"], log_prob, mb.tensors["advantages"], mask, mode, config, **extra
         )
@@ -74,6 +72,15 @@ def actor_loss_fn(config: ActorConfig) -> LossFn:
         return loss, metrics
 
     return loss_fn
+
+
+def _accepted(fn: Callable, keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The optional batch fields ``fn`` takes: all with ``**kwargs``, else those it names (a loss written for verl
+    names only ``rollout_is_weights``)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return keys
+    return tuple(k for k in keys if k in params)
 
 
 def actor_outputs(config: ActorConfig) -> tuple[str, ...]:

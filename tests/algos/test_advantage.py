@@ -51,15 +51,16 @@ def ref_gae(rewards, values, mask, gamma, lam):
 
 
 def ref_reinforce_pp(rewards, mask, gamma):
-    """verl's REINFORCE++ return: running return reset after every masked position."""
+    """verl 0.9's REINFORCE++ return: masked positions (observations) are skipped, the running return carries
+    across them unchanged."""
     B, T = len(rewards), len(rewards[0])
     returns = [[0.0] * T for _ in range(B)]
     for b in range(B):
         running = 0.0
         for t in reversed(range(T)):
-            running = rewards[b][t] + gamma * running
-            returns[b][t] = running if mask[b][t] else 0.0
-            running *= mask[b][t]
+            if mask[b][t]:
+                running = rewards[b][t] + gamma * running
+                returns[b][t] = running
     return ref_whiten(returns, mask), returns
 
 
@@ -180,7 +181,7 @@ def test_gae_matches_loop(holes, gamma, lam):
     B, T = 6, 12
     mask = ragged_mask(B, T, gen, holes=holes)
     rewards, values = torch.randn(B, T, generator=gen), torch.randn(B, T, generator=gen)
-    adv, ret = get_adv_estimator("gae")(rewards, mask, values=values, gamma=gamma, lam=lam)
+    adv, ret = get_adv_estimator("gae")(rewards, values, mask, gamma, lam)
     ref_adv, ref_ret = ref_gae(rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam)
     close(adv, ref_adv)
     close(ret, ref_ret)
@@ -193,7 +194,7 @@ def test_gae_long_sequence_is_stable():
     mask[1, 1500:] = 0
     rewards, values = torch.randn(2, T, generator=gen) * 0.1, torch.randn(2, T, generator=gen)
     for gamma, lam in [(1.0, 1.0), (0.999, 0.95)]:
-        adv, ret = get_adv_estimator("gae")(rewards, mask, values=values, gamma=gamma, lam=lam)
+        adv, ret = get_adv_estimator("gae")(rewards, values, mask, gamma, lam)
         assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
         ref_adv, ref_ret = ref_gae(rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam)
         close(adv, ref_adv, atol=2e-4)
@@ -205,13 +206,13 @@ def test_gae_config_object_dict_and_kwarg_override():
     mask = ragged_mask(4, 8, gen)
     rewards, values = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
     fn = get_adv_estimator(AdvantageEstimator.GAE)
-    from_obj = fn(rewards, mask, config=SimpleNamespace(gamma=0.9, lam=0.8), values=values)
-    from_dict = fn(rewards, mask, config={"gamma": 0.9, "lam": 0.8}, values=values)
-    overridden = fn(rewards, mask, config={"gamma": 0.5, "lam": 0.8}, values=values, gamma=0.9)
+    from_obj = fn(rewards, values, mask, config=SimpleNamespace(gamma=0.9, lam=0.8))
+    from_dict = fn(rewards, values, mask, config={"gamma": 0.9, "lam": 0.8})
+    overridden = fn(rewards, values, mask, config={"gamma": 0.5, "lam": 0.8}, gamma=0.9)
     ref_adv, _ = ref_gae(rewards.tolist(), values.tolist(), mask.tolist(), 0.9, 0.8)
     for adv, _ in (from_obj, from_dict, overridden):
         close(adv, ref_adv)
-    with pytest.raises(ValueError, match="values"):
+    with pytest.raises(TypeError, match="response_mask"):  # verl's order: (rewards, values, response_mask)
         fn(rewards, mask)
 
 
@@ -230,7 +231,7 @@ def test_remax_matches_loop():
     gen = torch.Generator().manual_seed(4)
     mask = ragged_mask(5, 7, gen, holes=True)
     rewards, baselines = torch.randn(5, 7, generator=gen), torch.randn(5, generator=gen)
-    adv, ret = get_adv_estimator("remax")(rewards, mask, reward_baselines=baselines)
+    adv, ret = get_adv_estimator("remax")(rewards, baselines, mask)
     ref_adv, ref_ret = ref_remax(rewards.tolist(), mask.tolist(), baselines.tolist())
     close(adv, ref_adv)
     close(ret, ref_ret)

@@ -39,8 +39,8 @@ def ref_agg(x, mask, mode):
         return sum(sum(r) for r in nonempty) / len(nonempty)
     if mode == "seq-mean-token-mean":
         return sum(sum(r) / len(r) for r in nonempty) / len(nonempty)
-    if mode == "seq-mean-token-sum-norm":
-        return sum(flat) / (B * T)
+    if mode == "seq-mean-token-sum-norm":  # verl: over sequences with a token, then / the padded length
+        return sum(sum(r) for r in nonempty) / (len(nonempty) * T)
     raise AssertionError(mode)
 
 
@@ -57,9 +57,11 @@ def test_agg_modes_differ_and_unknown_mode():
     x = torch.randn(5, 6, generator=gen)
     values = {m: agg_loss(x, mask, m).item() for m in ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]}
     assert len(set(round(v, 6) for v in values.values())) == 3
-    assert agg_loss(x, mask, "seq-mean-token-sum-norm", norm_length=3).item() == pytest.approx(
-        sum(x[b, t].item() for b in range(5) for t in range(6) if mask[b, t]) / (5 * 3), abs=1e-6
+    rows = sum(bool(mask[b].any()) for b in range(5))
+    assert agg_loss(x, mask, "seq-mean-token-sum-norm", loss_scale_factor=3).item() == pytest.approx(
+        sum(x[b, t].item() for b in range(5) for t in range(6) if mask[b, t]) / (rows * 3), abs=1e-6
     )
+    assert agg_loss(x, mask, "token-sum").item() == pytest.approx(float((x * mask).sum()), abs=1e-5)
     with pytest.raises(ValueError, match="seq-sum-bogus"):
         agg_loss(x, mask, "seq-sum-bogus")
     assert agg_loss(x, torch.zeros_like(mask), "token-mean").item() == 0.0

@@ -34,7 +34,7 @@ def agg_weights(mask, mode):
                     "token-mean": 1 / n_tokens,
                     "seq-mean-token-sum": 1 / n_seqs,
                     "seq-mean-token-mean": 1 / (n_seqs * lengths[b]),
-                    "seq-mean-token-sum-norm": 1 / (B * T),
+                    "seq-mean-token-sum-norm": 1 / (n_seqs * T),
                 }[mode]
     return w
 

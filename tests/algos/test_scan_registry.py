@@ -8,20 +8,16 @@ from scaletrain.algos import (
     masked_mean,
     masked_var,
     masked_whiten,
-    segmented_discounted_suffix_sum,
 )
 from scaletrain.utils.registry import Registry
 
 
-def loop_suffix(x, f, mask=None):
+def loop_suffix(x, f):
     B, T = x.shape
     y = torch.zeros(B, T, dtype=torch.float64)
     for b in range(B):
         running = 0.0
         for t in reversed(range(T)):
-            if mask is not None and not mask[b, t]:
-                running = 0.0
-                continue
             running = x[b, t].item() + f * running
             y[b, t] = running
     return y
@@ -49,16 +45,6 @@ def test_discounted_suffix_sum_long_and_batched_shapes():
     )
     with pytest.raises(ValueError):
         discounted_suffix_sum(x3, 1.5)
-
-
-def test_segmented_suffix_sum_resets_at_masked_positions():
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(4, 40, generator=gen)
-    mask = (torch.rand(4, 40, generator=gen) > 0.25).float()
-    for f in (0.8, 1.0):
-        torch.testing.assert_close(
-            segmented_discounted_suffix_sum(x, mask, f).double(), loop_suffix(x, f, mask), atol=1e-5, rtol=1e-5
-        )
 
 
 def test_masked_stats():

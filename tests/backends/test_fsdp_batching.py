@@ -20,7 +20,7 @@ from backends.batching import (
 )
 from backends.config import OptimConfig
 from backends.optim import build_lr_scheduler, build_optimizer, lr_multiplier, warmup_steps
-from scaletrain.algos import LOSS_AGG_MODES, agg_count, agg_loss
+from scaletrain.algos import ENGINE_AGG_MODES, agg_count, agg_loss
 from scaletrain.protocol import DataProto
 from scaletrain.workers.losses import aggregated
 
@@ -89,7 +89,7 @@ def _agg_batch():
     return DataProto.from_dict({"response_mask": mask, "x": torch.rand(9, 6, generator=g)}), lengths.tolist()
 
 
-@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", ENGINE_AGG_MODES)
 def test_accumulation_is_partition_invariant(mode):
     """Micro-batch aggregates weighted as the engines weight them (backends/accumulation.py, one process) sum to
     the whole mini-batch's aggregate for any partition; metrics are weighted the same way (a constant stays)."""
@@ -131,6 +131,8 @@ def test_accumulation_defaults_to_row_shares():
     assert acc.weights == [1 / 3, 2 / 3]
     with pytest.raises(ValueError, match="unknown loss_agg_mode"):
         agg_count(data.batch["response_mask"], "token-sum-bogus")
+    with pytest.raises(ValueError, match="token-sum"):  # a sum: accumulation would average it
+        agg_count(data.batch["response_mask"], "token-sum")
 
 
 def test_worker_losses_declare_their_units():
@@ -145,7 +147,7 @@ def test_worker_losses_declare_their_units():
     assert sft_loss_fn.count(data) == actor_loss_fn(ActorConfig()).count(data) == tokens
     assert actor_loss_fn(ActorConfig(loss_agg_mode="seq-mean-token-mean")).count(data) == 8.0
     critic = CriticConfig(loss_agg_mode="seq-mean-token-sum-norm")
-    assert critic_loss_fn(critic).count(data) == 9.0
+    assert critic_loss_fn(critic).count(data) == 8.0  # as verl: sequences with a token, over a constant length
 
 
 def test_lr_multiplier_warmup_constant_cosine():

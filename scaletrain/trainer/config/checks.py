@@ -146,7 +146,7 @@ def _validate_names(cfg: PPOConfig) -> None:
     the backend's packages import."""
     from backends.base import BACKENDS
     from backends.rollout.base import ROLLOUTS
-    from scaletrain.algos import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+    from scaletrain.algos import ADV_ESTIMATORS, ENGINE_AGG_MODES, POLICY_LOSSES
     from scaletrain.reward import REWARD_MANAGERS
     from scaletrain.trainer.run.tracking import LOGGERS
 
@@ -167,8 +167,8 @@ def _validate_names(cfg: PPOConfig) -> None:
         ("actor_rollout_ref.actor.loss_agg_mode", arr.actor.loss_agg_mode),
         ("critic.loss_agg_mode", cfg.critic.loss_agg_mode),
     ):
-        if mode not in LOSS_AGG_MODES:
-            raise ConfigError(f"{key}: unknown mode '{mode}'; one of {', '.join(LOSS_AGG_MODES)}")
+        if mode not in ENGINE_AGG_MODES:  # token-sum: a sum the engines' micro-batch weighting would average
+            raise ConfigError(f"{key}: unsupported mode '{mode}'; one of {', '.join(ENGINE_AGG_MODES)}")
 
 
 def check_positive(values: Mapping[str, float]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from scaletrain.algos import apply_kl_penalty_to_rewards, get_adv_estimator
+from scaletrain.algos.advantage import estimator_traits
 from scaletrain.protocol import DataProto
 from scaletrain.trainer.config.ppo_config import AlgorithmConfig
 
@@ -28,19 +29,20 @@ def apply_kl_penalty(batch: DataProto, kl_ctrl, kl_penalty: str) -> dict[str, fl
 
 
 def compute_advantage(batch: DataProto, config: AlgorithmConfig) -> None:
-    """Adds ``advantages`` and ``returns`` (B, R) with the registered estimator."""
+    """Adds ``advantages`` and ``returns`` (B, R) with the registered estimator.
+
+    Called by keyword as verl's trainer calls a registered estimator (token_level_rewards, response_mask, config;
+    index when the batch has uids, reward_baselines when it has them, values to one registered with needs_values),
+    so an estimator written for verl runs here unchanged; gamma, lam and norm_adv_by_std_in_grpo come from
+    ``config``."""
     estimator = get_adv_estimator(config.adv_estimator)
-    kwargs = {"gamma": config.gamma, "lam": config.lam, "norm_adv_by_std_in_grpo": config.norm_adv_by_std_in_grpo}
-    if "values" in batch.tensors.keys():
-        kwargs["values"] = batch.tensors["values"]
-    if "reward_baselines" in batch.tensors.keys():
-        kwargs["reward_baselines"] = batch.tensors["reward_baselines"]
-    index = batch.non_tensor_batch.get("uid")
-    advantages, returns = estimator(
-        batch.tensors["token_level_rewards"],
-        batch.tensors["response_mask"],
-        index=np.asarray(index) if index is not None else None,
-        config=config,
-        **kwargs,
-    )
+    tensors = batch.tensors
+    kwargs = {"token_level_rewards": tensors["token_level_rewards"], "response_mask": tensors["response_mask"]}
+    if estimator_traits(config.adv_estimator).needs_values:
+        kwargs["values"] = tensors["values"]
+    if "reward_baselines" in tensors.keys():
+        kwargs["reward_baselines"] = tensors["reward_baselines"]
+    if "uid" in batch.non_tensor_batch:
+        kwargs["index"] = np.asarray(batch.non_tensor_batch["uid"])
+    advantages, returns = estimator(config=config, **kwargs)
     batch.tensors["advantages"], batch.tensors["returns"] = advantages, returns

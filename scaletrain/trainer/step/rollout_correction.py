@@ -128,6 +128,8 @@ def _check_loss_uses_weights(cfg: PPOConfig) -> None:
         )
     except TypeError as exc:
         raise ConfigError(f"{where} takes no rollout_is_weights: {exc}") from exc
+    except ValueError as exc:  # the loss refuses its own settings (e.g. dro without dro_beta)
+        raise ConfigError(f"{where}: {exc}") from exc
     if float(loss) != 0.0:
         raise ConfigError(
             f"{where} ignores rollout_is_weights "

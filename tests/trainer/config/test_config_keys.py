@@ -22,7 +22,7 @@ from scaletrain.utils.typed_config import leaf_fields, to_dict
 
 ROOT = Path(__file__).resolve().parents[3]
 # functions that read a config field named by a string: getattr(cfg, "name"), the policy losses' option(cfg, "name")
-NAMED_GETTERS = ("getattr", "option")
+NAMED_GETTERS = ("getattr", "option", "get_option")  # (obj, "field", ...) reads a field by name
 # classes whose fields are consumed wholesale, and where
 GENERIC_CONSUMERS = {
     "RolloutEngineSettings": "backends/rollout/base.py resolved_for / check (fields(RolloutEngineSettings))",

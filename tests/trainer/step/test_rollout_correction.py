@@ -164,7 +164,12 @@ def test_good_keys_and_threshold_forms():
 
 @pytest.mark.parametrize("loss_mode", POLICY_LOSSES.names())
 def test_every_registered_policy_loss_applies_the_weights(loss_mode):
-    checked("rollout_is=token", extra=[f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}"])
+    extra = [f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}"]
+    if loss_mode == "dro":  # the one loss with a setting that has no default
+        with pytest.raises(ConfigError, match="dro_beta"):
+            checked("rollout_is=token", extra=extra)
+        extra.append("actor_rollout_ref.actor.policy_loss.dro_beta=0.1")
+    checked("rollout_is=token", extra=extra)
 
 
 def test_a_loss_that_ignores_or_refuses_the_weights_fails_validation(monkeypatch):

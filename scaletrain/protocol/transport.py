@@ -1,5 +1,5 @@
 """How a DataProto's contents cross a process boundary: the state ``DataProto.__getstate__`` / ``__setstate__``
-(scaletrain/protocol.py) pickle.
+(scaletrain/protocol/core.py) pickle.
 
 Tensors travel as contiguous numpy arrays, so pickle protocol 5 (Ray's object store) ships them out-of-band,
 without a pickle copy; bfloat16, which numpy lacks, travels as int16 bits. The receiver copies each array once

@@ -1,4 +1,4 @@
-"""Row operations on a DataProto's tensors (scaletrain/protocol.py): index normalisation, row gathers and row
+"""Row operations on a DataProto's tensors (scaletrain/protocol): index normalisation, row gathers and row
 repeats, each one pass over the data.
 
 A gather goes through ``Tensor.index_select`` rather than ``tensor[index]`` (and so rather than TensorDict's

@@ -1,0 +1,1 @@
+"""verl.trainer.ppo: ``core_algos`` (estimators, policy losses, aggregation, KL)."""

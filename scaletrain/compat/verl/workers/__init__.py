@@ -1,0 +1,1 @@
+"""verl.workers: the worker config classes a verl policy loss reads (``workers.config.actor``)."""

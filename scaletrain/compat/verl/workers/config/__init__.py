@@ -1,0 +1,1 @@
+"""verl.workers.config: verl's role config classes over scaletrain's."""
