@@ -11,14 +11,15 @@ import pytest
 import torch
 
 from scaletrain.algos import ADV_ESTIMATORS, POLICY_LOSSES
+from scaletrain.compat.verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_policy_loss
 from scaletrain.protocol import DataProto
 from scaletrain.trainer.config.ppo_config import AlgorithmConfig
 from scaletrain.trainer.step.advantage import compute_advantage
 from scaletrain.workers.config import ActorConfig, PolicyLossConfig
 from scaletrain.workers.losses import actor_loss_fn
 
-# --- a verl user's file; only these import lines changed (from verl.trainer.ppo.core_algos import ...) ---
-from scaletrain.compat.verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_policy_loss
+# --- a verl user's file, unedited but for its import line above (verl's: from verl.trainer.ppo.core_algos import
+# agg_loss, register_adv_est, register_policy_loss) ---
 
 
 @register_adv_est("porting_example_max_baseline")
