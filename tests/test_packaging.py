@@ -34,7 +34,7 @@ def test_wheel_contains_packages_and_configs(tmp_path):
     )
     (wheel,) = tmp_path.glob("scaletrain-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"scaletrain/protocol.py", "scaletrain/controller/__init__.py", "backends/__init__.py"} <= names
+    assert {"scaletrain/protocol/core.py", "scaletrain/compat/verl/protocol.py", "backends/__init__.py"} <= names
     assert "scaletrain/configs/__init__.py" in names
     for yaml in (ROOT / "configs").rglob("*.yaml"):
         assert f"scaletrain/configs/{yaml.relative_to(ROOT / 'configs').as_posix()}" in names

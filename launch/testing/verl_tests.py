@@ -108,19 +108,29 @@ def read_report(xml_path: Path) -> dict[str, Outcome]:
 
 
 def run_pytest(root: Path, files: list[FileScope], extra: list[str]) -> dict[str, Outcome]:
+    """Each file in its own pytest process, as verl's CI runs them: a file's import-time settings (e.g.
+    ``DataProtoConfig.auto_padding = True``) and Ray clusters stay its own."""
     site = root / "_alias_site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
     (root / "pytest.ini").write_text("[pytest]\n")  # the rootdir: no ini file of an enclosing folder applies
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(root), str(REPO)]))
     env.pop("PYTEST_ADDOPTS", None)
-    report = root / "report.xml"
-    report.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "--timeout", "300"]
-    cmd += ["--continue-on-collection-errors"]
-    cmd += ["--junitxml", str(report), "-o", "junit_family=xunit1", *extra, *(f.path for f in files)]
-    subprocess.run(cmd, cwd=root, env=env)
-    return read_report(report)
+    env.pop("RAY_ADDRESS", None)  # verl's tests start their own Ray
+    # ... in a temp dir of their own: a `ray start` cluster's address file left in /tmp/ray would make their
+    # ray.init(num_cpus=...) try to join it
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="vt-ray-", dir="/tmp")
+    results: dict[str, Outcome] = {}
+    for f in files:
+        report = root / "report.xml"
+        report.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "--timeout", "300"]
+        cmd += ["--junitxml", str(report), "-o", "junit_family=xunit1", *extra, f.path]
+        print(f"== {f.path}", flush=True)
+        subprocess.run(cmd, cwd=root, env=env)
+        if report.exists():
+            results.update(read_report(report))
+    return results
 
 
 def judge(files: list[FileScope], results: dict[str, Outcome]) -> tuple[list[str], list[str]]:

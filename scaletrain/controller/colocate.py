@@ -3,7 +3,8 @@
 ``create_colocated_worker_cls({"actor": RayClassWithInitArgs(A, ...), "critic": ...})`` builds one Worker class
 whose instance holds one instance of each role class; each role's registered methods appear on it as
 ``<role>_<method>``. ``RayWorkerGroup(pool, that).spawn(prefix_set=[...])`` then gives one worker group per role
-over the same actors, so the roles share the processes (and the GPU) rank by rank.
+over the same actors, so the roles share the processes (and the GPU) rank by rank; ``fuse`` sets them as the
+group's attributes instead (verl's fused workers: ``create_colocated_worker_raw_cls`` gives the class to subclass).
 """
 
 from __future__ import annotations
@@ -31,19 +32,19 @@ def _forward(role: str, name: str, fn: Callable) -> Callable:
     return method
 
 
-def create_colocated_worker_cls(class_dict: dict[str, Any]) -> RayClassWithInitArgs:
-    """One class holding every role of ``class_dict`` (role -> RayClassWithInitArgs or class)."""
+def create_colocated_worker_raw_cls(class_dict: dict[str, Any]) -> type:
+    """The combined Worker class of ``class_dict`` (role -> RayClassWithInitArgs or class), to subclass: an instance
+    holds one instance of each role, as ``self.<role>`` too, so a subclass's own methods can call across roles
+    (verl's fused worker)."""
     if not class_dict:
         raise ValueError("create_colocated_worker_cls needs at least one role")
-    specs = {
-        role: spec if isinstance(spec, RayClassWithInitArgs) else RayClassWithInitArgs(spec)
-        for role, spec in class_dict.items()
-    }
+    specs = _specs(class_dict)
     role_classes = {role: spec.user_cls for role, spec in specs.items()}
     init_args = {role: (spec.args, spec.kwargs) for role, spec in specs.items()}
 
     class WorkerDict(Worker):
         ROLE_CLASSES = role_classes
+        ROLE_OPTIONS = {k: v for spec in specs.values() for k, v in spec._options.items()}
 
         def __init__(self) -> None:
             super().__init__()
@@ -51,6 +52,7 @@ def create_colocated_worker_cls(class_dict: dict[str, Any]) -> RayClassWithInitA
             for role, cls in role_classes.items():
                 args, kwargs = init_args[role]
                 self.worker_dict[role] = cls(*args, **kwargs)
+                setattr(self, role, self.worker_dict[role])
 
     for role, cls in role_classes.items():
         for name in dir(cls):
@@ -59,10 +61,19 @@ def create_colocated_worker_cls(class_dict: dict[str, Any]) -> RayClassWithInitA
             if fn is not None and (get_registration(fn) is not None or name in Worker.CONTROL_METHODS):
                 setattr(WorkerDict, f"{role}_{name}", _forward(role, name, fn))
     WorkerDict.__name__ = WorkerDict.__qualname__ = "WorkerDict_" + "_".join(role_classes)
+    return WorkerDict
 
-    options: dict[str, Any] = {}
-    for spec in specs.values():
-        options.update(spec._options)
-    combined = RayClassWithInitArgs(WorkerDict)
-    combined.update_options(options)
+
+def create_colocated_worker_cls(class_dict: dict[str, Any]) -> RayClassWithInitArgs:
+    """One class holding every role of ``class_dict`` (role -> RayClassWithInitArgs or class), ready to start."""
+    raw = create_colocated_worker_raw_cls(class_dict)
+    combined = RayClassWithInitArgs(raw)
+    combined.update_options(raw.ROLE_OPTIONS)
     return combined
+
+
+def _specs(class_dict: dict[str, Any]) -> dict[str, RayClassWithInitArgs]:
+    return {
+        role: spec if isinstance(spec, RayClassWithInitArgs) else RayClassWithInitArgs(spec)
+        for role, spec in class_dict.items()
+    }

@@ -8,6 +8,7 @@ data-parallel dispatch appended to this worker's share are trimmed off a row-ali
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ CONCURRENCY_GROUP_THREADS = 256
 
 @dataclass(frozen=True)
 class RegisteredMethod:
-    dispatch_mode: Dispatch | str
+    dispatch_mode: Dispatch | str | dict  # a registered name, or verl's {"dispatch_fn", "collect_fn"}
     execute_mode: Execute
     blocking: bool
     materialize_futures: bool
@@ -52,8 +53,28 @@ def _strip_pad_marker(value: Any, found: list[tuple[int, int]]) -> Any:
     return value
 
 
+def _arrived(args: tuple, kwargs: dict, materialize_futures: bool) -> tuple[tuple, dict, list[tuple[int, int]]]:
+    """A call's arguments as the method sees them: futures fetched (if asked), pad markers taken off (recorded)."""
+    if materialize_futures:
+        args = tuple(_materialize(a) for a in args)
+        kwargs = {k: _materialize(v) for k, v in kwargs.items()}
+    found: list[tuple[int, int]] = []
+    args = tuple(_strip_pad_marker(a, found) for a in args)
+    kwargs = {k: _strip_pad_marker(v, found) for k, v in kwargs.items()}
+    return args, kwargs, found
+
+
+def _trimmed(out: Any, found: list[tuple[int, int]]) -> Any:
+    """A row-aligned DataProto result without the padding rows its share carried."""
+    if found and isinstance(out, DataProto):
+        pad, share_len = found[0]
+        if pad and len(out) == share_len:
+            return out[: share_len - pad]
+    return out
+
+
 def register(
-    dispatch_mode: Dispatch | str = Dispatch.ALL_TO_ALL,
+    dispatch_mode: Dispatch | str | dict = Dispatch.ALL_TO_ALL,
     execute_mode: Execute = Execute.ALL,
     blocking: bool = True,
     materialize_futures: bool = True,
@@ -67,20 +88,20 @@ def register(
     info = RegisteredMethod(dispatch_mode, execute_mode, blocking, materialize_futures, concurrency_group)
 
     def decorator(fn: Callable) -> Callable:
+        if inspect.iscoroutinefunction(fn):  # an async method stays one: Ray runs it on the actor's event loop
+
+            @functools.wraps(fn)
+            async def async_inner(*args: Any, **kwargs: Any) -> Any:
+                args, kwargs, found = _arrived(args, kwargs, materialize_futures)
+                return _trimmed(await fn(*args, **kwargs), found)
+
+            setattr(async_inner, REGISTERED_ATTR, info)
+            return async_inner
+
         @functools.wraps(fn)
         def inner(*args: Any, **kwargs: Any) -> Any:
-            if materialize_futures:
-                args = tuple(_materialize(a) for a in args)
-                kwargs = {k: _materialize(v) for k, v in kwargs.items()}
-            found: list[tuple[int, int]] = []
-            args = tuple(_strip_pad_marker(a, found) for a in args)
-            kwargs = {k: _strip_pad_marker(v, found) for k, v in kwargs.items()}
-            out = fn(*args, **kwargs)
-            if found and isinstance(out, DataProto):
-                pad, share_len = found[0]
-                if pad and len(out) == share_len:
-                    out = out[: share_len - pad]
-            return out
+            args, kwargs, found = _arrived(args, kwargs, materialize_futures)
+            return _trimmed(fn(*args, **kwargs), found)
 
         setattr(inner, REGISTERED_ATTR, info)
         return inner

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from scaletrain.protocol import DataProto, DataProtoFuture, padded_shares
+from tensordict import TensorDict
+
+from scaletrain.protocol import DataProto, DataProtoFuture, concat_parts, padded_shares, tensordict_shares
 from scaletrain.utils.registry import Registry
 
 
@@ -58,7 +60,7 @@ class MeshPlace:
     """A worker's place in a named mesh, as the dispatch layer needs it."""
 
     dp_rank: int
-    dp_size: int
+    dp_size: int | None  # None: declared without it (verl's _register_dispatch_collect_info); the group derives it
     is_collect: bool
 
 
@@ -74,8 +76,24 @@ def register_dispatch_mode(name: str, dispatch_fn: Callable, collect_fn: Callabl
     return spec
 
 
-def get_dispatch_spec(mode: Dispatch | str) -> DispatchSpec:
+def get_dispatch_spec(mode: Dispatch | str | dict) -> DispatchSpec:
+    """The spec of a registered mode's name, or of verl's inline form ``{"dispatch_fn": f, "collect_fn": g}``."""
+    if isinstance(mode, dict):
+        missing = {"dispatch_fn", "collect_fn"} - set(mode)
+        if missing:
+            raise ValueError(f"a dispatch mode dict needs dispatch_fn and collect_fn; missing {sorted(missing)}")
+        return DispatchSpec(getattr(mode["dispatch_fn"], "__name__", "custom"), mode["dispatch_fn"], mode["collect_fn"])
     return DISPATCH_MODES.get(mode.value if isinstance(mode, Dispatch) else str(mode))
+
+
+def mesh_proto_mode(mesh: str) -> str:
+    """The dispatch mode that splits DataProto arguments over the data-parallel ranks of named mesh ``mesh`` and
+    concatenates the outputs of its collecting ranks (registered on first use; verl's
+    ``make_nd_compute_dataproto_dispatch_fn``)."""
+    name = f"MESH_PROTO:{mesh}"
+    if name not in DISPATCH_MODES:
+        register_dispatch_mode(name, make_mesh_dispatch(mesh, True), make_mesh_collect(mesh, True))
+    return name
 
 
 # ------------------------------------------------------------------------------------------- argument helpers
@@ -101,6 +119,8 @@ def _shares(value: Any, n: int, name: str, rows: list[int]) -> list[Any]:
         return padded_shares(value, n)
     if isinstance(value, DataProtoFuture):
         return value.chunk(n)
+    if isinstance(value, TensorDict):  # verl's TensorDict workers: equal slices, no padding
+        return tensordict_shares(value, n)
     return [value] * n
 
 
@@ -112,13 +132,13 @@ def split_proto_args(n: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def concat_outputs(outputs: list) -> Any:
-    """DataProtos concatenated; Ray refs become a DataProtoFuture; anything else (e.g. None) stays a list."""
+    """DataProtos (or TensorDicts) concatenated; Ray refs become a DataProtoFuture."""
     if not outputs:
         return outputs
-    if all(isinstance(o, DataProto) for o in outputs):
-        return DataProto.concat(outputs)
     if _is_ray_ref(outputs[0]):
         return DataProtoFuture.concat(outputs)
+    if all(isinstance(o, (DataProto, TensorDict)) for o in outputs):
+        return concat_parts(outputs)
     kinds = sorted({type(o).__name__ for o in outputs})
     raise TypeError(f"a DataProto-collecting dispatch mode got worker outputs of type {kinds}; return DataProto")
 
@@ -170,7 +190,7 @@ def make_mesh_dispatch(mesh: str, proto: bool) -> Callable:
 
     def dispatch(wg, *args, **kwargs):
         places = wg.mesh_places(mesh)
-        dp_size = places[0].dp_size
+        dp_size = wg.mesh_dp_size(mesh)
         if proto:
             args, kwargs = split_proto_args(dp_size, args, kwargs)
         else:

@@ -81,6 +81,28 @@ class RayClassWithInitArgs:
         return ray.remote(concurrency_groups=groups)(self.cls)  # pyright: ignore[reportCallIssue]
 
 
+# the environment a group gives each worker itself: a worker_env may not set these
+GROUP_ENV_KEYS = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "RAY_LOCAL_RANK",
+    "RAY_LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SCALETRAIN_WORKER_GROUP",
+)
+
+
+def _checked_worker_env(worker_env: dict[str, str] | None) -> dict[str, str]:
+    env = {str(k): str(v) for k, v in (worker_env or {}).items()}
+    clash = sorted(set(env) & set(GROUP_ENV_KEYS))
+    if clash:
+        raise ValueError(f"worker_env may not set {clash}: the worker group sets them for each worker")
+    return env
+
+
 class RayWorkerGroup(WorkerGroup):
     def __init__(
         self,
@@ -92,6 +114,7 @@ class RayWorkerGroup(WorkerGroup):
         poll_interval_s: float = 0.5,
         death_grace_s: float = 5.0,
         stack_dump_dir: str | None = None,
+        worker_env: dict[str, str] | None = None,
         _from_workers: tuple[list, list[dict], type, str] | None = None,
     ) -> None:
         self.call_timeout_s = call_timeout_s
@@ -100,6 +123,7 @@ class RayWorkerGroup(WorkerGroup):
         self.death_grace_s = death_grace_s  # how long a failed call looks for a dead peer to blame
         self.stack_dump_dir = stack_dump_dir  # where a timed-out call writes every worker's stack
         self.resource_pool = resource_pool  # None for a role view (see spawn)
+        self.worker_env = _checked_worker_env(worker_env)  # extra environment of every worker
         if _from_workers is not None:  # a role view of colocated workers (see spawn)
             workers, infos, user_cls, prefix = _from_workers
             super().__init__(name_prefix or prefix.rstrip("_"), control_prefix=prefix)
@@ -140,8 +164,11 @@ class RayWorkerGroup(WorkerGroup):
                     "RANK": str(rank),
                     "LOCAL_RANK": str(local_rank),
                     "LOCAL_WORLD_SIZE": str(local_size),
+                    "RAY_LOCAL_RANK": str(local_rank),  # verl's names for the same two facts
+                    "RAY_LOCAL_WORLD_SIZE": str(local_size),
                     "SCALETRAIN_WORKER_GROUP": self.name,
                     **master,
+                    **self.worker_env,
                 }
                 self._workers.append(cls_with_init.create(pg, local_rank, env, pool.actor_resources()))
                 if rank == 0:  # rank 0 picks the rendezvous address; the others are told it
@@ -277,6 +304,13 @@ class RayWorkerGroup(WorkerGroup):
             raise WorkerTimeoutError(self.name, [rank], method, self.call_timeout_s, []) from None
 
     # ------------------------------------------------------------------------------------------- colocation
+    def fuse(self, prefix_set) -> None:
+        """The role groups of ``spawn`` as this group's attributes: ``group.<role>.<method>(...)`` (verl's)."""
+        for role, group in self.spawn(prefix_set).items():
+            if hasattr(self, role):
+                raise ValueError(f"worker group '{self.name}': role '{role}' collides with a group attribute")
+            setattr(self, role, group)
+
     def spawn(self, prefix_set, call_timeouts: Mapping[str, float | None] | None = None) -> dict[str, RayWorkerGroup]:
         """One worker group per role of a colocated class, all sharing these actors; ``call_timeouts``: a role's
         own call deadline (default this group's)."""

@@ -15,7 +15,12 @@ from typing import Any
 
 from scaletrain.controller.dispatch import ENGINE_MESH, ROLLOUT_MESH, MeshPlace
 from scaletrain.controller.stacks import arm_stack_dump
+from scaletrain.utils.errors import InvalidInput
 from scaletrain.utils.net import free_port
+
+
+class MeshConflict(InvalidInput):
+    """A mesh place registered twice, or asked for and never registered."""
 
 
 def _node_id() -> str | None:
@@ -71,6 +76,48 @@ class Worker:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"mesh '{name}': dp_rank {dp_rank} outside [0, {dp_size})")
         self._mesh_places[name] = MeshPlace(dp_rank, dp_size, bool(is_collect))
+
+    # verl's spelling of mesh places: the data-parallel size is left to the group (the ranks it sees + 1)
+    def _register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:
+        if mesh_name in self._mesh_places:
+            raise MeshConflict(f"mesh_name {mesh_name} has been registered")
+        self._mesh_places[mesh_name] = MeshPlace(int(dp_rank), None, bool(is_collect))
+
+    def get_dispatch_collect(self) -> dict[str, dict[str, Any]]:
+        """This worker's places as verl hands them between workers: {dispatch_dp_rank: {mesh: rank}, collect_dp_rank:
+        {mesh: is_collect}}."""
+        return {
+            "dispatch_dp_rank": {name: p.dp_rank for name, p in self._mesh_places.items()},
+            "collect_dp_rank": {name: p.is_collect for name, p in self._mesh_places.items()},
+        }
+
+    def set_dispatch_collect(
+        self, mesh_name: str, dispatch_dp_rank: dict[str, int], collect_dp_rank: dict[str, bool]
+    ) -> None:
+        """Takes another worker's place (``get_dispatch_collect``) as this worker's place in ``mesh_name``: a fused
+        worker routes its roles' calls by them."""
+        if mesh_name in self._mesh_places:
+            raise MeshConflict(f"{mesh_name} is already registered, {sorted(self._mesh_places)}")
+        if len(dispatch_dp_rank) != 1 or len(collect_dp_rank) != 1:
+            raise MeshConflict(
+                f"set_dispatch_collect takes one mesh's place, got {dispatch_dp_rank}, {collect_dp_rank}"
+            )
+        (rank,), (collect,) = dispatch_dp_rank.values(), collect_dp_rank.values()
+        self._mesh_places[mesh_name] = MeshPlace(int(rank), None, bool(collect))
+
+    def _query_dispatch_info(self, mesh_name: str) -> int:
+        return self._place(mesh_name).dp_rank
+
+    def _query_collect_info(self, mesh_name: str) -> bool:
+        return self.query_collect_info(mesh_name)
+
+    def query_collect_info(self, mesh_name: str) -> bool:
+        return self._place(mesh_name).is_collect
+
+    def _place(self, mesh_name: str) -> MeshPlace:
+        if mesh_name not in self._mesh_places:
+            raise MeshConflict(f"{mesh_name} is not registered in {type(self).__name__}")
+        return self._mesh_places[mesh_name]
 
     def set_megatron_mesh(
         self, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, dp_rank: int, dp_size: int

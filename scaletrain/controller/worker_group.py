@@ -155,11 +155,34 @@ class WorkerGroup:
         method.__doc__ = user_fn.__doc__
         return method
 
+    # verl's calls of a worker method by name (registered or not), arguments given whole to each worker
+    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Starts ``method_name`` on every worker; one handle per worker (``execute_all_sync`` waits)."""
+        return self._execute(self._control_prefix + method_name, list(range(self.world_size)), args, kwargs)
+
+    def execute_all_sync(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        ranks = list(range(self.world_size))
+        remote_name = self._control_prefix + method_name
+        return self._wait(remote_name, ranks, self._execute(remote_name, ranks, args, kwargs))
+
+    def execute_rank_zero_sync(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        remote_name = self._control_prefix + method_name
+        return self._wait(remote_name, [0], self._execute(remote_name, [0], args, kwargs))[0]
+
+    execute_all = execute_all_async
+    execute_rank_zero = execute_rank_zero_sync
+
     def _control(self, name: str, *args: Any) -> list[Any]:
         """Call a Worker control method on every worker and wait."""
         remote_name = self._control_prefix + name
         ranks = list(range(self.world_size))
         return self._wait(remote_name, ranks, self._execute(remote_name, ranks, args, {}))
+
+    def mesh_dp_size(self, mesh: str) -> int:
+        """How many data-parallel ranks mesh ``mesh`` has."""
+        size = self.mesh_places(mesh)[0].dp_size
+        assert size is not None  # mesh_places fills in a size the workers left to the group
+        return size
 
     def mesh_places(self, mesh: str) -> list[MeshPlace]:
         """Every worker's place in ``mesh`` (asked once, then cached)."""
@@ -171,6 +194,9 @@ class WorkerGroup:
                         f"worker group '{self.name}': rank {rank} declared no place in mesh '{mesh}'; the worker "
                         f"must call register_mesh('{mesh}', ...) (or set_megatron_mesh(...)) before such calls"
                     )
+            if any(p.dp_size is None for p in places):  # verl-style places: the DP size is the ranks seen
+                size = 1 + max(p.dp_rank for p in places)
+                places = [MeshPlace(p.dp_rank, size, p.is_collect) for p in places]
             sizes = {p.dp_size for p in places}
             if len(sizes) != 1:
                 raise ValueError(f"worker group '{self.name}': ranks disagree on mesh '{mesh}' dp size: {sizes}")

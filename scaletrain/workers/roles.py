@@ -51,7 +51,7 @@ class ActorRolloutRefRole:
 
     def rollout_dp_size(self) -> int:
         """How many rollout engines (DP ranks) ``generate_tokens`` takes a request list for."""
-        return self.group.mesh_places(ROLLOUT_MESH)[0].dp_size
+        return self.group.mesh_dp_size(ROLLOUT_MESH)
 
     def compute_log_prob(self, batch: DataProto) -> DataProto:
         """``old_log_probs`` and ``entropys`` of the current policy."""
@@ -163,7 +163,7 @@ class RolloutRole:
         return out
 
     def rollout_dp_size(self) -> int:
-        return self.group.mesh_places(ROLLOUT_MESH)[0].dp_size
+        return self.group.mesh_dp_size(ROLLOUT_MESH)
 
     def receive_weights(self, weights: WeightBuckets) -> int:
         """The pushed weights into every engine, before the next generation call; returns the bytes each read."""

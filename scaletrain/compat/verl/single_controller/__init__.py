@@ -1,0 +1,1 @@
+"""verl.single_controller: workers, ``@register`` and worker groups over ``scaletrain.controller``."""

@@ -1,0 +1,16 @@
+"""``verl.utils.device``: which accelerator this process uses (the names verl's tests and workers ask for)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def get_device_name() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def get_nccl_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+__all__ = ["get_device_name", "get_nccl_backend"]
