@@ -140,7 +140,7 @@ def concat_outputs(outputs: list) -> Any:
     if all(isinstance(o, (DataProto, TensorDict)) for o in outputs):
         return concat_parts(outputs)
     kinds = sorted({type(o).__name__ for o in outputs})
-    raise TypeError(f"a DataProto-collecting dispatch mode got worker outputs of type {kinds}; return DataProto")
+    raise TypeError(f"a row-collecting dispatch mode got worker outputs of type {kinds}: return DataProto / TensorDict")
 
 
 def _is_ray_ref(obj: Any) -> bool:
