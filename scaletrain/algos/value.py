@@ -27,8 +27,12 @@ def compute_value_loss(
     the fraction of tokens where the clipped term is the larger one (a 0-d tensor). The last four arguments are
     ``agg_loss``'s global-batch ones (verl's signature).
     """
-    global_batch = {"dp_size": dp_size, "batch_num_tokens": batch_num_tokens, "global_batch_size": global_batch_size}
-    global_batch["loss_scale_factor"] = loss_scale_factor
+    global_batch = {
+        "dp_size": dp_size,
+        "batch_num_tokens": batch_num_tokens,
+        "global_batch_size": global_batch_size,
+        "loss_scale_factor": loss_scale_factor,
+    }
     losses = (vpreds - returns).square()
     if cliprange_value is None:
         return 0.5 * agg_loss(losses, response_mask, loss_agg_mode, **global_batch), torch.zeros(())

@@ -19,7 +19,7 @@ from tensordict import TensorDict
 
 from scaletrain.protocol import codec, merge, reshape, tensordict_io
 from scaletrain.protocol.errors import DataProtoError
-from scaletrain.protocol.rows import as_index, gather_rows, repeated_rows
+from scaletrain.protocol.rows import as_index, gather_rows, mini_batch_orders, repeated_rows
 from scaletrain.protocol.transport import from_wire, to_wire
 
 logger = logging.getLogger(__name__)
@@ -322,13 +322,10 @@ class DataProto:
         if mini_batch_size <= 0 or len(self) % mini_batch_size:
             raise DataProtoError(f"mini_batch_size {mini_batch_size} does not divide the batch of {len(self)} rows")
         shuffle = bool((dataloader_kwargs or {}).get("shuffle", seed is not None))
-        generator = torch.Generator().manual_seed(seed if seed is not None else 0)
-        for _ in range(epochs):
-            order = torch.randperm(len(self), generator=generator) if shuffle else torch.arange(len(self))
-            for start in range(0, len(self), mini_batch_size):
-                part = self.select_idxs(order[start : start + mini_batch_size])
-                part.meta_info = dict(self.meta_info)
-                yield part
+        for index in mini_batch_orders(len(self), mini_batch_size, epochs, seed, shuffle):
+            part = self.select_idxs(index)
+            part.meta_info = dict(self.meta_info)
+            yield part
 
     # -------------------------------------------------------------------------------------------- padding
     def is_padding_enabled(self) -> bool:

@@ -5,7 +5,7 @@ Layer 0 (scaletrain/protocol): imports nothing of the layers above.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -44,31 +44,35 @@ def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> Ten
     same values in both."""
     if tensor_dict1.batch_size != tensor_dict2.batch_size:
         raise DataProtoError(f"union: batch sizes differ: {tensor_dict1.batch_size} vs {tensor_dict2.batch_size}")
-    for key, val in tensor_dict2.items():
-        if key in tensor_dict1.keys() and not values_equal(tensor_dict1[key], val):
-            raise DataProtoError(f"union: batch key '{key}' differs between the two batches")
-        tensor_dict1[key] = val
-    return tensor_dict1
+    return _union_into(
+        tensor_dict1, tensor_dict2, lambda key: f"union: batch key '{key}' differs between the two batches"
+    )
 
 
 def union_numpy_dict(dict1: dict[str, np.ndarray], dict2: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``dict2``'s arrays added to ``dict1`` (in place, also returned); a shared key must hold equal arrays."""
-    for key, val in dict2.items():
-        if key in dict1 and not values_equal(dict1[key], val):
-            raise DataProtoError(  # verl's wording after ours: code written for verl matches it
-                f"union: non_tensor_batch key '{key}' differs: `{key}` in tensor_dict1 and tensor_dict2 are not the "
-                "same object."
-            )
-        dict1[key] = val
-    return dict1
+    return _union_into(  # verl's wording after ours: code written for verl matches it
+        dict1,
+        dict2,
+        lambda key: (
+            f"union: non_tensor_batch key '{key}' differs: `{key}` in tensor_dict1 and tensor_dict2 are not "
+            "the same object."
+        ),
+    )
 
 
 def union_meta_info(meta1: dict[str, Any], meta2: dict[str, Any]) -> dict[str, Any]:
-    for key, val in meta2.items():
-        if key in meta1 and not values_equal(meta1[key], val):
-            raise DataProtoError(f"union: meta_info key '{key}' differs between the two DataProtos")
-        meta1[key] = val
-    return meta1
+    return _union_into(meta1, meta2, lambda key: f"union: meta_info key '{key}' differs between the two DataProtos")
+
+
+def _union_into(into: Any, other: Any, differs: Callable[[str], str]) -> Any:
+    """``other``'s entries set in ``into`` (a dict or TensorDict, in place, also returned); a key both hold with
+    unequal values raises ``DataProtoError(differs(key))``."""
+    for key, val in other.items():
+        if key in into.keys() and not values_equal(into[key], val):
+            raise DataProtoError(differs(key))
+        into[key] = val
+    return into
 
 
 def list_of_dict_to_dict_of_list(list_of_dict: list[dict[str, Any]]) -> dict[str, list[Any]]:

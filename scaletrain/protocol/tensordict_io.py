@@ -73,7 +73,7 @@ def from_tensordict(
             if num_batch_dims != 1:
                 raise DataProtoError("non-tensor columns need num_batch_dims=1")
             column = np.empty(len(val), dtype=object)
-            column[:] = [_plain(item) for item in val.tolist()]
+            column[:] = [plain_value(item) for item in val.tolist()]
             non[key] = column
         elif isinstance(val, NonTensorData):
             meta[key] = val.data
@@ -86,10 +86,10 @@ def from_tensordict(
     return batch, non, meta
 
 
-def _plain(item: Any) -> Any:
+def plain_value(item: Any) -> Any:
     """A row's value as plain Python (NonTensorData unwrapped, stacks to lists)."""
     if isinstance(item, NonTensorData):
         return item.data
     if isinstance(item, NonTensorStack):
-        return [_plain(x) for x in item.tolist()]
+        return [plain_value(x) for x in item.tolist()]
     return item

@@ -18,7 +18,8 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from scaletrain.protocol.errors import DataProtoError
 from scaletrain.protocol.merge import values_equal
-from scaletrain.protocol.tensordict_io import non_tensor_stack
+from scaletrain.protocol.rows import mini_batch_orders
+from scaletrain.protocol.tensordict_io import non_tensor_stack, plain_value
 
 
 def nested_tensor_from_tensor_list(tensors: Sequence[torch.Tensor], ragged_idx: int | None = None) -> torch.Tensor:
@@ -65,7 +66,7 @@ def index_select_tensor_dict(td: TensorDict, indices: Any) -> TensorDict:
     out = TensorDict({}, batch_size=[len(index)])
     for key, val in _entries(td):
         if isinstance(val, NonTensorStack):
-            out[key] = non_tensor_stack([_plain(val[int(i)]) for i in index])
+            out[key] = non_tensor_stack([plain_value(val[int(i)]) for i in index])
         elif isinstance(val, NonTensorData):
             out[key] = NonTensorData(val.data)
         elif val.is_nested:
@@ -82,10 +83,6 @@ def _entries(td: TensorDict) -> Iterator[tuple[str, Any]]:
         if isinstance(val, TensorDict):
             raise DataProtoError(f"'{key}' is a nested TensorDict: batches hold tensors and non-tensor entries only")
         yield key, val
-
-
-def _plain(item: Any) -> Any:
-    return item.data if isinstance(item, NonTensorData) else item.tolist() if isinstance(item, NonTensorStack) else item
 
 
 def chunk_tensordict(td: TensorDict, chunks: int) -> list[TensorDict]:
@@ -109,7 +106,7 @@ def concat_tensordict(parts: Sequence[TensorDict]) -> TensorDict:
         if isinstance(val, NonTensorData):
             out[key] = NonTensorData(val.data)
         elif isinstance(val, NonTensorStack):
-            out[key] = non_tensor_stack([_plain(item) for v in values for item in v])
+            out[key] = non_tensor_stack([plain_value(item) for v in values for item in v])
         elif val.is_nested:
             out[key] = concat_nested_tensors(values)
         else:
@@ -130,7 +127,7 @@ def union_tensor_dict(td1: TensorDict, td2: TensorDict) -> TensorDict:
 
 def _entries_equal(a: Any, b: Any) -> bool:
     if isinstance(a, (NonTensorData, NonTensorStack)) or isinstance(b, (NonTensorData, NonTensorStack)):
-        return type(a) is type(b) and values_equal(_plain(a), _plain(b))
+        return type(a) is type(b) and values_equal(plain_value(a), plain_value(b))
     if a.is_nested or b.is_nested:
         ra, rb = (_rows_of(a), _rows_of(b)) if a.is_nested and b.is_nested else ([], [None])
         return len(ra) == len(rb) and all(values_equal(x, y) for x, y in zip(ra, rb))
@@ -148,12 +145,12 @@ def assert_tensordict_eq(td1: TensorDict, td2: TensorDict) -> None:
 
 def get(td: TensorDict, key: str, default: Any = None) -> Any:
     """A column (tensor, or a list for a non-tensor column) or a batch-wide value; ``default`` when absent."""
-    return _plain(td.get(key)) if key in td.keys() else default
+    return plain_value(td.get(key)) if key in td.keys() else default
 
 
 def pop(td: TensorDict, key: str, default: Any = None) -> Any:
     """As ``get``, removing the entry."""
-    return _plain(td.pop(key)) if key in td.keys() else default
+    return plain_value(td.pop(key)) if key in td.keys() else default
 
 
 def get_keys(td: TensorDict, keys: Sequence[str]) -> TensorDict:
@@ -217,15 +214,9 @@ def make_iterator(
     """Mini-batches over ``epochs`` passes, reshuffled per pass (seeded) when ``dataloader_kwargs`` says
     ``shuffle``; a last short batch is kept unless it says ``drop_last``."""
     kwargs = dataloader_kwargs or {}
-    rows = _rows(td)
-    generator = torch.Generator().manual_seed(seed if seed is not None else 0)
-    for _ in range(epochs):
-        order = torch.randperm(rows, generator=generator) if kwargs.get("shuffle") else torch.arange(rows)
-        for start in range(0, rows, mini_batch_size):
-            part = order[start : start + mini_batch_size]
-            if len(part) < mini_batch_size and kwargs.get("drop_last"):
-                break
-            yield index_select_tensor_dict(td, part)
+    shuffle, drop_last = bool(kwargs.get("shuffle")), bool(kwargs.get("drop_last"))
+    for index in mini_batch_orders(_rows(td), mini_batch_size, epochs, seed, shuffle, drop_last):
+        yield index_select_tensor_dict(td, index)
 
 
 def contiguous(td: TensorDict) -> TensorDict:

@@ -27,7 +27,6 @@ def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> str:
 # verl's names for the same dispatch and collect functions
 collect_all_to_all = collect_all
 collect_dp_compute = collect_all
-dispatch_one_to_all = dispatch_one_to_all
 
 __all__ = [
     "Dispatch",
