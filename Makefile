@@ -56,7 +56,7 @@ test: install
 # failed per file is printed; fails on a failing test in scope that launch/testing/verl_scope.toml lists as no gap
 .PHONY: test-verl
 test-verl: install
-	OMP_NUM_THREADS=1 $(PY) launch/testing/verl_tests.py $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) launch/testing/verl_tests.py $(if $(VERL_CHECKOUT),--verl-checkout $(VERL_CHECKOUT)) $(ARGS)
 
 # ruff's lint and format check (rules in pyproject.toml), then pyright's basic type check over scaletrain/ and
 # backends/ ([tool.pyright] there); `make format` rewrites the tree to pass the format check

@@ -6,9 +6,14 @@ its ``tests/`` folder is unpacked, verl's own code never is), makes every ``impo
 runs the files ``verl_scope.toml`` names and prints passed / failed / errors per file against the test count each
 file has under verl itself.
 
+A few test files of the surfaces in scope are not in the sdist (verl's reward-manager tests): the scope file names
+the git tag they come from (``git_tag``), and they run when ``--verl-checkout DIR`` points at a clone of verl's
+repository (read with ``git show TAG:PATH``, tests only); without one they are listed as not run (CI reaches
+package indexes only).
+
 Exit status 1 when a test in scope fails that the scope file does not list as a gap (with its reason), or when a
 listed gap passes (the list must shrink as the layer grows). Usage:
-``python launch/testing/verl_tests.py [--cache DIR] [--keep-going] [-- extra pytest args]``.
+``python launch/testing/verl_tests.py [--cache DIR] [--verl-checkout DIR] [-- extra pytest args]``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class FileScope:
     surface: str
     gaps: dict[str, str] = field(default_factory=dict)  # test id -> why it fails against scaletrain today
     gap_all: str = ""  # every test of the file is a gap, for this reason
+    git_tag: str = ""  # not in the sdist: taken from verl's repository at this tag (--verl-checkout)
 
 
 @dataclass
@@ -52,7 +58,9 @@ class Outcome:
 def load_scope(path: Path = SCOPE) -> tuple[str, list[FileScope], dict[str, str]]:
     data = tomllib.loads(path.read_text())
     files = [
-        FileScope(f["path"], f["tests"], f["surface"], dict(f.get("gaps", {})), f.get("gap_all", ""))
+        FileScope(
+            f["path"], f["tests"], f["surface"], dict(f.get("gaps", {})), f.get("gap_all", ""), f.get("git_tag", "")
+        )
         for f in data["in_scope"]
     ]
     out = {o["path"]: o["why"] for o in data.get("out_of_scope", [])}
@@ -133,6 +141,19 @@ def run_pytest(root: Path, files: list[FileScope], extra: list[str]) -> dict[str
     return results
 
 
+def copy_git_tests(checkout: Path, files: list[FileScope], root: Path) -> None:
+    """Each file from verl's repository at its tag into ``root`` (a test file only: never verl's code)."""
+    for f in files:
+        if not f.path.startswith("tests/"):
+            raise SystemExit(f"{f.path}: only files under tests/ are taken from verl's repository")
+        text = subprocess.run(
+            ["git", "-C", str(checkout), "show", f"{f.git_tag}:{f.path}"], capture_output=True, text=True, check=True
+        ).stdout
+        target = root / f.path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+
+
 def judge(files: list[FileScope], results: dict[str, Outcome]) -> tuple[list[str], list[str]]:
     """Prints the table; returns (unexpected failures, gaps that now pass)."""
     unexpected, healed = [], []
@@ -163,14 +184,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "scaletrain" / "verl-tests"
     parser.add_argument("--cache", type=Path, default=cache, help=f"where verl's tests are unpacked (default {cache})")
+    parser.add_argument(
+        "--verl-checkout",
+        type=Path,
+        help="a clone of verl's repository, for the in-scope test files "
+        "its sdist lacks (each read at the scope file's git_tag)",
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
     version, files, out_of_scope = load_scope()
     root = fetch_tests(version, args.cache)
     if (root / "verl").exists():
         raise SystemExit(f"{root}/verl exists: only verl's tests may be unpacked, never its code")
+    from_git = [f for f in files if f.git_tag]
+    if args.verl_checkout:
+        copy_git_tests(args.verl_checkout, from_git, root)
+    else:
+        files = [f for f in files if not f.git_tag]
     results = run_pytest(root, files, args.pytest_args)
     unexpected, healed = judge(files, results)
+    if not args.verl_checkout:
+        for f in from_git:
+            print(f"not run (not in the sdist; --verl-checkout runs it at {f.git_tag}): {f.path} ({f.tests} tests)")
     print(f"out of scope: {len(out_of_scope)} files (reasons in {SCOPE.relative_to(REPO)})")
     for name in unexpected:
         print(f"FAILED (in scope, not a listed gap): {name}")

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from scaletrain.reward.loader import DEFAULT_FN_NAME, DEFAULT_LOAD_TIMEOUT_S, load_custom_reward_fn
 from scaletrain.reward.managers import RewardManager, get_reward_manager
+from scaletrain.reward.managers.external import ExternalRewardManager
+
+logger = logging.getLogger(__name__)
 
 
 def build_reward_manager(
@@ -18,11 +22,15 @@ def build_reward_manager(
     custom_reward_function: Mapping[str, Any] | None = None,
     num_examine: int = 0,
     load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
+    offered: Mapping[str, Any] | None = None,
     **manager_kwargs: Any,
-) -> RewardManager:
+) -> RewardManager | ExternalRewardManager:
     """``custom_reward_function``: ``{path, name (default compute_score), reward_kwargs (optional, bound to
     the function)}``; with no path the manager's default scorer is used. ``manager_kwargs`` go to the manager
-    (``timeout_s``, ``num_processes``, DAPO's ``overlong_buffer_len``, multi's ``scorers``, ...)."""
+    (``compute_score_timeout``, ``num_processes``, DAPO's ``overlong_buffer_cfg``, multi's ``scorers``, ...);
+    ``offered`` ones only if the manager takes them (the trainer's settings, which a manager written for verl
+    may not take: those it does not take are logged). The manager is built with keywords, as verl's trainer
+    builds it; one that implements only verl's interface is wrapped in ExternalRewardManager."""
     compute_score = None
     if custom_reward_function and custom_reward_function.get("path"):
         compute_score = load_custom_reward_fn(
@@ -31,8 +39,14 @@ def build_reward_manager(
         reward_kwargs = custom_reward_function.get("reward_kwargs")
         if reward_kwargs:
             compute_score = functools.partial(compute_score, **dict(reward_kwargs))
+    kwargs = dict(offered or {})
+    not_taken = unknown_manager_kwargs(reward_manager, kwargs)
+    if not_taken:
+        logger.info("reward manager '%s' does not take %s: its own code decides that", reward_manager, not_taken)
+    kwargs = {k: v for k, v in kwargs.items() if k not in not_taken} | manager_kwargs
     manager_cls = get_reward_manager(reward_manager)
-    return manager_cls(tokenizer, compute_score=compute_score, num_examine=num_examine, **manager_kwargs)
+    manager = manager_cls(tokenizer=tokenizer, num_examine=num_examine, compute_score=compute_score, **kwargs)
+    return manager if isinstance(manager, RewardManager) else ExternalRewardManager(manager)
 
 
 def unknown_manager_kwargs(reward_manager: str, kwargs: Mapping[str, Any]) -> list[str]:

@@ -192,14 +192,14 @@ class ScoringPool:
         self,
         fn: Callable[..., Any],
         num_workers: int = 1,
-        timeout_s: float = 30.0,
+        timeout_s: float | None = 30.0,
         mp_context: str | None = None,
         start_timeout_s: float = 120.0,
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if not timeout_s or timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if timeout_s is not None and timeout_s < 0:
+            raise ValueError(f"timeout_s must be positive (or None / 0: no limit per call), got {timeout_s}")
         try:
             self._fn_bytes = pickle.dumps(fn)
         except Exception as e:
@@ -209,7 +209,7 @@ class ScoringPool:
             ) from e
         self.fn_repr = redact_text(repr(fn))  # named in errors: without the secrets bound to it (an API key)
         self.num_workers = num_workers
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = float(timeout_s) if timeout_s else math.inf  # verl's compute_score_timeout=None: no limit
         self.start_timeout_s = float(start_timeout_s)
         self.mp_context = mp_context or _default_context()
         self.restarts = 0  # workers replaced after a timeout or death, over the pool's life

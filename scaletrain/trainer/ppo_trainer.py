@@ -76,13 +76,16 @@ class RayPPOTrainer:
             rm.reward_manager,
             to_dict(cfg.custom_reward_function),
             load_timeout_s=rm.load_timeout_s,
-            timeout_s=rm.timeout_s,
-            num_processes=rm.num_processes,
-            step_timeout_s=rm.step_timeout_s,
+            offered={  # to a manager that takes them (one written for verl may not)
+                "compute_score_timeout": rm.timeout_s,
+                "num_processes": rm.num_processes,
+                "step_timeout_s": rm.step_timeout_s,
+                "max_resp_len": cfg.data.max_response_length,  # DAPO's overlong buffer
+            },
             **rm.reward_kwargs,
         )
         self.reward_guard = RewardGuard(
-            rm.max_error_rate, rm.max_error_steps, self.reward_fn.pool.fn_repr, lambda: self.reward_fn.last_error
+            rm.max_error_rate, rm.max_error_steps, self.reward_fn.scorer_repr, lambda: self.reward_fn.last_error
         )
         self.checkpoints = CheckpointManager(plan.run_dir, cfg.trainer.max_ckpt_to_keep)
         self.last_save_time = time.monotonic()  # trainer.save_freq_minutes counts from here, then from each save

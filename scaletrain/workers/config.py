@@ -366,8 +366,9 @@ class RewardModelConfig:
     forward_max_token_len_per_gpu: int = 16384  # valid tokens per RM micro-batch on one device, with use_dynamic_bsz
     reward_manager: str = "naive"  # naive | prime | batch | dapo | multi
     reward_kwargs: dict[str, Any] = field(default_factory=dict)  # more arguments of the reward manager (e.g.
-    # dapo's overlong_buffer_len, multi's scorers); names it does not take fail before Ray starts
-    timeout_s: float = 30.0  # seconds one scorer call may take (the sample scores 0, counted as a timeout)
+    # dapo's overlong_buffer_cfg, multi's scorers); names it does not take fail before Ray starts
+    timeout_s: float | None = 30.0  # seconds one scorer call may take (the sample scores 0, counted as a
+    # timeout; the manager's compute_score_timeout); null: no limit
     load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S  # seconds the reward file's top-level code may take to
     # import (in a thread of its own: the driver fails naming the file, never freezes)
     num_processes: int = 2  # worker processes that run the scorer, in parallel

@@ -46,7 +46,9 @@ def test_manager_counts_unscored_samples_as_timeouts(tokenizer, make_batch):
 
     rows = [{"prompt": "1+1=", "response": "2", "ground_truth": g} for g in ["2", "hang", "2", "hang"]]
     custom = {"path": str(TEST_SCORERS), "name": "misbehaving"}
-    with build_reward_manager(tokenizer, "naive", custom, timeout_s=30, num_processes=2, step_timeout_s=2) as rm:
+    with build_reward_manager(
+        tokenizer, "naive", custom, compute_score_timeout=30, num_processes=2, step_timeout_s=2
+    ) as rm:
         start = time.monotonic()
         out = rm(make_batch(rows), return_dict=True)
     assert time.monotonic() - start < 30  # includes starting the two workers

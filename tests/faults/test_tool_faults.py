@@ -151,8 +151,9 @@ def test_a_process_that_left_the_session_is_killed_with_its_cgroup(unsandboxed):
         pytest.skip("no writable pids cgroup")
     name = f"left{os.getpid() % 10000}"
     code = SET_NAME.format(name=name) + (
-        "import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    print('forked', flush=True)\n"
-        "    os.close(1); os.close(2)\n    time.sleep(60)\n"
+        "import os, sys, time\nready, told = os.pipe()\nif os.fork() == 0:\n    os.setsid()\n"
+        "    print('forked', flush=True)\n    os.close(1); os.close(2)\n    os.write(told, b'x')\n    time.sleep(60)\n"
+        "else:\n    os.read(ready, 1)\n"  # the program ends once its child has printed: no race with the kill
     )
     response, _, _ = execute(CodeRunnerTool({"timeout": 10, "allow_unsandboxed": unsandboxed}), code=code)
     assert response.text.split() == ["forked"], response.text

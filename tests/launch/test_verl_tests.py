@@ -48,3 +48,26 @@ def test_the_scope_file_lists_files_with_counts_and_reasons():
     assert files and all(f.tests > 0 and f.surface for f in files)
     assert all(why for f in files for why in f.gaps.values())
     assert out_of_scope and all(why for why in out_of_scope.values())
+
+
+def test_files_the_sdist_lacks_come_from_a_checkout_at_their_tag_tests_only(tmp_path):
+    import subprocess
+
+    import pytest
+
+    repo, root = tmp_path / "verl", tmp_path / "root"
+    (repo / "tests" / "w").mkdir(parents=True)
+    (repo / "tests" / "w" / "test_x_on_cpu.py").write_text("def test_tagged():\n    pass\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    subprocess.run([*git, "tag", "v1"], check=True)
+    (repo / "tests" / "w" / "test_x_on_cpu.py").write_text("def test_after_the_tag():\n    pass\n")  # not at v1
+    FileScope = vt["FileScope"]
+    vt["copy_git_tests"](repo, [FileScope("tests/w/test_x_on_cpu.py", 1, "x", git_tag="v1")], root)
+    assert "test_tagged" in (root / "tests" / "w" / "test_x_on_cpu.py").read_text()
+    with pytest.raises(SystemExit, match="only files under tests/"):
+        vt["copy_git_tests"](repo, [FileScope("verl/protocol.py", 1, "x", git_tag="v1")], root)
+    files = vt["load_scope"]()[1]
+    assert {f.path for f in files if f.git_tag} >= {"tests/workers/reward_manager/test_naive_on_cpu.py"}

@@ -70,7 +70,7 @@ def test_failures_are_counted_and_logged_not_raised(tokenizer, make_batch, last_
     truths = ["1", "hang", "boom", "nan", "text", "2"]
     batch = make_batch([{"prompt": "q", "response": t if t in "12" else "0", "ground_truth": t} for t in truths])
     fn = load_custom_reward_fn(test_scorers_path, "misbehaving")
-    with NaiveRewardManager(tokenizer, compute_score=fn, timeout_s=1.0) as manager:
+    with NaiveRewardManager(tokenizer, compute_score=fn, compute_score_timeout=1.0) as manager:
         caplog.set_level(logging.WARNING, logger="scaletrain.reward")
         start = time.monotonic()
         out = manager(batch, return_dict=True)
@@ -89,7 +89,7 @@ def test_batch_manager(tokenizer, make_batch, last_token_index, test_scorers_pat
         {"prompt": "a", "response": "12", "ground_truth": "12"},
         {"prompt": "b", "response": "1", "ground_truth": "2"},
     ]
-    with BatchRewardManager(tokenizer, compute_score=fn, timeout_s=1.0) as manager:
+    with BatchRewardManager(tokenizer, compute_score=fn, compute_score_timeout=1.0) as manager:
         batch = make_batch(rows)
         out = manager(batch, return_dict=True)
         assert torch.equal(out["reward_tensor"], expected_tensor(batch, [1.0, 0.0], last_token_index))
@@ -115,7 +115,7 @@ def test_dapo_overlong_penalty(tokenizer, make_batch, last_token_index):
         {"prompt": "1+1=", "response": "3        ", "ground_truth": "2"},  # 10 tokens, wrong: -0.5
     ]
     batch = make_batch(rows, response_width=10)
-    kwargs = dict(max_resp_len=10, overlong_buffer_len=4, overlong_penalty_factor=0.5)
+    kwargs = dict(max_resp_len=10, overlong_buffer_cfg={"enable": True, "len": 4, "penalty_factor": 0.5})
     with DAPORewardManager(tokenizer, **kwargs) as manager:
         out = manager(batch, return_dict=True)
     penalties = [0.0, 0.0, -0.25, -0.375, -0.5]
@@ -125,8 +125,12 @@ def test_dapo_overlong_penalty(tokenizer, make_batch, last_token_index):
     assert out["reward_extra_info"]["overlong_reward"] == pytest.approx(penalties)
     assert out["reward_extra_info"]["score"] == [1.0, 1.0, 1.0, 1.0, 0.0]
     assert out["metrics"]["reward/overlong_frac"] == pytest.approx(0.6)
-    with pytest.raises(ValueError, match="max_resp_len"):
-        DAPORewardManager(tokenizer, overlong_buffer_len=4)
+    with pytest.raises(ValueError, match="max_resp_len must be provided"):
+        DAPORewardManager(tokenizer, overlong_buffer_cfg={"enable": True, "len": 4})
+    with pytest.raises(ValueError, match="unknown keys \\['length'\\]"):
+        DAPORewardManager(tokenizer, max_resp_len=10, overlong_buffer_cfg={"enable": True, "length": 4})
+    with DAPORewardManager(tokenizer, overlong_buffer_cfg={"enable": False, "len": 4}) as manager:  # off
+        assert manager(batch, return_dict=True)["reward_extra_info"]["score"] == [1.0, 1.0, 1.0, 1.0, 0.0]
 
 
 def test_multi_weights(tokenizer, make_batch, last_token_index, test_scorers_path):
@@ -178,5 +182,3 @@ def test_schema_errors(tokenizer, make_batch):
         batch.non_tensor_batch.pop("data_source")
         with pytest.raises(ValueError, match="data_source"):
             manager(batch)
-    with pytest.raises(TypeError, match="picklable|cannot be sent"):
-        NaiveRewardManager(tokenizer, compute_score=lambda *a: 1.0)

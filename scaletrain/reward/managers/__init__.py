@@ -1,5 +1,6 @@
 """Reward managers, one per file, each registered by name; importing this package registers them all."""
 
+from scaletrain.reward.managers.abstract import AbstractRewardManager
 from scaletrain.reward.managers.base import (
     REWARD_MANAGERS,
     RewardManager,
@@ -15,6 +16,7 @@ from scaletrain.reward.managers.prime import PrimeRewardManager
 
 __all__ = [
     "REWARD_MANAGERS",
+    "AbstractRewardManager",
     "BatchRewardManager",
     "DAPORewardManager",
     "MultiRewardManager",

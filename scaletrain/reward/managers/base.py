@@ -17,11 +17,13 @@ Batch layout: tensors ``prompts`` (B, P) left-padded, ``responses`` (B, R) right
 ``attention_mask`` is 1; its score goes on the last of them (a row with none gets no score). ``response_mask``
 is not used: in multi-turn rollouts it also zeroes tool-output tokens, which are still part of the response.
 
-What a scorer receives: ``(data_source, solution_str, ground_truth, extra_info)``, where ``solution_str`` is
-the response decoded with ``skip_special_tokens=True`` and ``extra_info`` is a copy of the row's extra_info
-(a dict, empty if the row had None) plus ``extra_info["response_ended_with_eos"]``: whether the last valid
-response token is an EOS id (``eos_token_id`` argument, default the tokenizer's). A response cut off at the
-length limit has False; the arithmetic scorer uses it to give credit only to finished answers.
+What a scorer receives, by keyword as verl passes them: ``data_source`` (the ``reward_fn_key`` column),
+``solution_str`` (the response decoded with ``skip_special_tokens=True``) and ``ground_truth``, and
+``extra_info``: a copy of the row's extra_info (a dict, empty if the row had None) plus verl's ``num_turns``
+(the ``__num_turns__`` column, else None) and ``rollout_reward_scores`` (the ``reward_scores`` column, else {}),
+and ``extra_info["response_ended_with_eos"]``: whether the last valid response token is an EOS id
+(``eos_token_id`` argument, default the tokenizer's). A response cut off at the length limit has False; the
+arithmetic scorer uses it to give credit only to finished answers.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ from typing import Any
 import torch
 
 from scaletrain.protocol import DataProto
-from scaletrain.reward.sandbox import ERROR, OK, TIMEOUT, Outcome, ScoringPool
+from scaletrain.reward.in_process import scoring_runner
+from scaletrain.reward.managers.abstract import AbstractRewardManager
+from scaletrain.reward.sandbox import ERROR, OK, TIMEOUT, Outcome
 from scaletrain.reward.scorers.arithmetic import ENDED_WITH_EOS_KEY
 from scaletrain.reward.scorers.default import default_compute_score
 from scaletrain.utils.registry import Registry
@@ -74,6 +78,15 @@ class Rows:
     def __len__(self) -> int:
         return len(self.response_strs)
 
+    def scorer_kwargs(self, i: int) -> dict[str, Any]:
+        """Row ``i`` as the keywords a scorer is called with (verl calls scorers by keyword too)."""
+        return {
+            "data_source": self.data_sources[i],
+            "solution_str": self.response_strs[i],
+            "ground_truth": self.ground_truths[i],
+            "extra_info": self.extra_infos[i],
+        }
+
 
 def to_score(value: Any) -> tuple[float, dict[str, Any]]:
     """A scorer's return value as (score, extra metrics). Raises TypeError/ValueError for anything else than a
@@ -94,15 +107,23 @@ def to_score(value: Any) -> tuple[float, dict[str, Any]]:
     return score, extra
 
 
-class RewardManager:
-    """Base of all reward managers; a manager is called with a batch and returns token-level scores.
+def _row_value(non_tensor: Mapping[str, Any], key: str, i: int, default: Any) -> Any:
+    column = non_tensor.get(key)
+    return default if column is None else column[i]
 
-    Args:
-        tokenizer: decodes prompts and responses.
-        compute_score: the scorer (default ``default_compute_score``); must be picklable by reference, see
-            ``sandbox.py``.
+
+class RewardManager(AbstractRewardManager):
+    """Base of scaletrain's reward managers; a manager is called with a batch and returns token-level scores.
+
+    Args (verl's first five, in verl's order):
+        tokenizer: decodes prompts and responses (``batch_decode`` if it has one, else ``decode`` per row).
         num_examine: log this many decoded samples per data_source on every call (INFO).
-        timeout_s: seconds one scorer call may take.
+        compute_score: the scorer (default ``default_compute_score``), called with the keywords
+            ``data_source, solution_str, ground_truth, extra_info``; a function that cannot be pickled scores
+            in this process (in_process.py), any other in worker processes (sandbox.py).
+        reward_fn_key: the non-tensor column naming each row's data source.
+        compute_score_timeout: seconds one scorer call may take (None or 0: no limit; verl's default is None,
+            scaletrain's 30 s, so that a hung scorer cannot stop a run).
         num_processes: worker processes scoring in parallel.
         eos_token_id: int or list of ints counted as EOS (default: the tokenizer's eos_token_id).
         mp_context: worker start method ("forkserver" default, "spawn").
@@ -114,9 +135,11 @@ class RewardManager:
     def __init__(
         self,
         tokenizer: Any,
-        compute_score: Callable[..., Any] | None = None,
         num_examine: int = 0,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        compute_score: Callable[..., Any] | None = None,
+        reward_fn_key: str = "data_source",
+        compute_score_timeout: float | None = DEFAULT_TIMEOUT_S,
+        *,
         num_processes: int = 1,
         eos_token_id: int | list[int] | None = None,
         mp_context: str | None = None,
@@ -126,15 +149,23 @@ class RewardManager:
         self.tokenizer = tokenizer
         self.compute_score = compute_score if compute_score is not None else self.default_scorer()
         self.num_examine = num_examine
-        eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+        self.reward_fn_key = reward_fn_key
+        eos = getattr(tokenizer, "eos_token_id", None) if eos_token_id is None else eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple, set)) else [eos]) - {None}
         if not self.eos_token_ids:
             logger.warning("reward manager: no EOS token id known; every response counts as not ended with EOS")
-        self.pool = ScoringPool(self.compute_score, num_processes, timeout_s, mp_context, start_timeout_s)
+        self.pool = scoring_runner(
+            self.compute_score, num_processes, compute_score_timeout, mp_context, start_timeout_s
+        )
         self.step_timeout_s = step_timeout_s
         self.last_error: str | None = None  # the most recent failure's traceback (or timeout reason)
         self.failures_logged = 0  # full failure logs so far (the first LOG_FIRST_N_FAILURES), then counts only
         self.last_logged_error: str | None = None
+
+    @property
+    def scorer_repr(self) -> str:
+        """The scorer as errors name it (secrets bound to it redacted)."""
+        return self.pool.fn_repr
 
     def default_scorer(self) -> Callable[..., Any]:
         return default_compute_score
@@ -176,10 +207,7 @@ class RewardManager:
     # -------------------------------------------------------------------------------------- steps (hooks)
     def score_rows(self, rows: Rows) -> list[Outcome]:
         """One scorer call per row in the pool; one Outcome per row."""
-        calls = [
-            ((rows.data_sources[i], rows.response_strs[i], rows.ground_truths[i], rows.extra_infos[i]), {})
-            for i in range(len(rows))
-        ]
+        calls = [((), rows.scorer_kwargs(i)) for i in range(len(rows))]
         return self.pool.map(calls, self.step_timeout_s)
 
     def adjust_scores(self, rows: Rows, scores: list[float], extra_info: dict[str, list]) -> list[float]:
@@ -195,7 +223,7 @@ class RewardManager:
         for key in ("prompts", "responses", "attention_mask"):
             if batch is None or key not in batch.keys():
                 raise ValueError(f"reward manager needs tensor '{key}' in the batch; have {data.keys()}")
-        for key in ("data_source", "reward_model"):
+        for key in (self.reward_fn_key, "reward_model"):
             if key not in non_tensor:
                 raise ValueError(f"reward manager needs non-tensor '{key}' in the batch; have {data.keys()}")
         prompts, responses, mask = batch["prompts"], batch["responses"], batch["attention_mask"]
@@ -217,8 +245,8 @@ class RewardManager:
 
         prompt_ids = [row[m].tolist() for row, m in zip(prompts, prompt_mask)]
         response_ids = [row[m].tolist() for row, m in zip(responses, response_mask)]
-        prompt_strs = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False)
-        response_strs = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+        prompt_strs = self.decode(prompt_ids, skip_special_tokens=False)
+        response_strs = self.decode(response_ids, skip_special_tokens=True)
 
         extra_column = non_tensor.get("extra_info")
         data_sources, ground_truths, extra_infos = [], [], []
@@ -232,12 +260,22 @@ class RewardManager:
                 raise ValueError(f"row {i}: extra_info must be a dict or None, got {type(extra).__name__}")
             extra = dict(extra or {})
             extra[ENDED_WITH_EOS_KEY] = ended_with_eos[i]
-            data_sources.append(non_tensor["data_source"][i])
+            extra.setdefault("num_turns", _row_value(non_tensor, "__num_turns__", i, None))  # verl's two keys
+            extra.setdefault("rollout_reward_scores", _row_value(non_tensor, "reward_scores", i, {}))
+            data_sources.append(non_tensor[self.reward_fn_key][i])
             ground_truths.append(reward_model["ground_truth"])
             extra_infos.append(extra)
         return Rows(
             data_sources, ground_truths, extra_infos, prompt_strs, response_strs, response_lengths, ended_with_eos
         )
+
+    def decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        """The token id lists as strings: one ``batch_decode`` call, or ``decode`` per row for a tokenizer
+        without it (a verl test's stand-in)."""
+        batch_decode = getattr(self.tokenizer, "batch_decode", None)
+        if batch_decode is not None:
+            return batch_decode(ids, skip_special_tokens=skip_special_tokens)
+        return [self.tokenizer.decode(row, skip_special_tokens=skip_special_tokens) for row in ids]
 
     def collect(self, rows: Rows, outcomes: list[Outcome]) -> tuple[list[float], dict[str, list], dict[str, int]]:
         """Scores (0 for failed rows), per-row extra info ("score" plus the keys of dict scores; None where a

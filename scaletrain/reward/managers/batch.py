@@ -1,8 +1,9 @@
 """``batch``: one call of a batch scorer for the whole batch,
-``compute_score(data_sources, solution_strs, ground_truths, extra_infos) -> list[float | dict]``, in a worker
-process. ``timeout_s`` bounds the whole call: on timeout or error every row scores 0 and is counted (so
-``reward/timeouts`` is the batch size). A returned list of the wrong length counts as an error for every row;
-a bad element only for its row. Without a compute_score, ``default_compute_score`` is applied row by row.
+``compute_score(data_sources=, solution_strs=, ground_truths=, extra_infos=) -> list[float | dict]`` (by
+keyword, as verl calls it), in a worker process. ``compute_score_timeout`` bounds the whole call: on timeout or
+error every row scores 0 and is counted (so ``reward/timeouts`` is the batch size). A returned list of the wrong
+length counts as an error for every row; a bad element only for its row. Without a compute_score,
+``default_compute_score`` is applied row by row.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ class RowByRow:
     compute_score: Callable[..., Any]
 
     def __call__(self, data_sources, solution_strs, ground_truths, extra_infos) -> list[Any]:
-        return [self.compute_score(*row) for row in zip(data_sources, solution_strs, ground_truths, extra_infos)]
+        keys = ("data_source", "solution_str", "ground_truth", "extra_info")
+        rows = zip(data_sources, solution_strs, ground_truths, extra_infos)
+        return [self.compute_score(**dict(zip(keys, row))) for row in rows]
 
 
 @register_reward_manager("batch")
@@ -33,8 +36,13 @@ class BatchRewardManager(RewardManager):
 
     def score_rows(self, rows: Rows) -> list[Outcome]:
         call = (
-            (list(rows.data_sources), list(rows.response_strs), list(rows.ground_truths), list(rows.extra_infos)),
-            {},
+            (),
+            {
+                "data_sources": list(rows.data_sources),
+                "solution_strs": list(rows.response_strs),
+                "ground_truths": list(rows.ground_truths),
+                "extra_infos": list(rows.extra_infos),
+            },
         )
         (outcome,) = self.pool.map([call], self.step_timeout_s)
         if outcome.status != OK:

@@ -7,7 +7,7 @@ scorer, e.g. ``{target_chars: 400}`` for ``length``) and ``label`` (its key in r
 ``name``). ``correctness`` is the task scorer: the manager's ``compute_score`` when one is configured
 (``custom_reward_function``), else ``default_compute_score``.
 
-All components of a sample run in one worker call, so ``timeout_s`` bounds their total; if any component
+All components of a sample run in one worker call, so ``compute_score_timeout`` bounds their total; if any component
 raises, the sample scores 0 and counts as one error. reward_extra_info holds each component's raw score
 under its label.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scaletrain.reward.loader import load_custom_reward_fn
-from scaletrain.reward.managers.base import DEFAULT_TIMEOUT_S, RewardManager, register_reward_manager
+from scaletrain.reward.managers.base import RewardManager, register_reward_manager
 from scaletrain.reward.scorers.components import COMPONENT_SCORERS
 
 _ENTRY_KEYS = {"name", "path", "weight", "kwargs", "label"}
@@ -36,15 +36,17 @@ class WeightedSum:
         result: dict[str, float] = {}
         total = 0.0
         for label, scorer, weight in self.components:
-            value = scorer(data_source, solution_str, ground_truth, extra_info)
+            value = scorer(
+                data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info
+            )
             value = float(value["score"] if isinstance(value, Mapping) else value)
             result[label] = value
             total += weight * value
         return {"score": total, **result}
 
 
-def _score_of(compute_score: Callable[..., Any], *args: Any) -> float:
-    value = compute_score(*args)
+def _score_of(compute_score: Callable[..., Any], **row: Any) -> float:
+    value = compute_score(**row)
     return float(value["score"] if isinstance(value, Mapping) else value)
 
 
@@ -94,11 +96,11 @@ class MultiRewardManager(RewardManager):
     def __init__(
         self,
         tokenizer: Any,
-        compute_score: Callable[..., Any] | None = None,
         num_examine: int = 0,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        compute_score: Callable[..., Any] | None = None,
+        reward_fn_key: str = "data_source",
         scorers: Sequence[Mapping[str, Any]] | None = None,
         **kwargs: Any,
     ):
         self.components = build_components(scorers or [], compute_score)
-        super().__init__(tokenizer, WeightedSum(self.components), num_examine, timeout_s, **kwargs)
+        super().__init__(tokenizer, num_examine, WeightedSum(self.components), reward_fn_key, **kwargs)

@@ -1,5 +1,5 @@
 """``naive``: one scorer call per sample, one sample at a time in a single worker process (each call bounded
-by ``timeout_s``). The reference behaviour; ``prime`` is the same with several workers."""
+by ``compute_score_timeout``). The reference behaviour; ``prime`` is the same with several workers."""
 
 from __future__ import annotations
 

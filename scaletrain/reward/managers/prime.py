@@ -1,5 +1,6 @@
 """``prime``: per-sample scoring in ``num_processes`` worker processes at once (default: up to 8, one per CPU),
-for scorers that are slow per sample (symbolic math, running code). Each call keeps its own ``timeout_s``."""
+for scorers that are slow per sample (symbolic math, running code). Each call keeps its own
+``compute_score_timeout``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from scaletrain.reward.managers.base import DEFAULT_TIMEOUT_S, RewardManager, register_reward_manager
+from scaletrain.reward.managers.base import RewardManager, register_reward_manager
 
 
 def default_num_processes() -> int:
@@ -19,11 +20,12 @@ class PrimeRewardManager(RewardManager):
     def __init__(
         self,
         tokenizer: Any,
-        compute_score: Callable[..., Any] | None = None,
         num_examine: int = 0,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        compute_score: Callable[..., Any] | None = None,
+        reward_fn_key: str = "data_source",
+        *,
         num_processes: int | None = None,
         **kwargs: Any,
     ):
         num_processes = default_num_processes() if num_processes is None else num_processes
-        super().__init__(tokenizer, compute_score, num_examine, timeout_s, num_processes=num_processes, **kwargs)
+        super().__init__(tokenizer, num_examine, compute_score, reward_fn_key, num_processes=num_processes, **kwargs)

@@ -35,8 +35,17 @@ SCORERS_BY_PREFIX: dict[str, Callable[[str, str, Any, dict | None], float | dict
 
 
 def default_compute_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    sandbox_fusion_url: str | None = None,
+    concurrent_semaphore: Any = None,
+    memory_limit_mb: int | None = None,
+    **kwargs: Any,
 ) -> float | dict:
+    """verl's signature: the last three (and ``kwargs``) serve verl's code-execution data sources, which have
+    no scorer here (such a data source is refused below, naming it), so they are accepted and unused."""
     scorer = SCORERS_BY_DATA_SOURCE.get(data_source) if isinstance(data_source, str) else None
     if scorer is not None:
         return scorer(solution_str, ground_truth, extra_info)

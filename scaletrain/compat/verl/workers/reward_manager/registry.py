@@ -1,0 +1,27 @@
+"""``verl.workers.reward_manager.registry``: verl's names for scaletrain's reward manager registry.
+
+``REWARD_MANAGER_REGISTRY`` is the registry the trainer's ``reward_model.reward_manager`` reads: a manager
+registered here is one the trainer can run. verl's lookup error text is kept (its tests match it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from scaletrain.reward.managers import REWARD_MANAGERS, AbstractRewardManager, register_reward_manager
+
+__all__ = ["REWARD_MANAGER_REGISTRY", "get_reward_manager_cls", "register"]
+
+REWARD_MANAGER_REGISTRY = REWARD_MANAGERS
+
+
+def register(name: str) -> Callable[[type[AbstractRewardManager]], type[AbstractRewardManager]]:
+    """Class decorator: register a reward manager under ``name`` (the same class again is allowed; another
+    class under a taken name is a ValueError)."""
+    return register_reward_manager(name)
+
+
+def get_reward_manager_cls(name: str) -> type[AbstractRewardManager]:
+    if name not in REWARD_MANAGER_REGISTRY:
+        raise ValueError(f"Unknown reward manager: {name}")
+    return REWARD_MANAGER_REGISTRY[name]
