@@ -7,6 +7,8 @@ A partition is a list of micro-batches, each a sorted list of row indices into t
   micro-batch's sum of valid tokens (``attention_mask.sum(-1)``) stays within ``max_tokens``, using the fewest
   parts (>= ``min_parts``) for which a balanced split fits: rows are placed longest first into the currently
   lightest part (LPT). A row longer than the budget gets a part of its own (with a warning).
+- ``karmarkar_karp(lengths, parts, equal_size)``: balanced sums by the largest differencing method (the method
+  of verl's sequence balancing helpers, which scaletrain's verl compatibility layer offers).
 - ``restore_order(partition)``: the index that puts outputs concatenated in partition order back into the
   original row order: ``torch.cat(outputs)[restore_order(partition)]``.
 
@@ -90,3 +92,35 @@ def restore_order(partition: Partition) -> torch.Tensor:
     inverse = torch.empty_like(flat)
     inverse[flat] = torch.arange(len(flat))
     return inverse
+
+
+def karmarkar_karp(lengths: Sequence[int], parts: int, equal_size: bool = False) -> Partition:
+    """``parts`` parts with balanced length sums by the largest differencing method (Karmarkar and Karp, 1982):
+    every row starts as a partial split of its own, and the two partial splits whose sums spread the most are
+    merged, the heaviest part of one with the lightest of the other, until one split is left. ``equal_size``
+    starts from splits of ``parts`` rows (the next ``parts`` longest, one per part), so every part gets the same
+    count (``len(lengths) % parts == 0``). Parts hold sorted row indices."""
+    n = len(lengths)
+    if not 1 <= parts <= n:
+        raise ValueError(f"cannot split {n} rows into {parts} non-empty parts")
+    if equal_size and n % parts:
+        raise ValueError(f"{n} rows do not split into {parts} parts of equal size")
+    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    starts = [order[s : s + parts] for s in range(0, n, parts)] if equal_size else [[i] for i in order]
+    heap = []
+    for serial, rows in enumerate(starts):
+        split = [(lengths[i], [i]) for i in rows] + [(0, []) for _ in range(parts - len(rows))]
+        split.sort(key=lambda part: -part[0])
+        heapq.heappush(heap, (-(split[0][0] - split[-1][0]), serial, split))
+    serial = len(starts)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = [(sa + sb, ra + rb) for (sa, ra), (sb, rb) in zip(a, reversed(b))]  # heaviest with lightest
+        merged.sort(key=lambda part: -part[0])
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), serial, merged))
+        serial += 1
+    split = heap[0][2]
+    if any(not rows for _, rows in split):
+        raise ValueError(f"{n} rows left a part empty out of {parts}")
+    return [sorted(rows) for _, rows in split]

@@ -4,9 +4,10 @@ Imports nothing from the layers above (trainer, controller, workers, backends); 
 ``scaletrain.utils``. Tensors are (batch, response_length) with a ``response_mask`` unless said otherwise.
 
 Files: advantage.py (estimator registry, GAE, REINFORCE++, ReMax), group_advantage.py (GRPO and other
-group-baseline estimators), policy_loss.py (loss registry, PPO, GSPO, GPG, CISPO, SAPO), policy_loss_cov.py
-(clip_cov, kl_cov), agg.py (loss aggregation modes), kl.py (KL estimators, in-reward penalty, controllers),
-value.py (critic loss), entropy.py (chunked entropy / log-probs from logits), rollout_correction.py
+group-baseline estimators, GDPO), policy_loss.py (loss registry, PPO, GSPO, GPG, CISPO, SAPO, DRO),
+policy_loss_cov.py (clip_cov, kl_cov), policy_loss_trust_region.py (dppo_tv, dppo_kl, geo_mean),
+policy_loss_bypass.py (bypass_mode), agg.py (loss aggregation modes), kl.py (KL estimators, in-reward penalty,
+controllers), value.py (critic loss), entropy.py (chunked entropy / log-probs from logits), rollout_correction.py
 (rollout-vs-trainer importance weights), masked.py (masked statistics), scan.py (discounted sums), options.py
 (reading options from a config).
 
@@ -14,7 +15,11 @@ Extending: decorate a function with ``@register_adv_est("name")`` or ``@register
 it in the config (``algorithm.adv_estimator`` / ``actor.policy_loss.loss_mode``).
 """
 
-from scaletrain.algos import policy_loss_cov  # noqa: F401  (registers clip_cov, kl_cov)
+from scaletrain.algos import (
+    policy_loss_bypass,  # noqa: F401  (registers bypass_mode)
+    policy_loss_cov,  # noqa: F401  (registers clip_cov, kl_cov)
+    policy_loss_trust_region,  # noqa: F401  (registers dppo_tv, dppo_kl, geo_mean)
+)
 from scaletrain.algos.advantage import (
     ADV_ESTIMATORS,
     AdvantageEstimator,

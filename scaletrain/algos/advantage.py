@@ -42,6 +42,7 @@ class AdvantageEstimator(str, enum.Enum):
     GPG = "gpg"
     GRPO_VECTORIZED = "grpo_vectorized"  # verl's name for its vectorized GRPO: grpo here (already vectorized)
     RLOO_VECTORIZED = "rloo_vectorized"  # likewise rloo
+    GDPO = "gdpo"
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class EstimatorTraits:
     needs_values: bool = False  # it reads a critic's values: the trainer builds a critic (critic.enable: null)
     group_based: bool = False  # it compares the samples of one prompt: rollout.n must be >= 2
     greedy_baseline: bool = False  # it reads reward_baselines: the score of one greedy response per prompt (ReMax)
+    reads_batch: bool = False  # it reads the batch's columns (non_tensor_batch, batch), e.g. reward components
 
 
 ESTIMATOR_TRAITS: dict[str, EstimatorTraits] = {}
@@ -63,6 +65,7 @@ def register_adv_est(
     needs_values: bool = False,
     group_based: bool = False,
     greedy_baseline: bool = False,
+    reads_batch: bool = False,
 ) -> Callable:
     """Decorator: register an advantage estimator under ``name`` (then usable as ``algorithm.adv_estimator=name``),
     with its traits (``EstimatorTraits``)."""
@@ -71,7 +74,7 @@ def register_adv_est(
     def decorator(fn: Callable) -> Callable:
         register(fn)
         key = name.value if isinstance(name, enum.Enum) else name
-        ESTIMATOR_TRAITS[key] = EstimatorTraits(needs_values, group_based, greedy_baseline)
+        ESTIMATOR_TRAITS[key] = EstimatorTraits(needs_values, group_based, greedy_baseline, reads_batch)
         return fn
 
     return decorator

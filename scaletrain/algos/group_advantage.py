@@ -221,6 +221,50 @@ def compute_gpg_advantage(
     return _broadcast(batch_alpha * (scores - mean) / f_norm, response_mask)
 
 
+@register_adv_est(AdvantageEstimator.GDPO, group_based=True, reads_batch=True)
+@torch.no_grad()
+def compute_gdpo_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
+    non_tensor_batch: dict | None = None,
+    batch: Any = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (arXiv:2601.05242): each reward component normalised within its group on its own (GRPO per component),
+    then summed with ``gdpo_reward_weights`` (default 1 each) and whitened over the batch. The components are the
+    ``non_tensor_batch`` columns ``config.gdpo_reward_keys`` names (the reward's extra info, one value per row);
+    without config and batch, the one component is the row's score. Returns (advantages, advantages)."""
+    components = [_scores(token_level_rewards)]
+    weights: list[float] | None = None
+    if config is not None and non_tensor_batch is not None and batch is not None:
+        keys = get_option(config, "gdpo_reward_keys", None)
+        if not keys:
+            raise ValueError("gdpo needs algorithm.gdpo_reward_keys: the reward components compute_score returns")
+        missing = [key for key in keys if key not in non_tensor_batch]
+        if missing:
+            raise ValueError(
+                f"gdpo reward keys {missing} are not in the batch (its columns: {sorted(non_tensor_batch)}); "
+                "compute_score must return a dict holding them"
+            )
+        device = token_level_rewards.device
+        components = [torch.as_tensor(np.asarray(non_tensor_batch[k], dtype=np.float32), device=device) for k in keys]
+        weights = get_option(config, "gdpo_reward_weights", None)
+        if weights is not None and len(weights) != len(keys):
+            raise ValueError(f"gdpo_reward_weights has {len(weights)} weights for {len(keys)} gdpo_reward_keys")
+    total = torch.zeros_like(token_level_rewards, dtype=torch.float32)
+    for k, component in enumerate(components):
+        normalised, _ = compute_grpo_advantage(
+            component[:, None], response_mask, index, epsilon=epsilon, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo
+        )
+        total = total + (1.0 if weights is None else float(weights[k])) * normalised
+    advantages = masked_whiten(total, response_mask) * response_mask
+    return advantages, advantages
+
+
 # verl's names for its vectorized twins of grpo and rloo: the same computation here, which has no Python loop
 register_adv_est(AdvantageEstimator.GRPO_VECTORIZED, group_based=True)(compute_grpo_advantage)
 register_adv_est(AdvantageEstimator.RLOO_VECTORIZED, group_based=True)(compute_rloo_advantage)

@@ -131,3 +131,20 @@ def _is_weight_metrics(raw: torch.Tensor, weights: torch.Tensor, cut: torch.Tens
         cut_name: float(cut.float().mean()),
         "rollout_corr/is_ess": float(weights.sum() ** 2 / (weights.numel() * weights.square().sum()).clamp(min=1e-12)),
     }
+
+
+def rs_ratio_bounds(spec: str | float) -> tuple[float, float]:
+    """(lower, upper) ratio bounds of a rejection threshold: "lower_upper" (e.g. "0.5_2.0"), or one upper bound
+    (lower = 1 / upper). ValueError unless 0 < lower <= 1 <= upper (a token both sides agree on is never rejected)."""
+    parts = str(spec).split("_") if isinstance(spec, str) else [spec]
+    try:
+        values = [float(p) for p in parts]
+    except (TypeError, ValueError):
+        values = []
+    if len(values) not in (1, 2):
+        raise ValueError(f'expected "lower_upper" or a number, got {spec!r}')
+    upper = values[-1]
+    lower = values[0] if len(values) == 2 else (1.0 / upper if upper > 0 else 0.0)
+    if not 0.0 < lower <= 1.0 <= upper < float("inf"):
+        raise ValueError(f"need 0 < lower <= 1 <= upper, got lower={lower}, upper={upper} (from {spec!r})")
+    return lower, upper

@@ -25,7 +25,8 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from scaletrain.protocol import DataProto, DataProtoFuture, concat_parts, padded_shares, tensordict_shares
+from scaletrain.protocol import DataProto, DataProtoFuture, concat_parts, padded_shares
+from scaletrain.protocol.tensordict_ops import chunk_tensordict
 from scaletrain.utils.registry import Registry
 
 
@@ -119,8 +120,14 @@ def _shares(value: Any, n: int, name: str, rows: list[int]) -> list[Any]:
         return padded_shares(value, n)
     if isinstance(value, DataProtoFuture):
         return value.chunk(n)
-    if isinstance(value, TensorDict):  # verl's TensorDict workers: equal slices, no padding
-        return tensordict_shares(value, n)
+    if isinstance(value, TensorDict):  # verl's TensorDict workers: torch.chunk's split, no padding, jagged rows kept
+        shares = chunk_tensordict(value, n)
+        if len(shares) != n:
+            raise ValueError(
+                f"argument '{name}': a TensorDict of {int(value.batch_size[0])} rows makes {len(shares)} shares for "
+                f"{n} workers (torch.chunk's split); give it at least {n} rows"
+            )
+        return shares
     return [value] * n
 
 

@@ -84,6 +84,11 @@ def _object_array(values: list[Any]) -> np.ndarray:
 
 def collate_fn(items: Sequence[dict[str, Any]]) -> DataProto:
     """Rows from ``RLDataset.__getitem__`` -> one DataProto: tensors stacked, other fields as object arrays."""
+    return DataProto.from_dict(*collate_rows(items))
+
+
+def collate_rows(items: Sequence[dict[str, Any]]) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+    """Rows (dicts with the same fields) -> (tensor fields stacked, the other fields as 1-D object arrays)."""
     if not items:
         raise ValueError("collate_fn needs at least one row")
     keys = list(items[0])
@@ -92,7 +97,7 @@ def collate_fn(items: Sequence[dict[str, Any]]) -> DataProto:
             raise ValueError(f"collate_fn: row {i} has fields {sorted(item)}, row 0 has {sorted(keys)}")
     tensors = {k: torch.stack([item[k] for item in items]) for k in keys if isinstance(items[0][k], torch.Tensor)}
     non_tensors = {k: _object_array([item[k] for item in items]) for k in keys if k not in tensors}
-    return DataProto.from_dict(tensors, non_tensors)
+    return tensors, non_tensors
 
 
 def _is_message(message: Any) -> bool:

@@ -23,7 +23,7 @@ from scaletrain.protocol.codec import (
 from scaletrain.protocol.collate import collate_fn
 from scaletrain.protocol.core import DataProto, DataProtoItem
 from scaletrain.protocol.errors import DataProtoError
-from scaletrain.protocol.future import PAD_ROWS_KEY, DataProtoFuture, concat_parts, padded_shares, tensordict_shares
+from scaletrain.protocol.future import PAD_ROWS_KEY, DataProtoFuture, concat_parts, padded_shares
 from scaletrain.protocol.merge import list_of_dict_to_dict_of_list, union_numpy_dict, union_tensor_dict
 from scaletrain.protocol.reshape import (
     DataProtoConfig,
@@ -50,7 +50,6 @@ __all__ = [
     "padded_shares",
     "serialize_single_tensor",
     "serialize_tensordict",
-    "tensordict_shares",
     "union_numpy_dict",
     "union_tensor_dict",
     "unfold_batch_dim",

@@ -19,7 +19,7 @@ from tensordict import TensorDict
 
 from scaletrain.protocol import codec, merge, reshape, tensordict_io
 from scaletrain.protocol.errors import DataProtoError
-from scaletrain.protocol.rows import as_index, gather_rows, mini_batch_orders, repeated_rows
+from scaletrain.protocol.rows import as_index, gather_rows, mini_batch_orders, pad_rows, repeated_rows
 from scaletrain.protocol.transport import from_wire, to_wire
 
 logger = logging.getLogger(__name__)
@@ -341,13 +341,12 @@ class DataProto:
 
     def pad_to_divisor(self, size_divisor: int) -> tuple[DataProto, int]:
         """Append rows (cycling from the first) so the length divides; returns (padded, number of pad rows)."""
-        n = len(self)
-        pad = (-n) % size_divisor
-        if pad == 0:
-            if n == 0:
+        extra = pad_rows(len(self), size_divisor)
+        if not extra:
+            if len(self) == 0:
                 logger.warning("padding a DataProto with no rows: nothing to do")
             return self, 0
-        return DataProto.concat([self, self.select_idxs(torch.arange(pad) % n)]), pad
+        return DataProto.concat([self, self.select_idxs(torch.tensor(extra))]), len(extra)
 
     def unpad(self, pad_size: int) -> DataProto:
         return self[: len(self) - pad_size] if pad_size else self

@@ -8,11 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from tensordict import TensorDict
 
 from scaletrain.protocol.core import DataProto
 from scaletrain.protocol.errors import DataProtoError
+from scaletrain.protocol.tensordict_ops import concat_tensordict
 
 # meta_info key set on each dispatched chunk: how many trailing rows of the chunk are padding. The worker-side
 # wrapper pops it and trims the method's output by as many rows (see controller/decorator.py).
@@ -58,18 +58,9 @@ def concat_parts(parts: list[Any]) -> Any:
     if all(isinstance(p, DataProto) for p in parts):
         return DataProto.concat(parts)
     if parts and all(isinstance(p, TensorDict) for p in parts):
-        return torch.cat(parts, dim=0)  # dispatches to TensorDict's own concatenation
+        return concat_tensordict(parts)  # jagged columns stay jagged, non-tensor columns are joined
     kinds = sorted({type(p).__name__ for p in parts})
     raise DataProtoError(f"row-aligned outputs to concatenate are of type {kinds}: return DataProto or TensorDict")
-
-
-def tensordict_shares(data: TensorDict, shares: int) -> list[TensorDict]:
-    """``shares`` equal row slices of a TensorDict (no padding: its length must divide)."""
-    rows = int(data.batch_size[0])
-    if rows % shares:
-        raise DataProtoError(f"a TensorDict of {rows} rows does not split into {shares} equal shares; pad it first")
-    size = rows // shares
-    return [data[i * size : (i + 1) * size] for i in range(shares)]
 
 
 def padded_shares(data: DataProto, shares: int) -> list[DataProto]:

@@ -63,3 +63,8 @@ def repeated_rows(t: torch.Tensor, times: int, interleave: bool) -> torch.Tensor
     if interleave:
         return t.unsqueeze(1).expand(rows, times, *rest).reshape(rows * times, *rest)
     return t.unsqueeze(0).expand(times, rows, *rest).reshape(rows * times, *rest)
+
+
+def pad_rows(rows: int, size_divisor: int) -> list[int]:
+    """The rows to append so that ``rows`` divides by ``size_divisor``: the first ones again, cycling."""
+    return [i % rows for i in range((-rows) % size_divisor)] if rows else []

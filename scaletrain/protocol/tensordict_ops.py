@@ -18,7 +18,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from scaletrain.protocol.errors import DataProtoError
 from scaletrain.protocol.merge import values_equal
-from scaletrain.protocol.rows import mini_batch_orders
+from scaletrain.protocol.rows import mini_batch_orders, pad_rows
 from scaletrain.protocol.tensordict_io import non_tensor_stack, plain_value
 
 
@@ -197,11 +197,10 @@ def assign_non_tensor(td: TensorDict, **values: Any) -> TensorDict:
 
 def pad_to_divisor(td: TensorDict, size_divisor: int) -> tuple[TensorDict, int]:
     """Rows appended (the TensorDict's own, cycling from the first) so the length divides; (padded, pad rows)."""
-    rows = _rows(td)
-    pad = (-rows) % size_divisor
-    if pad == 0:
+    extra = pad_rows(_rows(td), size_divisor)
+    if not extra:
         return td, 0
-    return concat_tensordict([td, index_select_tensor_dict(td, [i % rows for i in range(pad)])]), pad
+    return concat_tensordict([td, index_select_tensor_dict(td, extra)]), len(extra)
 
 
 def unpad(td: TensorDict, pad_size: int) -> TensorDict:

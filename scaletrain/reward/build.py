@@ -9,9 +9,12 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from scaletrain.reward.loader import DEFAULT_FN_NAME, DEFAULT_LOAD_TIMEOUT_S, load_custom_reward_fn
-from scaletrain.reward.managers import RewardManager, get_reward_manager
+from scaletrain.reward.managers import RewardManager
 from scaletrain.reward.managers.external import ExternalRewardManager
+from scaletrain.reward.managers.reward_loop import RewardLoopAdapter, RewardManagerBase, reward_manager_class
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +33,9 @@ def build_reward_manager(
     (``compute_score_timeout``, ``num_processes``, DAPO's ``overlong_buffer_cfg``, multi's ``scorers``, ...);
     ``offered`` ones only if the manager takes them (the trainer's settings, which a manager written for verl
     may not take: those it does not take are logged). The manager is built with keywords, as verl's trainer
-    builds it; one that implements only verl's interface is wrapped in ExternalRewardManager."""
+    builds it; one that implements only verl's interface is wrapped in ExternalRewardManager. A reward-loop
+    manager (verl 0.9's per-sample interface, reward_loop.py) is built from ``(config, tokenizer, compute_score)``
+    with ``manager_kwargs`` as its ``config.reward.reward_kwargs``."""
     compute_score = None
     if custom_reward_function and custom_reward_function.get("path"):
         compute_score = load_custom_reward_fn(
@@ -39,21 +44,29 @@ def build_reward_manager(
         reward_kwargs = custom_reward_function.get("reward_kwargs")
         if reward_kwargs:
             compute_score = functools.partial(compute_score, **dict(reward_kwargs))
+    manager_cls = reward_manager_class(reward_manager)
+    if issubclass(manager_cls, RewardManagerBase):
+        config = OmegaConf.create({"reward": {"reward_kwargs": dict(manager_kwargs)}})
+        loop_manager = manager_cls(config=config, tokenizer=tokenizer, compute_score=compute_score)
+        return ExternalRewardManager(RewardLoopAdapter(loop_manager))
     kwargs = dict(offered or {})
     not_taken = unknown_manager_kwargs(reward_manager, kwargs)
     if not_taken:
         logger.info("reward manager '%s' does not take %s: its own code decides that", reward_manager, not_taken)
     kwargs = {k: v for k, v in kwargs.items() if k not in not_taken} | manager_kwargs
-    manager_cls = get_reward_manager(reward_manager)
     manager = manager_cls(tokenizer=tokenizer, num_examine=num_examine, compute_score=compute_score, **kwargs)
     return manager if isinstance(manager, RewardManager) else ExternalRewardManager(manager)
 
 
 def unknown_manager_kwargs(reward_manager: str, kwargs: Mapping[str, Any]) -> list[str]:
     """The names in ``kwargs`` that reward manager ``reward_manager`` does not take (checked before anything
-    starts). A manager whose ``__init__`` forwards ``**kwargs`` takes what its base classes take."""
+    starts). A manager whose ``__init__`` forwards ``**kwargs`` takes what its base classes take; a reward-loop
+    manager takes any (they are its config's ``reward.reward_kwargs``)."""
+    manager_cls = reward_manager_class(reward_manager)
+    if issubclass(manager_cls, RewardManagerBase):
+        return []
     accepted: set[str] = set()
-    for cls in get_reward_manager(reward_manager).__mro__:
+    for cls in manager_cls.__mro__:
         if "__init__" not in vars(cls):
             continue
         params = inspect.signature(vars(cls)["__init__"]).parameters.values()

@@ -22,8 +22,8 @@ VAL_KWARGS = ("n", "temperature", "top_p", "top_k", "do_sample")  # actor_rollou
 class PolicyLossConfig:
     """``loss_mode`` names a registered policy loss; the other fields are read by the losses that use them."""
 
-    loss_mode: str = "vanilla"  # vanilla (PPO) | gspo | gpg | cispo | sapo | clip_cov | kl_cov | dro (the registered
-    # losses)
+    loss_mode: str = "vanilla"  # vanilla (PPO) | gspo | gpg | cispo | sapo | clip_cov | kl_cov | dro | dppo_tv |
+    # dppo_kl | geo_mean | bypass_mode (set by algorithm.rollout_correction.bypass_mode) (the registered losses)
     clip_cov_ratio: float | None = None  # clip_cov: share of the tokens whose gradient is detached; null: 2e-4
     clip_cov_lb: float | None = None  # clip_cov: covariance lower bound of the tokens it may pick; null: 1.0
     clip_cov_ub: float | None = None  # clip_cov: covariance upper bound of the tokens it may pick; null: 5.0
@@ -32,6 +32,8 @@ class PolicyLossConfig:
     tau_pos: float | None = None  # sapo: gate temperature for positive advantages; null: 1.0
     tau_neg: float | None = None  # sapo: gate temperature for the other advantages; null: 1.05
     dro_beta: float | None = None  # dro: weight of the squared log-ratio penalty; must be set (> 0)
+    rollout_correction: dict[str, Any] = field(default_factory=dict)  # bypass_mode: the trainer copies
+    # algorithm.rollout_correction here when its bypass corrects in the loss (loss_type reinforce, rollout_is / rs)
 
 
 @dataclass

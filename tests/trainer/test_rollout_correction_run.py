@@ -1,5 +1,6 @@
 """The trainer (in-process runs of the CLI's) with algorithm.rollout_correction: rollout_corr/* logged every step, the
-IS weights reach the loss, and bypass mode trains against the rollout's log-probs without the old-log-prob forward.
+IS weights reach the loss, and bypass mode trains against the rollout's log-probs without the old-log-prob forward
+(with PPO's clip, or verl's REINFORCE weighted in the loss).
 
 A top-k rollout (top_k=3) samples from a renormalised distribution, so its log-probs differ from the trainer's
 full-softmax ones by a known sign (pi_rollout >= pi_train on every sampled token). Three one-step runs with the same
@@ -64,3 +65,11 @@ def test_rollout_correction_metrics_and_weights_in_a_run(ray_cluster, task, tmp_
     assert bypass["critic/score/mean"] == plain["critic/score/mean"]
     assert abs(plain["actor/ppo_kl"]) < 1e-4 < bypass["actor/ppo_kl"]
     assert bypass["actor/ppo_kl"] == pytest.approx(plain["rollout_corr/kl_k1"], rel=0.05)
+    # verl's bypass with REINFORCE: the loss weighs each token by pi_theta / pi_rollout, measured in the loss
+    reinforce = [
+        f"algorithm.rollout_correction.{k}" for k in ("bypass_mode=true", "loss_type=reinforce", "rollout_is=token")
+    ]
+    corrected = run(task, tmp_path / "reinforce", [*common, *reinforce])
+    assert "timing_s/old_log_prob" not in corrected and corrected["critic/score/mean"] == plain["critic/score/mean"]
+    assert 0 < corrected["rollout_corr/is_ratio_mean"] < 1  # top-k: pi_theta <= pi_rollout on the sampled tokens
+    assert corrected["actor/pg_loss"] != pytest.approx(bypass["actor/pg_loss"], rel=1e-3, abs=1e-6)

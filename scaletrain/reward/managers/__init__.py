@@ -13,8 +13,10 @@ from scaletrain.reward.managers.dapo import DAPORewardManager
 from scaletrain.reward.managers.multi import MultiRewardManager
 from scaletrain.reward.managers.naive import NaiveRewardManager
 from scaletrain.reward.managers.prime import PrimeRewardManager
+from scaletrain.reward.managers.reward_loop import REWARD_LOOP_MANAGERS, RewardManagerBase, reward_manager_class
 
 __all__ = [
+    "REWARD_LOOP_MANAGERS",
     "REWARD_MANAGERS",
     "AbstractRewardManager",
     "BatchRewardManager",
@@ -23,7 +25,9 @@ __all__ = [
     "NaiveRewardManager",
     "PrimeRewardManager",
     "RewardManager",
+    "RewardManagerBase",
     "Rows",
     "get_reward_manager",
     "register_reward_manager",
+    "reward_manager_class",
 ]

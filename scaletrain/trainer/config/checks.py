@@ -91,6 +91,17 @@ def _validate_algorithm(cfg: PPOConfig) -> None:
             f"algorithm.adv_estimator={estimator} compares samples of one prompt: "
             f"set actor_rollout_ref.rollout.n >= 2 (got {n})"
         )
+    algo = cfg.algorithm
+    if estimator == "gdpo" and not algo.gdpo_reward_keys:
+        raise ConfigError(
+            "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys: the reward components (keys of the dict "
+            "compute_score returns) it normalises one by one"
+        )
+    if algo.gdpo_reward_weights is not None and len(algo.gdpo_reward_weights) != len(algo.gdpo_reward_keys):
+        raise ConfigError(
+            f"algorithm.gdpo_reward_weights has {len(algo.gdpo_reward_weights)} weights for "
+            f"{len(algo.gdpo_reward_keys)} gdpo_reward_keys"
+        )
     if cfg.actor_rollout_ref.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
         raise ConfigError(
             "actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward both add a KL penalty; enable one"
@@ -147,7 +158,7 @@ def _validate_names(cfg: PPOConfig) -> None:
     from backends.base import BACKENDS
     from backends.rollout.base import ROLLOUTS
     from scaletrain.algos import ADV_ESTIMATORS, ENGINE_AGG_MODES, POLICY_LOSSES
-    from scaletrain.reward import REWARD_MANAGERS
+    from scaletrain.reward.managers.reward_loop import reward_manager_class
     from scaletrain.trainer.run.tracking import LOGGERS
 
     arr = cfg.actor_rollout_ref
@@ -156,9 +167,12 @@ def _validate_names(cfg: PPOConfig) -> None:
         ("actor_rollout_ref.actor.policy_loss.loss_mode", arr.actor.policy_loss.loss_mode, POLICY_LOSSES),
         ("backend.name", cfg.backend.name, BACKENDS),
         ("actor_rollout_ref.rollout.name", arr.rollout.name, ROLLOUTS),
-        ("reward_model.reward_manager", cfg.reward_model.reward_manager, REWARD_MANAGERS),
     ]
     check_registered(names + [("trainer.logger", name, LOGGERS) for name in cfg.trainer.logger])
+    try:
+        reward_manager_class(cfg.reward_model.reward_manager)  # a batch manager's name, or a reward-loop manager's
+    except ValueError as exc:
+        raise ConfigError(f"reward_model.reward_manager: {exc}") from None
     try:
         BACKENDS.get(cfg.backend.name)  # imports a lazily registered backend: a missing package fails here
     except ImportError as exc:

@@ -63,7 +63,7 @@ class RolloutCorrectionConfig:
     rollout_rs: str | None = None  # null | token_k1 | seq_sum_k1: reject tokens / sequences out of bounds
     rollout_rs_threshold: str | float | None = None  # "lower_upper" ratio bounds, or upper (lower = 1 / upper)
     bypass_mode: bool = False  # true: the rollout's log-probs are the old ones (no old-log-prob forward)
-    loss_type: str = "ppo_clip"  # only ppo_clip (the PPO ratio against the old, or in bypass the rollout, policy)
+    loss_type: str = "ppo_clip"  # bypass_mode: ppo_clip (PPO against the rollout) | reinforce (IS-weighted PG)
     mismatch_log_prob_threshold: float = 0.1  # metrics: share of tokens with |log pi_train - log pi_rollout| above
 
 
@@ -79,10 +79,13 @@ class FilterGroupsConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"  # grpo | gae (trains a critic) | rloo | grpo_passk | reinforce_plus_plus |
-    # reinforce_plus_plus_baseline | remax | opo | gpg (the registered advantage estimators)
+    # reinforce_plus_plus_baseline | remax | opo | gpg | gdpo (the registered advantage estimators)
     gamma: float = 1.0  # reward discount (gae, reinforce_plus_plus)
     lam: float = 1.0  # GAE's lambda (gae)
-    norm_adv_by_std_in_grpo: bool = True  # grpo, grpo_passk: divide by the group's score std; false: Dr. GRPO
+    norm_adv_by_std_in_grpo: bool = True  # grpo, grpo_passk, gdpo: divide by the group's score std; false: Dr. GRPO
+    gdpo_reward_keys: list[str] = field(default_factory=list)  # gdpo: the reward components (keys of the dict
+    # compute_score returns), each normalised within its group on its own
+    gdpo_reward_weights: list[float] | None = None  # gdpo: one weight per component in the sum; null: 1 each
     use_kl_in_reward: bool = False  # token rewards minus kl_ctrl's coefficient x KL(old || ref) (runs the reference
     # policy; not with actor.use_kl_loss)
     kl_penalty: str = "kl"  # the in-reward KL's estimator: kl (k1) | abs | mse (k2) | low_var_kl (k3)

@@ -43,11 +43,16 @@ def ppo_worker_configs(
 ]:
     """Each role worker's arguments, its section and its setup: the actor/rollout/ref's, the critic's (None without
     a critic) and the reward model's (None with it off)."""
+    from scaletrain.trainer.step.rollout_correction import bypass_policy_loss, corrects_in_the_loss
     from scaletrain.workers.config import EngineSetup
 
     arr = cfg.actor_rollout_ref
     engine = engine_config(cfg.backend, cfg.trainer.seed, collective_timeout_s=cfg.trainer.collective_timeout_s)
     actor = replace(arr.actor, optim=replace(arr.actor.optim, total_steps=plan.actor_optim_steps))
+    rc = cfg.algorithm.rollout_correction
+    if corrects_in_the_loss(rc):  # verl's bypass: the correction runs in the loss, against the current policy
+        policy_loss = replace(actor.policy_loss, loss_mode="bypass_mode", rollout_correction=bypass_policy_loss(rc))
+        actor = replace(actor, policy_loss=policy_loss)
     setup = EngineSetup(model=model_config(arr.model, arr.model.path), backend=cfg.backend.name, engine=engine)
     actor_cfg = (replace(arr, actor=actor), setup)
     critic_cfg = _critic_config(cfg, plan, engine) if plan.use_critic else None

@@ -122,15 +122,17 @@ class RolloutProducer:
         further batches from ``draw()`` (the loader: resumable) until enough groups vary."""
         cfg = self.cfg
         if not cfg.algorithm.filter_groups.enable:
-            return self.scored(batch, step, 0, timings)
-        scored, sampling_metrics = collect_groups(
-            batch,
-            lambda more, i: self.scored(more, step, i, timings),
-            draw,
-            cfg.algorithm.filter_groups,
-            cfg.data.train_batch_size,
-        )
-        scored.metrics.update(sampling_metrics)
+            scored = self.scored(batch, step, 0, timings)
+        else:
+            scored, sampling_metrics = collect_groups(
+                batch,
+                lambda more, i: self.scored(more, step, i, timings),
+                draw,
+                cfg.algorithm.filter_groups,
+                cfg.data.train_batch_size,
+            )
+            scored.metrics.update(sampling_metrics)
+        add_reward_columns(scored.batch, scored.reward.get("reward_extra_info") or {})  # once the batch is whole
         return scored
 
     def validation_batch(self, batch: DataProto, tag: str) -> tuple[DataProto, dict]:
@@ -142,3 +144,15 @@ class RolloutProducer:
         with self.reward_lock:  # the rollout thread may be scoring too
             scores = self.reward_fn(batch, return_dict=True)
         return batch, scores
+
+
+def add_reward_columns(batch: DataProto, extra_info: dict[str, list]) -> None:
+    """The reward's per-row extra info (the keys of the dicts compute_score returned) as non-tensor columns of
+    ``batch``, as verl's trainer adds them (GDPO reads its reward components there). A key the batch already has
+    (``uid``, ``data_source``, ...) keeps the batch's column."""
+    for key, values in extra_info.items():
+        if key not in batch.non_tensor_batch and len(values) == len(batch):
+            column = np.empty(len(values), dtype=object)
+            for i, value in enumerate(values):
+                column[i] = value  # one element each: a list value is not broadcast into a new axis
+            batch.non_tensor_batch[key] = column

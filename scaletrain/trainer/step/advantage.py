@@ -32,7 +32,8 @@ def compute_advantage(batch: DataProto, config: AlgorithmConfig) -> None:
     """Adds ``advantages`` and ``returns`` (B, R) with the registered estimator.
 
     Called by keyword as verl's trainer calls a registered estimator (token_level_rewards, response_mask, config;
-    index when the batch has uids, reward_baselines when it has them, values to one registered with needs_values),
+    index when the batch has uids, reward_baselines when it has them, values to one registered with needs_values,
+    the batch's columns to one registered with reads_batch),
     so an estimator written for verl runs here unchanged; gamma, lam and norm_adv_by_std_in_grpo come from
     ``config``."""
     estimator = get_adv_estimator(config.adv_estimator)
@@ -44,5 +45,7 @@ def compute_advantage(batch: DataProto, config: AlgorithmConfig) -> None:
         kwargs["reward_baselines"] = tensors["reward_baselines"]
     if "uid" in batch.non_tensor_batch:
         kwargs["index"] = np.asarray(batch.non_tensor_batch["uid"])
+    if estimator_traits(config.adv_estimator).reads_batch:  # verl hands GDPO the whole batch
+        kwargs["non_tensor_batch"], kwargs["batch"] = batch.non_tensor_batch, tensors
     advantages, returns = estimator(config=config, **kwargs)
     batch.tensors["advantages"], batch.tensors["returns"] = advantages, returns

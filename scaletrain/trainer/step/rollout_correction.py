@@ -15,19 +15,22 @@ The math is in ``scaletrain.algos.rollout_correction``; ``validate_rollout_corre
 Ray starts, including that the configured policy loss really uses the weights.
 
 ``bypass_mode=true`` (verl's key) skips the trainer's old-log-prob forward: the rollout's log-probs are the old
-ones, so PPO's ratio is pi_theta / pi_rollout (two policies instead of three) and there is nothing left to
-correct. It saves one forward pass over the batch per step. The engines return log-probs of the distribution they
-sampled from (temperature-scaled, and renormalised under top-k / top-p): with truncation on, the ratio also
-carries that difference.
+ones, so PPO's ratio is pi_theta / pi_rollout (two policies instead of three). It saves one forward pass over the
+batch per step. With ``loss_type=reinforce``, ``rollout_is`` or ``rollout_rs`` the correction runs in the
+``bypass_mode`` policy loss against the current policy (scaletrain/algos/policy_loss_bypass.py), as in verl: the
+trainer picks that loss (``worker_configs.py``), and the driver computes no weights. The engines return log-probs
+of the distribution they sampled from (temperature-scaled, and renormalised under top-k / top-p): with truncation
+on, the ratio also carries that difference.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from scaletrain.algos import compute_mismatch_metrics, compute_rollout_correction, get_policy_loss, masked_mean
+from scaletrain.algos.rollout_correction import rs_ratio_bounds
 from scaletrain.protocol import DataProto
 from scaletrain.trainer.step.metrics import timer
 from scaletrain.utils.typed_config import ConfigError
@@ -44,29 +47,17 @@ RS_OPTIONS = {"token_k1": "token", "seq_sum_k1": "sequence"}
 
 
 def rs_bounds(cfg: RolloutCorrectionConfig) -> tuple[float, float]:
-    """(lower, upper) ratio bounds of ``rollout_rs_threshold``: "lower_upper", or one upper bound (lower = 1/upper)."""
+    """(lower, upper) ratio bounds of ``rollout_rs_threshold``: "lower_upper" ratio bounds, or one upper bound."""
     spec = cfg.rollout_rs_threshold
     if spec is None:
         raise ConfigError(
             f"{KEY}.rollout_rs={cfg.rollout_rs} needs {KEY}.rollout_rs_threshold "
             '("lower_upper" ratio bounds, e.g. "0.5_2.0", or an upper bound)'
         )
-    parts = str(spec).split("_") if isinstance(spec, str) else [spec]
     try:
-        values = [float(p) for p in parts]
-    except ValueError:
-        values = []
-    if len(values) not in (1, 2):
-        raise ConfigError(f'{KEY}.rollout_rs_threshold: expected "lower_upper" or a number, got {spec!r}')
-    upper = values[-1]
-    lower = values[0] if len(values) == 2 else (1.0 / upper if upper > 0 else 0.0)
-    # a token on which both sides agree (ratio 1) must never be rejected
-    if not 0.0 < lower <= 1.0 <= upper < float("inf"):
-        raise ConfigError(
-            f"{KEY}.rollout_rs_threshold: need 0 < lower <= 1 <= upper, got lower={lower}, "
-            f"upper={upper} (from {spec!r})"
-        )
-    return lower, upper
+        return rs_ratio_bounds(spec)
+    except ValueError as exc:
+        raise ConfigError(f"{KEY}.rollout_rs_threshold: {exc}") from None
 
 
 def validate_rollout_correction(cfg: PPOConfig) -> None:
@@ -89,28 +80,48 @@ def validate_rollout_correction(cfg: PPOConfig) -> None:
         rs_bounds(rc)
     elif rc.rollout_rs_threshold is not None:
         raise ConfigError(f"{KEY}.rollout_rs_threshold is set but {KEY}.rollout_rs is null")
-    if rc.bypass_mode and (rc.rollout_is is not None or rc.rollout_rs is not None):
-        set_keys = [f"{KEY}.{k}" for k in ("rollout_is", "rollout_rs") if getattr(rc, k) is not None]
-        raise ConfigError(
-            f"{KEY}.bypass_mode=true takes the rollout's log-probs as the old ones, so there is no trainer / rollout "
-            f"mismatch left to weight or reject: unset {', '.join(set_keys)} (or set bypass_mode=false)"
-        )
-    if rc.loss_type != "ppo_clip":
-        raise ConfigError(
-            f"{KEY}.loss_type: unsupported '{rc.loss_type}'; supported: ppo_clip (the PPO ratio against the "
-            "rollout policy in bypass_mode, against the recomputed old policy otherwise)"
-        )
     if not 0.0 < rc.mismatch_log_prob_threshold < float("inf"):
         raise ConfigError(f"{KEY}.mismatch_log_prob_threshold must be positive, got {rc.mismatch_log_prob_threshold}")
-    if rc.rollout_is is not None:
+    _validate_bypass(cfg)
+    if rc.rollout_is is not None and not rc.bypass_mode:
         _check_loss_uses_weights(cfg)
+
+
+def corrects_in_the_loss(rc: RolloutCorrectionConfig) -> bool:
+    """Bypass mode with something to correct against the current policy: the ``bypass_mode`` loss does it."""
+    return rc.bypass_mode and (rc.loss_type != "ppo_clip" or rc.rollout_is is not None or rc.rollout_rs is not None)
+
+
+def _validate_bypass(cfg: PPOConfig) -> None:
+    rc, loss_mode = cfg.algorithm.rollout_correction, cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    if rc.loss_type not in ("ppo_clip", "reinforce"):
+        raise ConfigError(f"{KEY}.loss_type: unsupported '{rc.loss_type}'; supported: ppo_clip, reinforce")
+    if not rc.bypass_mode and rc.loss_type != "ppo_clip":
+        raise ConfigError(f"{KEY}.loss_type={rc.loss_type} applies in bypass mode: set {KEY}.bypass_mode=true")
+    if loss_mode == "bypass_mode" and not rc.bypass_mode:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode: set {KEY}.bypass_mode=true instead (the "
+            "trainer picks that loss when its bypass corrects in the loss)"
+        )
+    if corrects_in_the_loss(rc) and loss_mode not in ("vanilla", "bypass_mode"):
+        raise ConfigError(
+            f"{KEY}.bypass_mode with loss_type={rc.loss_type}, rollout_is={rc.rollout_is}, rollout_rs={rc.rollout_rs} "
+            f"trains with the bypass_mode loss, not actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}: set "
+            "loss_mode=vanilla, or use bypass_mode with loss_type=ppo_clip and neither rollout_is nor rollout_rs"
+        )
+
+
+def bypass_policy_loss(rc: RolloutCorrectionConfig) -> dict[str, Any]:
+    """What the ``bypass_mode`` loss reads (``policy_loss.rollout_correction``)."""
+    keys = ("loss_type", "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize")
+    return {key: getattr(rc, key) for key in (*keys, "rollout_rs", "rollout_rs_threshold")}
 
 
 def _check_loss_uses_weights(cfg: PPOConfig) -> None:
     """The configured policy loss must multiply its per-token losses by ``rollout_is_weights``.
 
-    Probed on a tiny random batch: with all-zero weights such a loss is exactly 0. A loss that rejects the
-    keyword or ignores it would silently train without the correction."""
+    Probed on a tiny random batch: with all-zero weights such a loss is 0 (to a millionth of its unweighted value).
+    A loss that rejects the keyword or ignores it would silently train without the correction."""
     actor = cfg.actor_rollout_ref.actor
     mode = actor.policy_loss.loss_mode
     where = (
@@ -122,15 +133,16 @@ def _check_loss_uses_weights(cfg: PPOConfig) -> None:
     log_prob = old + 0.1 * torch.randn(2, 4, generator=gen)
     advantages = torch.randn(2, 4, generator=gen)
     mask, zeros = torch.ones(2, 4), torch.zeros(2, 4)
+    loss_fn = get_policy_loss(mode)
     try:
-        loss, _ = get_policy_loss(mode)(
-            old, log_prob, advantages, mask, actor.loss_agg_mode, actor, rollout_is_weights=zeros
-        )
+        loss, _ = loss_fn(old, log_prob, advantages, mask, actor.loss_agg_mode, actor, rollout_is_weights=zeros)
+        unweighted, _ = loss_fn(old, log_prob, advantages, mask, actor.loss_agg_mode, actor)
     except TypeError as exc:
         raise ConfigError(f"{where} takes no rollout_is_weights: {exc}") from exc
     except ValueError as exc:  # the loss refuses its own settings (e.g. dro without dro_beta)
         raise ConfigError(f"{where}: {exc}") from exc
-    if float(loss) != 0.0:
+    # GMPO's geometric mean of the weights keeps an epsilon (verl's): zero weights leave ~1e-10 of the loss
+    if abs(float(loss)) > 1e-6 * max(1.0, abs(float(unweighted))):
         raise ConfigError(
             f"{where} ignores rollout_is_weights "
             f"(all-zero weights gave loss {float(loss):.4g}); set rollout_is to null or use a loss "

@@ -1,6 +1,7 @@
 """The porting guide's reward manager example (docs/porting.md): a reward manager written for verl, unedited but for
 its import lines, registered through ``scaletrain.compat.verl`` and named by ``reward_model.reward_manager`` in a
-short PPO run of scaletrain's trainer: its scores are the ones the run trains on, and ``reward_kwargs`` reach it."""
+short PPO run of scaletrain's trainer: its scores are the ones the run trains on, ``reward_kwargs`` reach it, and
+its per-row extra info reaches the advantage estimator as batch columns (GDPO on ``acc``)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,8 @@ def test_a_verl_reward_manager_scores_scaletrains_run(ray_cluster, task, tmp_pat
     overrides = [
         "reward_model.reward_manager=porting_example_bonus",
         "+reward_model.reward_kwargs.bonus=0.25",
+        "algorithm.adv_estimator=gdpo",  # reads the manager's reward_extra_info["acc"] as a batch column
+        "algorithm.gdpo_reward_keys=[acc]",
         "trainer.val_before_train=true",
         "trainer.plot_at_end=false",
     ]
@@ -84,3 +87,66 @@ def test_a_verl_reward_manager_scores_scaletrains_run(ray_cluster, task, tmp_pat
         assert logged[step]["critic/score/mean"] == pytest.approx(BonusRewardManager.calls[step], abs=1e-6)
         assert logged[step]["critic/score/mean"] >= 0.25  # the bonus from reward_kwargs reached the manager
     assert logged[2]["reward/score_mean"] == pytest.approx(BonusRewardManager.calls[2], abs=1e-6)
+    assert all(abs(logged[step]["critic/advantages/mean"]) < 1e-5 for step in (1, 2))  # GDPO whitens the batch
+
+
+# --- a verl 0.9 user's per-sample (reward-loop) manager, unedited but for its imports (verl's: from
+# verl.experimental.reward_loop.reward_manager import register; from verl.experimental.reward_loop.reward_manager.base
+# import RewardManagerBase) ---
+from scaletrain.compat.verl.experimental.reward_loop.reward_manager import register as register_loop  # noqa: E402
+from scaletrain.compat.verl.experimental.reward_loop.reward_manager.base import RewardManagerBase  # noqa: E402
+
+
+@register_loop("porting_example_length")
+class LengthRewardManager(RewardManagerBase):
+    """Score: the response's share of max_len (from reward_kwargs), computed off the event loop."""
+
+    def __init__(self, config, tokenizer, compute_score, reward_router_address=None, reward_model_tokenizer=None):
+        super().__init__(config, tokenizer, compute_score)
+        self.max_len = config.reward.get("reward_kwargs", {}).get("max_len", 10)
+
+    async def run_single(self, data: DataProto) -> dict:
+        data_item = data[0]
+        response_length = data_item.batch["responses"].shape[-1]
+        valid = int(data_item.batch["attention_mask"][-response_length:].sum())
+        text = await self.loop.run_in_executor(
+            None, lambda: self.tokenizer.decode(data_item.batch["responses"][:valid], skip_special_tokens=True)
+        )
+        return {"reward_score": valid / self.max_len, "reward_extra_info": {"chars": len(text)}}
+
+
+# --- end of the user's file ---
+
+
+def test_a_verl_reward_loop_manager_scores_a_batch_as_the_trainer_runs_it(task):
+    import numpy as np
+
+    from scaletrain.compat.verl.utils import hf_tokenizer
+    from scaletrain.reward import build_reward_manager
+    from scaletrain.reward.managers import REWARD_LOOP_MANAGERS
+    from scaletrain.trainer.config.checks import _validate_names
+    from scaletrain.trainer.config.ppo_config import PPOConfig
+
+    tokenizer = hf_tokenizer(task["model"])
+    try:
+        cfg = PPOConfig()
+        cfg.reward_model.reward_manager = "porting_example_length"
+        _validate_names(cfg)  # the trainer's config check knows the name
+        manager = build_reward_manager(tokenizer, "porting_example_length", max_len=4)  # reward_kwargs
+        responses = torch.tensor([[5, 6, 7, 0], [5, 0, 0, 0]])
+        data = DataProto.from_dict(
+            {
+                "prompts": torch.tensor([[1, 2], [0, 2]]),
+                "responses": responses,
+                "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0]]),
+            },
+            {"data_source": np.array(["x", "x"], dtype=object)},
+        )
+        out = manager(data, return_dict=True)
+        assert out["reward_tensor"].tolist() == [[0.0, 0.0, 0.75, 0.0], [0.25, 0.0, 0.0, 0.0]]
+        assert out["reward_extra_info"]["chars"] == [
+            len(tokenizer.decode(r[:n])) for r, n in ((responses[0], 3), (responses[1], 1))
+        ]
+        assert out["metrics"]["reward/score_mean"] == pytest.approx(0.5)
+    finally:
+        del REWARD_LOOP_MANAGERS["porting_example_length"]

@@ -50,6 +50,7 @@ DRIVER_READ = {
     "custom_reward_function.name",
     "custom_reward_function.reward_kwargs",
     *(f"algorithm.{k}" for k in ("gamma", "lam", "norm_adv_by_std_in_grpo", "kl_penalty", "filter_overlong_responses")),
+    "algorithm.gdpo_reward_keys",  # the advantage step reads it (gdpo)
     *(f"algorithm.kl_ctrl.{k}" for k in ("type", "kl_coef", "horizon", "target_kl")),
     *(f"algorithm.rollout_correction.{k}" for k in ("rollout_is_threshold", "bypass_mode")),
     "algorithm.rollout_correction.mismatch_log_prob_threshold",

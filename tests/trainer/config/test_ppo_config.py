@@ -43,6 +43,11 @@ def test_yaml_defaults_build_and_validate():
         (["trainer.logger=[console,nope]"], "trainer.logger: unknown logger 'nope'"),
         (["backend.name=nope"], "backend.name: unknown backend 'nope'"),
         (["actor_rollout_ref.rollout.n=1"], "set actor_rollout_ref.rollout.n >= 2"),
+        (["algorithm.adv_estimator=gdpo"], "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys"),
+        (
+            ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc]", "algorithm.gdpo_reward_weights=[1,2]"],
+            "algorithm.gdpo_reward_weights has 2 weights for 1 gdpo_reward_keys",
+        ),
         (["data.train_files=/no/such.parquet"], "data.train_files: file not found: /no/such.parquet"),
         (["actor_rollout_ref.model.path=/no/model"], "actor_rollout_ref.model.path: not found: /no/model"),
         (["trainer.resume_mode=resume_path"], "trainer.resume_mode=resume_path needs trainer.resume_from_path"),

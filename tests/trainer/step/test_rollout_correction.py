@@ -138,12 +138,8 @@ def checked(*settings, extra=()):
         (["rollout_rs_threshold=2.0"], f"{KEY}.rollout_rs_threshold is set but {KEY}.rollout_rs is null"),
         (["rollout_is=token", "rollout_is_threshold=0.5"], f"{KEY}.rollout_is_threshold must be >= 1"),
         (["rollout_is_batch_normalize=true"], f"{KEY}.rollout_is_batch_normalize needs {KEY}.rollout_is"),
-        (["bypass_mode=true", "rollout_is=token"], f"unset {KEY}.rollout_is (or set bypass_mode=false)"),
-        (
-            ["bypass_mode=true", "rollout_rs=token_k1", "rollout_rs_threshold=2.0"],
-            f"unset {KEY}.rollout_rs (or set bypass_mode=false)",
-        ),
-        (["loss_type=reinforce"], f"{KEY}.loss_type: unsupported 'reinforce'; supported: ppo_clip"),
+        (["loss_type=reinforce"], f"{KEY}.loss_type=reinforce applies in bypass mode: set {KEY}.bypass_mode=true"),
+        (["bypass_mode=true", "loss_type=a2c"], f"{KEY}.loss_type: unsupported 'a2c'; supported: ppo_clip, reinforce"),
         (["mismatch_log_prob_threshold=0"], f"{KEY}.mismatch_log_prob_threshold must be positive"),
     ],
 )
@@ -165,6 +161,10 @@ def test_good_keys_and_threshold_forms():
 @pytest.mark.parametrize("loss_mode", POLICY_LOSSES.names())
 def test_every_registered_policy_loss_applies_the_weights(loss_mode):
     extra = [f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}"]
+    if loss_mode == "bypass_mode":  # the trainer's bypass picks it; it computes its weights itself
+        with pytest.raises(ConfigError, match=f"set {KEY}.bypass_mode=true instead"):
+            checked("rollout_is=token", extra=extra)
+        return
     if loss_mode == "dro":  # the one loss with a setting that has no default
         with pytest.raises(ConfigError, match="dro_beta"):
             checked("rollout_is=token", extra=extra)
@@ -188,3 +188,34 @@ def test_a_loss_that_ignores_or_refuses_the_weights_fails_validation(monkeypatch
         with pytest.raises(ConfigError, match=message):
             checked("rollout_is=token", extra=[loss_mode])
         checked(extra=[loss_mode])  # without IS weights any loss will do
+
+
+def test_a_bypass_that_corrects_trains_with_the_bypass_mode_loss():
+    from scaletrain.trainer.config.plan import plan_run, resolve_config
+    from scaletrain.trainer.config.worker_configs import ppo_worker_configs
+
+    def actor_of(cfg):
+        cfg = resolve_config(cfg)
+        return ppo_worker_configs(cfg, plan_run(cfg, 1024, None))[0][0].actor
+
+    cfg = checked(
+        "bypass_mode=true",
+        "loss_type=reinforce",
+        "rollout_is=sequence",
+        "rollout_rs=token_k1",
+        "rollout_rs_threshold=0.5_2.0",
+    )
+    actor = actor_of(cfg)
+    assert actor.policy_loss.loss_mode == "bypass_mode"
+    assert actor.policy_loss.rollout_correction == {
+        "loss_type": "reinforce",
+        "rollout_is": "sequence",
+        "rollout_is_threshold": 2.0,
+        "rollout_is_batch_normalize": False,
+        "rollout_rs": "token_k1",
+        "rollout_rs_threshold": "0.5_2.0",
+    }
+    plain = checked("bypass_mode=true")  # nothing to correct: PPO against the rollout, the configured loss
+    assert actor_of(plain).policy_loss.loss_mode == "vanilla"
+    with pytest.raises(ConfigError, match="not actor_rollout_ref.actor.policy_loss.loss_mode=gspo"):
+        checked("bypass_mode=true", "rollout_is=token", extra=["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"])

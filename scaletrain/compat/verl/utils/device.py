@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -13,4 +15,9 @@ def get_nccl_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-__all__ = ["get_device_name", "get_nccl_backend"]
+def get_torch_device() -> Any:
+    """The torch module of this process's device (``torch.cuda``, else ``torch.cpu``)."""
+    return getattr(torch, get_device_name())
+
+
+__all__ = ["get_device_name", "get_nccl_backend", "get_torch_device"]

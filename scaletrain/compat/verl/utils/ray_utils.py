@@ -1,10 +1,11 @@
-"""``verl.utils.ray_utils``: putting many objects in Ray's object store at once."""
+"""``verl.utils.ray_utils``: putting many objects in Ray's object store at once; this thread's event loop."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from scaletrain.reward.managers.reward_loop import get_event_loop
 from scaletrain.utils.errors import InvalidInput
 
 
@@ -19,4 +20,4 @@ def parallel_put(data_list: list[Any], max_workers: int | None = None) -> list[A
         return list(pool.map(ray.put, data_list))
 
 
-__all__ = ["parallel_put"]
+__all__ = ["get_event_loop", "parallel_put"]

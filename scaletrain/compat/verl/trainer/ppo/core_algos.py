@@ -26,6 +26,7 @@ from scaletrain.algos import (
 )
 from scaletrain.algos.advantage import compute_reinforce_plus_plus_advantage, compute_remax_advantage
 from scaletrain.algos.group_advantage import (
+    compute_gdpo_advantage,
     compute_gpg_advantage,
     compute_grpo_advantage,
     compute_grpo_passk_advantage,
@@ -41,7 +42,13 @@ from scaletrain.algos.policy_loss import (
     compute_policy_loss_sapo,
     compute_policy_loss_vanilla,
 )
+from scaletrain.algos.policy_loss_bypass import compute_policy_loss_bypass_mode, compute_policy_loss_reinforce
 from scaletrain.algos.policy_loss_cov import compute_policy_loss_clip_cov, compute_policy_loss_kl_cov
+from scaletrain.algos.policy_loss_trust_region import (
+    compute_policy_loss_dppo_kl,
+    compute_policy_loss_dppo_tv,
+    compute_policy_loss_geo_mean,
+)
 from scaletrain.utils.registry import register_into, registry_key
 
 ADV_ESTIMATOR_REGISTRY = ADV_ESTIMATORS
@@ -58,6 +65,7 @@ compute_reinforce_plus_plus_outcome_advantage = compute_reinforce_plus_plus_adva
 compute_reinforce_plus_plus_baseline_outcome_advantage = compute_reinforce_plus_plus_baseline_advantage
 compute_remax_outcome_advantage = compute_remax_advantage
 compute_gpg_outcome_advantage = compute_gpg_advantage
+compute_gdpo_outcome_advantage = compute_gdpo_advantage
 
 
 def register_adv_est(name_or_enum: str | AdvantageEstimator) -> Any:
@@ -121,6 +129,7 @@ __all__ = [
     "agg_loss",
     "compute_entropy_loss",
     "compute_gae_advantage_return",
+    "compute_gdpo_outcome_advantage",
     "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
     "compute_grpo_passk_outcome_advantage",
@@ -128,9 +137,14 @@ __all__ = [
     "compute_opo_outcome_advantage",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",
+    "compute_policy_loss_bypass_mode",
+    "compute_policy_loss_dppo_kl",
+    "compute_policy_loss_dppo_tv",
     "compute_policy_loss_dro",
+    "compute_policy_loss_geo_mean",
     "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
+    "compute_policy_loss_reinforce",
     "compute_policy_loss_kl_cov",
     "compute_policy_loss_sapo",
     "compute_policy_loss_vanilla",

@@ -1,0 +1,1 @@
+"""``verl.experimental.reward_loop``: verl 0.9's per-sample reward managers (``reward_manager``)."""
