@@ -25,18 +25,11 @@ import torch
 
 from scaletrain.agent.base import AgentLoopOutput, get_agent_loop
 from scaletrain.agent.server import AsyncServerManager
-from scaletrain.protocol import DataProto
+from scaletrain.protocol import DataProto, object_column
 from scaletrain.utils.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
 ROW_FIELDS = ("raw_prompt", "raw_prompt_ids", "extra_info", "data_source", "reward_model", "index")
-
-
-def _object_array(values: list[Any]) -> np.ndarray:
-    arr = np.empty(len(values), dtype=object)
-    for i, v in enumerate(values):
-        arr[i] = v
-    return arr
 
 
 class AgentLoopManager:
@@ -159,8 +152,8 @@ class AgentLoopManager:
         }
         non_tensors = {
             "num_turns": np.array([o.num_turns for o in outputs], dtype=np.int64),
-            "turn_scores": _object_array([list(o.extra_fields.get("turn_scores", [])) for o in outputs]),
-            "tool_rewards": _object_array([list(o.extra_fields.get("tool_rewards", [])) for o in outputs]),
+            "turn_scores": object_column([list(o.extra_fields.get("turn_scores", [])) for o in outputs]),
+            "tool_rewards": object_column([list(o.extra_fields.get("tool_rewards", [])) for o in outputs]),
         }
         return DataProto.from_dict(tensors, non_tensors)
 

@@ -39,7 +39,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from scaletrain.protocol import DataProto
+from scaletrain.protocol import DataProto, object_column
 
 logger = logging.getLogger(__name__)
 
@@ -74,14 +74,6 @@ def require_chat_template(tokenizer: Any, needed_for: str) -> None:
         )
 
 
-def _object_array(values: list[Any]) -> np.ndarray:
-    """A 1-D object array holding each value as one element (lists/dicts are not broadcast into new axes)."""
-    arr = np.empty(len(values), dtype=object)
-    for i, value in enumerate(values):
-        arr[i] = value
-    return arr
-
-
 def collate_fn(items: Sequence[dict[str, Any]]) -> DataProto:
     """Rows from ``RLDataset.__getitem__`` -> one DataProto: tensors stacked, other fields as object arrays."""
     return DataProto.from_dict(*collate_rows(items))
@@ -96,7 +88,7 @@ def collate_rows(items: Sequence[dict[str, Any]]) -> tuple[dict[str, torch.Tenso
         if set(item) != set(keys):
             raise ValueError(f"collate_fn: row {i} has fields {sorted(item)}, row 0 has {sorted(keys)}")
     tensors = {k: torch.stack([item[k] for item in items]) for k in keys if isinstance(items[0][k], torch.Tensor)}
-    non_tensors = {k: _object_array([item[k] for item in items]) for k in keys if k not in tensors}
+    non_tensors = {k: object_column([item[k] for item in items]) for k in keys if k not in tensors}
     return tensors, non_tensors
 
 

@@ -32,6 +32,7 @@ from scaletrain.protocol.reshape import (
     unfold_batch_dim,
     unpad_dataproto,
 )
+from scaletrain.protocol.rows import object_column
 
 __all__ = [
     "PAD_ROWS_KEY",
@@ -47,6 +48,7 @@ __all__ = [
     "fold_batch_dim",
     "list_of_dict_to_dict_of_list",
     "pad_dataproto_to_divisor",
+    "object_column",
     "padded_shares",
     "serialize_single_tensor",
     "serialize_tensordict",

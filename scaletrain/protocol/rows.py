@@ -1,5 +1,5 @@
 """Row operations on a DataProto's tensors (scaletrain/protocol): index normalisation, row gathers and row
-repeats, each one pass over the data.
+repeats, each one pass over the data; and a non-tensor column made of one value per row (``object_column``).
 
 A gather goes through ``Tensor.index_select`` rather than ``tensor[index]`` (and so rather than TensorDict's
 ``td[index]``): for a 1-D row index both give the same rows, but advanced indexing builds a generic index
@@ -68,3 +68,11 @@ def repeated_rows(t: torch.Tensor, times: int, interleave: bool) -> torch.Tensor
 def pad_rows(rows: int, size_divisor: int) -> list[int]:
     """The rows to append so that ``rows`` divides by ``size_divisor``: the first ones again, cycling."""
     return [i % rows for i in range((-rows) % size_divisor)] if rows else []
+
+
+def object_column(values: Any) -> np.ndarray:
+    """A 1-D object array with one element per value (a list or dict value is not broadcast into new axes)."""
+    column = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        column[i] = value
+    return column

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import pickle
 import signal
 import threading
 import time
@@ -26,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from scaletrain.reward.sandbox import ERROR, OK, TIMEOUT, Outcome, ScoringPool
+from scaletrain.reward.sandbox import ERROR, OK, TIMEOUT, Outcome, ScoringPool, UnpicklableScorer
 from scaletrain.utils.secrets import redact_text
 
 logger = logging.getLogger(__name__)
@@ -120,17 +119,18 @@ def scoring_runner(
     mp_context: str | None,
     start_timeout_s: float,
 ) -> ScoringPool | InProcessScorer:
-    """A ScoringPool for ``fn``; an InProcessScorer (with a warning) when ``fn`` cannot be pickled."""
+    """A ScoringPool for ``fn``; an InProcessScorer (with a warning) when the pool refuses ``fn`` because it cannot
+    be pickled (the pool pickles it once, at construction)."""
     try:
-        pickle.dumps(fn)
-    except Exception as e:
+        return ScoringPool(fn, num_workers, timeout_s, mp_context, start_timeout_s)
+    except UnpicklableScorer as e:
+        cause = e.__cause__
         logger.warning(
             "reward function %s cannot be sent to reward worker processes (%s: %s); it runs in this process: a "
             "crash in it ends the run and its timeout interrupts it only between Python bytecodes. Define it at "
             "module level (or load it with custom_reward_function.path) to score in worker processes.",
             redact_text(repr(fn)),
-            type(e).__name__,
-            e,
+            type(cause).__name__,
+            cause,
         )
         return InProcessScorer(fn, timeout_s)
-    return ScoringPool(fn, num_workers, timeout_s, mp_context, start_timeout_s)

@@ -49,6 +49,10 @@ _PR_SET_PDEATHSIG = 1
 _GROUP_STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}  # the preemption signals (trainer/run/preemption.py)
 
 
+class UnpicklableScorer(TypeError):
+    """The function cannot be pickled, so it cannot be sent to worker processes (``__cause__``: pickle's error)."""
+
+
 @dataclass
 class Outcome:
     """Result of one call: status "ok" (``value`` holds the return value), "error" or "timeout" (``error``
@@ -203,7 +207,7 @@ class ScoringPool:
         try:
             self._fn_bytes = pickle.dumps(fn)
         except Exception as e:
-            raise TypeError(
+            raise UnpicklableScorer(
                 f"reward function {fn!r} cannot be sent to reward worker processes ({type(e).__name__}: {e}); use "
                 "a module-level function, or load it with load_custom_reward_fn(path, name)"
             ) from e

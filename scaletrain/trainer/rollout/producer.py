@@ -23,7 +23,7 @@ import numpy as np
 
 from backends.rollout.base import SamplingConfig
 from scaletrain.algos.advantage import estimator_traits
-from scaletrain.protocol import DataProto
+from scaletrain.protocol import DataProto, object_column
 from scaletrain.trainer.rollout.dynamic_sampling import Scored, collect_groups
 from scaletrain.trainer.rollout.remax import greedy_baseline
 from scaletrain.trainer.rollout.reward_guard import RewardGuard
@@ -152,7 +152,4 @@ def add_reward_columns(batch: DataProto, extra_info: dict[str, list]) -> None:
     (``uid``, ``data_source``, ...) keeps the batch's column."""
     for key, values in extra_info.items():
         if key not in batch.non_tensor_batch and len(values) == len(batch):
-            column = np.empty(len(values), dtype=object)
-            for i, value in enumerate(values):
-                column[i] = value  # one element each: a list value is not broadcast into a new axis
-            batch.non_tensor_batch[key] = column
+            batch.non_tensor_batch[key] = object_column(values)

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from backends.batching import balanced_partition, karmarkar_karp
+from backends.batching import balanced_partition, karmarkar_karp, restore_order
+from backends.dist import max_over_ranks
 from scaletrain.compat.verl.utils.device import get_device_name
 from scaletrain.protocol import DataProto
 from scaletrain.protocol.tensordict_ops import index_select_tensor_dict
@@ -100,9 +101,7 @@ def _micro_batch_count(n_rows: int, total_tokens: int, max_token_len: int, **opt
         count = max(options["min_num_micro_batch"], count)
     group = options["dp_group"]
     if dist.is_initialized() and options["same_micro_num_in_dp"] and group is not None:
-        agreed = torch.tensor([count], device=get_device_name())
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-        count = int(agreed.item())
+        (count,) = max_over_ranks([count], torch.device(get_device_name()), group)
     if options["num_batches_divided_by"] is not None:
         count = roundup_divisible(count, options["num_batches_divided_by"])
     if count > n_rows:
@@ -160,10 +159,7 @@ def rearrange_micro_batches(
 
 def get_reverse_idx(idx_map: list[int]) -> list[int]:
     """The inverse permutation: ``out[idx_map[i]] = i``."""
-    reverse = copy.deepcopy(idx_map)
-    for i, idx in enumerate(idx_map):
-        reverse[idx] = i
-    return reverse
+    return restore_order([list(idx_map)]).tolist()
 
 
 def prepare_dynamic_batch(
@@ -198,10 +194,10 @@ def prepare_dynamic_batch(
 
 def restore_dynamic_batch(data: torch.Tensor, batch_idx_list: list[list[int]]) -> torch.Tensor:
     """Rows concatenated in micro-batch order back in the original order (a jagged nested tensor too)."""
-    indices = list(chain.from_iterable(batch_idx_list))
-    if len(indices) != data.shape[0]:
-        raise InvalidInput(f"{len(indices)} indices for {data.shape[0]} rows")
-    reverse = torch.tensor(get_reverse_idx(indices), dtype=torch.long)
+    indices = sum(len(part) for part in batch_idx_list)
+    if indices != data.shape[0]:
+        raise InvalidInput(f"{indices} indices for {data.shape[0]} rows")
+    reverse = restore_order(batch_idx_list)
     if data.is_nested:
         rows = data.unbind()
         return torch.nested.as_nested_tensor([rows[i] for i in reverse], layout=torch.jagged)

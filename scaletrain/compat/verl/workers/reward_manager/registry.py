@@ -6,7 +6,7 @@ registered here is one the trainer can run. verl's lookup error text is kept (it
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from scaletrain.reward.managers import REWARD_MANAGERS, AbstractRewardManager, register_reward_manager
 
@@ -22,6 +22,11 @@ def register(name: str) -> Callable[[type[AbstractRewardManager]], type[Abstract
 
 
 def get_reward_manager_cls(name: str) -> type[AbstractRewardManager]:
-    if name not in REWARD_MANAGER_REGISTRY:
+    return registered_manager(REWARD_MANAGER_REGISTRY, name)
+
+
+def registered_manager(registry: Mapping[str, type], name: str) -> type:
+    """``registry[name]``; verl's ValueError text when it has none (the reward-loop registry's lookup too)."""
+    if name not in registry:
         raise ValueError(f"Unknown reward manager: {name}")
-    return REWARD_MANAGER_REGISTRY[name]
+    return registry[name]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from scaletrain.compat.verl.workers.reward_manager.registry import registered_manager
 from scaletrain.reward.managers.reward_loop import REWARD_LOOP_MANAGERS, RewardManagerBase
 
 __all__ = ["REWARD_MANAGER", "get_reward_manager_cls", "register"]
@@ -16,6 +17,4 @@ def register(name: str) -> Callable[[type[RewardManagerBase]], type[RewardManage
 
 
 def get_reward_manager_cls(name: str) -> type[RewardManagerBase]:
-    if name not in REWARD_LOOP_MANAGERS:
-        raise ValueError(f"Unknown reward manager: {name}")
-    return REWARD_LOOP_MANAGERS[name]
+    return registered_manager(REWARD_LOOP_MANAGERS, name)
