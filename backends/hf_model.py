@@ -3,7 +3,8 @@ of one micro-batch that turns verl-layout inputs into per-response-token outputs
 
 Outputs of ``forward_micro_batch`` (all float32, zero at padded response positions):
   - causal_lm: ``log_probs`` (b, R) of the response tokens (logits at position t predict token t+1, so the
-    predictions are taken at the R positions before each response token), optional ``entropy`` (b, R). The logits
+    predictions are taken at the R positions before each response token), optional ``entropy`` and
+    ``sum_pi_squared`` (b, R: the sum of squared probabilities over the vocabulary, without gradient). The logits
     are divided by ``temperature`` first, like the sampler that produced the responses.
   - value: ``values`` (b, R), the token-classification head's output at the position *before* each response token.
   - reward: ``scores`` (b,), the sequence-classification head's output at each row's last valid token.
@@ -29,11 +30,11 @@ from torch import nn
 
 from backends.config import ATTN_IMPLEMENTATIONS, ModelConfig
 from backends.lora import lora_enabled, wrap_lora
-from scaletrain.algos.entropy import entropy_from_logits, logprobs_from_logits
+from scaletrain.algos.entropy import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
 
 logger = logging.getLogger(__name__)
 
-KIND_OUTPUTS = {"causal_lm": ("log_probs", "entropy"), "value": ("values",), "reward": ("scores",)}
+KIND_OUTPUTS = {"causal_lm": ("log_probs", "entropy", "sum_pi_squared"), "value": ("values",), "reward": ("scores",)}
 
 
 def check_outputs(kind: str, outputs) -> tuple[str, ...]:
@@ -220,6 +221,8 @@ def forward_micro_batch(
         result["log_probs"] = _scatter_rows(logprobs_from_logits(logits, labels, chunk_size), resp_valid)
     if "entropy" in outputs:
         result["entropy"] = _scatter_rows(entropy_from_logits(logits, chunk_size), resp_valid)
+    if "sum_pi_squared" in outputs:
+        result["sum_pi_squared"] = _scatter_rows(sum_pi_squared_from_logits(logits, chunk_size), resp_valid)
     return result
 
 

@@ -1,6 +1,6 @@
 """Per-token outputs of the Megatron model without gathering the vocabulary: vocab-parallel log-probs (megatron's
 ``vocab_parallel_cross_entropy``) and entropy (all-reduce of max / sum-exp / sum p*logit over the TP group), both
-differentiable, plus the micro-batch layout the Megatron model is fed.
+differentiable, the sum of squared probabilities (no gradient), plus the micro-batch layout the Megatron model is fed.
 
 Layout. Megatron's RoPE uses positions 0..S-1 of the sequence it is given, so each row is rolled left until its
 first valid token sits in column 0: valid tokens then have exactly the HF position ids (0, 1, ...), and the
@@ -41,6 +41,20 @@ class _VocabParallelEntropy(torch.autograd.Function):
 
 def vocab_parallel_entropy(logits: torch.Tensor, group) -> torch.Tensor:
     return _VocabParallelEntropy.apply(logits, group)
+
+
+@torch.no_grad()
+def vocab_parallel_sum_pi_squared(logits: torch.Tensor, group) -> torch.Tensor:
+    """sum_v p_v^2 over the whole vocabulary from this rank's slice: all-reduce of the max, then of sum exp(l - m)
+    and sum exp(2 (l - m)); the ratio of the second to the first squared. No gradient (the optimal-token-baseline
+    estimators read it from the old policy)."""
+    logits = logits.float()
+    m = logits.max(dim=-1, keepdim=True).values
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    e = torch.exp(logits - m)
+    sums = torch.stack([e.sum(-1), (e * e).sum(-1)])
+    dist.all_reduce(sums, group=group)
+    return sums[1] / sums[0] ** 2
 
 
 def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -123,4 +137,6 @@ def response_outputs(
         result["log_probs"] = vocab_parallel_log_probs(logits, prepared["responses"].to(dev)) * valid_f
     if "entropy" in outputs:
         result["entropy"] = vocab_parallel_entropy(logits, tp_group) * valid_f
+    if "sum_pi_squared" in outputs:
+        result["sum_pi_squared"] = vocab_parallel_sum_pi_squared(logits, tp_group) * valid_f
     return result

@@ -8,7 +8,8 @@ with (batch, response_length) tensors in and out. ``index`` holds one group id (
 group estimators (see ``group_advantage.py``); ``config`` is the ``algorithm`` config (attributes or dict);
 keyword arguments override it. All estimators return zeros at masked positions and run without gradients.
 
-This file: ``gae`` (needs ``values``), ``reinforce_plus_plus`` and ``remax`` (needs ``reward_baselines``).
+This file: ``gae`` (needs ``values``), ``reinforce_plus_plus`` and ``remax`` (needs ``reward_baselines``), and
+the discounted suffix sums behind GAE's and REINFORCE++'s returns (``discounted_suffix_sum``).
 """
 
 from __future__ import annotations
@@ -19,11 +20,68 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from scaletrain.algos.masked import masked_whiten
 from scaletrain.algos.options import get_option
-from scaletrain.algos.scan import discounted_suffix_sum
 from scaletrain.utils.registry import Registry
+
+# ------------------------------------------------------------------------------------ discounted suffix sums
+# Discounted reverse cumulative sums (the scans behind GAE and REINFORCE++ returns) without a loop over time.
+#
+# ``y[t] = sum_{s >= t} f**(s - t) * x[s]`` is computed exactly with two small matrix products (no Python loop
+# over time steps, no negative powers, so no overflow or underflow for long sequences):
+#
+# 1. split the time axis into chunks of C steps and take the discounted suffix sum inside each chunk with one
+#    (C, C) upper-triangular matrix of powers f**(i - j);
+# 2. the value at each chunk start ``S_c`` then satisfies ``A_c = sum_{c' >= c} f**(C (c' - c)) S_{c'}``, another
+#    (n_chunks, n_chunks) triangular product, and every position adds ``f**(C - j) * A_{c+1}``.
+#
+# Work is O(B T C + B (T / C)**2) instead of the O(B T**2) of a full (T, T) decay matrix. On the CPU the products
+# run in the input's precision (at least float32: chunks of 32 terms lose nothing worth keeping, and a float32
+# product costs a third of a float64 one); on a GPU in float64, so the result does not depend on TF32 settings.
+
+
+def _decay_matrix(n: int, factor: float, stride: int, device: torch.device) -> torch.Tensor:
+    """(n, n) matrix M with M[j, i] = factor**(stride * (i - j)) for i >= j, else 0 (float64)."""
+    idx = torch.arange(n, device=device)
+    gap = idx[None, :] - idx[:, None]
+    powers = torch.tensor(float(factor), dtype=torch.float64, device=device) ** (stride * gap.clamp(min=0))
+    return torch.where(gap >= 0, powers, torch.zeros((), dtype=torch.float64, device=device))
+
+
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.is_cuda else torch.promote_types(x.dtype, torch.float32)
+
+
+def discounted_suffix_sum(x: torch.Tensor, factor: float, chunk_size: int = 32) -> torch.Tensor:
+    """``y[..., t] = sum_{s >= t} factor**(s - t) * x[..., s]`` along the last dim; returns x's dtype.
+
+    ``factor`` must lie in [0, 1] (a discount). ``factor == 0`` returns x, ``factor == 1`` a plain reverse cumsum.
+    """
+    factor = float(factor)
+    if not 0.0 <= factor <= 1.0:
+        raise ValueError(f"discount factor must be in [0, 1], got {factor}")
+    *lead, T = x.shape
+    if T == 0:
+        return x.clone()
+    dtype = _work_dtype(x)
+    flat = x.reshape(-1, T).to(dtype)
+    C = max(1, min(chunk_size, T))
+    n = -(-T // C)
+    if n * C != T:
+        flat = F.pad(flat, (0, n * C - T))  # zeros at the end do not change earlier suffix sums
+    chunks = flat.view(-1, n, C)
+
+    inner = _decay_matrix(C, factor, 1, x.device).to(dtype)  # (C, C)
+    local = chunks @ inner.T  # suffix sums inside each chunk
+    starts = local[..., 0] @ _decay_matrix(n, factor, C, x.device).to(dtype).T  # full value at each chunk start
+    carry = F.pad(starts[:, 1:], (0, 1))  # value at the start of the next chunk
+    exps = torch.arange(C, 0, -1, device=x.device)  # position j is C - j steps before the next chunk
+    tail = (torch.tensor(factor, dtype=torch.float64, device=x.device) ** exps).to(dtype)
+    y = local.view(-1, C).addmm_(carry.reshape(-1, 1), tail.view(1, C))  # + carry * tail: a rank-1 update
+    return y.view(-1, n * C)[:, :T].reshape(*lead, T).to(x.dtype)
+
 
 ADV_ESTIMATORS = Registry("advantage estimator")
 
@@ -43,6 +101,8 @@ class AdvantageEstimator(str, enum.Enum):
     GRPO_VECTORIZED = "grpo_vectorized"  # verl's name for its vectorized GRPO: grpo here (already vectorized)
     RLOO_VECTORIZED = "rloo_vectorized"  # likewise rloo
     GDPO = "gdpo"
+    OPTIMAL_TOKEN_BASELINE = "optimal_token_baseline"
+    TIR_OPTIMAL_TOKEN_BASELINE = "tir_optimal_token_baseline"
 
 
 @dataclass(frozen=True)
@@ -53,6 +113,8 @@ class EstimatorTraits:
     group_based: bool = False  # it compares the samples of one prompt: rollout.n must be >= 2
     greedy_baseline: bool = False  # it reads reward_baselines: the score of one greedy response per prompt (ReMax)
     reads_batch: bool = False  # it reads the batch's columns (non_tensor_batch, batch), e.g. reward components
+    needs_sum_pi_squared: bool = False  # it reads old_log_probs and sum_pi_squared (the actor's log-prob pass
+    # computes each token's sum of squared probabilities for it) and rollout_is_weights when there are any
 
 
 ESTIMATOR_TRAITS: dict[str, EstimatorTraits] = {}
@@ -66,6 +128,7 @@ def register_adv_est(
     group_based: bool = False,
     greedy_baseline: bool = False,
     reads_batch: bool = False,
+    needs_sum_pi_squared: bool = False,
 ) -> Callable:
     """Decorator: register an advantage estimator under ``name`` (then usable as ``algorithm.adv_estimator=name``),
     with its traits (``EstimatorTraits``)."""
@@ -74,7 +137,9 @@ def register_adv_est(
     def decorator(fn: Callable) -> Callable:
         register(fn)
         key = name.value if isinstance(name, enum.Enum) else name
-        ESTIMATOR_TRAITS[key] = EstimatorTraits(needs_values, group_based, greedy_baseline, reads_batch)
+        ESTIMATOR_TRAITS[key] = EstimatorTraits(
+            needs_values, group_based, greedy_baseline, reads_batch, needs_sum_pi_squared
+        )
         return fn
 
     return decorator

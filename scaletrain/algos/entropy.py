@@ -1,4 +1,4 @@
-"""Per-token entropy and label log-probabilities from logits, computed in chunks of rows.
+"""Per-token entropy, label log-probabilities and sums of squared probabilities from logits, in chunks of rows.
 
 A (batch, seq, vocab) softmax in float32 is the largest tensor of an LLM step (e.g. 8 x 4096 x 152k x 4 bytes =
 20 GB). Both functions here walk the flattened rows ``chunk_size`` at a time, in float32, and are custom autograd
@@ -94,3 +94,22 @@ def logprobs_from_logits(
     if labels.shape != logits.shape[:-1]:
         raise ValueError(f"labels shape {tuple(labels.shape)} does not match logits {tuple(logits.shape)}")
     return _ChunkedLabelLogProb.apply(logits, labels.long(), int(chunk_size))
+
+
+@torch.no_grad()
+def sum_pi_squared_from_logits(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+    """sum_v softmax(logits)_v^2 over the last dim, shape ``logits.shape[:-1]``, without gradient (the
+    optimal-token-baseline estimators read it from the old policy); float32, or float64 for float64 logits.
+    exp(logsumexp(2 l) - 2 logsumexp(l)) per chunk: no probability is squared, so tiny ones do not underflow and
+    huge logits do not overflow."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
+    for start in range(0, flat.shape[0], chunk_size):
+        chunk = flat[start : start + chunk_size].to(dtype)
+        out[start : start + chunk_size] = torch.exp(
+            torch.logsumexp(2.0 * chunk, dim=-1) - 2.0 * torch.logsumexp(chunk, dim=-1)
+        )
+    return out.view(logits.shape[:-1])

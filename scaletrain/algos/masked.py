@@ -10,8 +10,9 @@ import torch
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Sum of ``values`` where ``mask`` is set (over everything, or along ``dim``)."""
-    prod = values * mask
+    """Sum of ``values`` where ``mask`` is set (over everything, or along ``dim``); a NaN or inf where the mask is
+    unset does not reach the sum (as in verl)."""
+    prod = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device)) * mask
     return prod.sum() if dim is None else prod.sum(dim)
 
 

@@ -2,7 +2,7 @@
 
 Row format (one parquet row = one prompt)::
 
-    data_source   str                              picks the reward function
+    data_source   str                              picks the reward function (data.reward_fn_key: another column)
     prompt        list of {"role": str, "content": str}   chat messages
     ability       str (optional)
     reward_model  {"style": "rule" | "model", "ground_truth": ...}   ground_truth is required
@@ -18,7 +18,10 @@ wants, so letting the tokenizer add them again would double them.
 ``reward_model``, ``extra_info``, ``ability``, ``raw_prompt`` (the messages; left out with
 ``return_raw_chat=False``), ``raw_prompt_ids`` (unpadded token
 ids), ``index`` (``extra_info["index"]`` when present, else ``row_id``), ``row_id`` (the row's position across all
-files, unique, counted before filtering) and ``agent_name`` when any file has that column.
+files, unique, counted before filtering), ``agent_name`` when any file has that column, and every other column of
+the files as it is (verl passes them through: a custom reward manager may read them; None in a row without it).
+A media column (``images``, ``videos``, ``audios``: multimodal rows are not supported yet) or a column named like a
+field the dataset makes is refused.
 ``collate_fn`` turns a list of those into a DataProto.
 
 Everything is tokenized once in ``__init__`` (tens of microseconds a row), so overlong prompts are known up front:
@@ -45,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right")
 TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids")
+KNOWN_COLUMNS = frozenset({"data_source", "reward_model", "extra_info", "ability", "agent_name"})
+MADE_FIELDS = frozenset({*TENSOR_KEYS, "raw_prompt", "raw_prompt_ids", "index", "row_id", "uid"})
+MEDIA_COLUMNS = frozenset({"images", "videos", "audios"})
 
 
 def left_pad(token_ids: Sequence[Sequence[int]], length: int, pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -98,7 +104,19 @@ def _is_message(message: Any) -> bool:
     )
 
 
-def _check_row(row: dict[str, Any], prompt_key: str, where: str) -> dict[str, Any]:
+def _other_columns(row: dict[str, Any], prompt_key: str, where: str) -> dict[str, Any]:
+    """The row's columns beyond the known ones (they travel with the row as they are, as in verl); a media column or
+    one named like a field the dataset makes is refused, naming it."""
+    other = {k: v for k, v in row.items() if k not in KNOWN_COLUMNS and k != prompt_key}
+    for name in other:
+        if name in MEDIA_COLUMNS:
+            raise ValueError(f"{where}: column '{name}': multimodal rows are not supported yet")
+        if name in MADE_FIELDS:
+            raise ValueError(f"{where}: column '{name}' has the name of a field the dataset makes; rename it")
+    return other
+
+
+def _check_row(row: dict[str, Any], prompt_key: str, where: str, reward_fn_key: str = "data_source") -> dict[str, Any]:
     """Validate one raw parquet row; return its fields normalised (dict copies, defaults filled)."""
     messages = row.get(prompt_key)
     if messages is None:
@@ -108,7 +126,13 @@ def _check_row(row: dict[str, Any], prompt_key: str, where: str) -> dict[str, An
             f"{where}: '{prompt_key}' must be a non-empty list of {{role: str, content: str}} messages, "
             f"got {messages!r:.200}"
         )
-    data_source = row.get("data_source")
+    scorer_key = row.get(reward_fn_key)
+    if not isinstance(scorer_key, str) or not scorer_key:
+        raise ValueError(
+            f"{where}: '{reward_fn_key}' (data.reward_fn_key: picks the scorer) must be a non-empty string, "
+            f"got {scorer_key!r:.100}"
+        )
+    data_source = row.get("data_source", scorer_key)  # another reward_fn_key: data_source may be absent
     if not isinstance(data_source, str) or not data_source:
         raise ValueError(f"{where}: 'data_source' must be a non-empty string, got {data_source!r:.100}")
     reward_model = row.get("reward_model")
@@ -132,6 +156,7 @@ def _check_row(row: dict[str, Any], prompt_key: str, where: str) -> dict[str, An
         "reward_model": dict(reward_model),
         "extra_info": dict(extra_info),
         "agent_name": agent_name,
+        "columns": _other_columns(row, prompt_key, where),
     }
 
 
@@ -147,6 +172,9 @@ class RLDataset:
         truncation: when not filtering: ``"error"``, ``"left"`` (keep the end) or ``"right"`` (keep the start).
         max_samples: keep only the first ``max_samples`` rows (before filtering); None keeps all.
         chat_template_kwargs: extra keyword arguments for ``apply_chat_template`` (e.g. ``enable_thinking``).
+        return_raw_chat: keep each row's chat messages (``raw_prompt``).
+        reward_fn_key: the column that picks each row's scorer (a non-empty string in every row); with another
+            column than ``data_source``, ``data_source`` may be absent and then takes that column's value.
     """
 
     def __init__(
@@ -161,6 +189,7 @@ class RLDataset:
         max_samples: int | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         return_raw_chat: bool = True,
+        reward_fn_key: str = "data_source",
     ):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
@@ -175,6 +204,7 @@ class RLDataset:
         self.tokenizer = tokenizer
         self.max_prompt_length = int(max_prompt_length)
         self.prompt_key = prompt_key
+        self.reward_fn_key = reward_fn_key
         self.return_raw_chat = return_raw_chat
         self.filter_overlong_prompts = filter_overlong_prompts
         self.truncation = truncation
@@ -189,6 +219,7 @@ class RLDataset:
         self.num_filtered = 0
         self.num_truncated = 0
         self.has_agent_name = False
+        self.other_columns: list[str] = []  # the files' columns beyond the known ones, in every row (None if absent)
         self._load(max_samples)
 
     # ---------------------------------------------------------------------------------------------- loading
@@ -233,8 +264,9 @@ class RLDataset:
                 if max_samples is not None and len(rows) >= max_samples:
                     break
                 where = f"{path}: row {i}"
-                rows.append(_check_row(raw, self.prompt_key, where))
+                rows.append(_check_row(raw, self.prompt_key, where, self.reward_fn_key))
                 wheres.append(where)
+        self.other_columns = sorted({name for row in rows for name in row["columns"]})
         return rows, wheres
 
     def _tokenize_prompts(self, rows: list[dict[str, Any]], wheres: list[str]) -> list[list[int]]:
@@ -290,6 +322,8 @@ class RLDataset:
             item["raw_prompt"] = copy.deepcopy(row["raw_prompt"])
         if self.has_agent_name:
             item["agent_name"] = row["agent_name"]
+        for name in self.other_columns:
+            item[name] = copy.deepcopy(row["columns"].get(name))
         return item
 
     def get_batch(self, indices: Sequence[int]) -> DataProto:

@@ -35,6 +35,7 @@ def _dataset(files: Any, tokenizer, cfg: PPOConfig, max_samples: int | None) -> 
         truncation=cfg.data.truncation,
         max_samples=max_samples,
         return_raw_chat=cfg.data.return_raw_chat,
+        reward_fn_key=cfg.data.reward_fn_key,
     )
 
 

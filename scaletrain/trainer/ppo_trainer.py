@@ -81,6 +81,7 @@ class RayPPOTrainer:
                 "num_processes": rm.num_processes,
                 "step_timeout_s": rm.step_timeout_s,
                 "max_resp_len": cfg.data.max_response_length,  # DAPO's overlong buffer
+                "reward_fn_key": cfg.data.reward_fn_key,
             },
             **rm.reward_kwargs,
         )

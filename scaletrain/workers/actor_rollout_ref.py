@@ -219,8 +219,10 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         options = ForwardOptions(micro_batching=log_prob_micro_batching(self.config.rollout))
-        out = self._training("actor").forward(data, outputs=("log_probs", "entropy"), options=options)
-        return DataProto.from_dict({"old_log_probs": out.batch["log_probs"], "entropys": out.batch["entropy"]})
+        extra = ("sum_pi_squared",) if self.config.actor.calculate_sum_pi_squared else ()
+        out = self._training("actor").forward(data, outputs=("log_probs", "entropy", *extra), options=options)
+        columns = {"old_log_probs": out.batch["log_probs"], "entropys": out.batch["entropy"]}
+        return DataProto.from_dict({**columns, **{name: out.batch[name] for name in extra}})
 
     @register(dispatch_mode=ENGINE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:

@@ -138,6 +138,9 @@ class ActorConfig(PPOUpdateSettings):
     kl_loss_coef: float = 0.001  # weight of the KL loss (use_kl_loss)
     kl_loss_type: str = "low_var_kl"  # the KL loss's estimator: kl (k1) | abs | mse (k2) | low_var_kl (k3); a
     # trailing + keeps the value and takes k2's gradient
+    calculate_sum_pi_squared: bool = False  # the old-log-prob pass also gives each response token's sum of squared
+    # probabilities over the vocabulary (column sum_pi_squared); always on for an estimator that reads it
+    # (optimal_token_baseline, tir_optimal_token_baseline)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 

@@ -3,8 +3,9 @@
 ``actor_loss`` / ``value_loss`` are token-means over the response tokens of the batch they get (on the whole batch:
 the reference loss), written with plain torch ops independently of scaletrain.algos; their ``count`` (the batch's
 response tokens) lets an engine weight micro-batches so that any split over micro-batches and ranks must give the
-reference step exactly (backends/accumulation.py). ``ref_outputs`` / ``ref_values`` compute log-probs, entropy and
-values with plain torch ops, ``ref_step`` is one (clipped) AdamW step on the whole batch.
+reference step exactly (backends/accumulation.py). ``ref_outputs`` / ``ref_values`` compute log-probs, entropy, the
+sum of squared probabilities and values with plain torch ops, ``ref_step`` is one (clipped) AdamW step on the
+whole batch.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def ref_outputs(model, data):
     return {
         "log_probs": logp.gather(-1, b["responses"][..., None])[..., 0] * mask,
         "entropy": -(logp.exp() * logp).sum(-1) * mask,
+        "sum_pi_squared": (logp.exp() ** 2).sum(-1) * mask,
     }
 
 

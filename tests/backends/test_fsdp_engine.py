@@ -163,9 +163,9 @@ def check_forward_logprobs(ctx):
 
     b = base(ctx)
     engine = b.FSDP(ModelConfig(path=b.model_dir), b.optim, EngineConfig(micro_batch_size_per_gpu=3))
-    out = engine.forward(b.share, ("log_probs", "entropy"))
-    assert_close(out.batch["log_probs"], b.ref_before["log_probs"], "log_probs")
-    assert_close(out.batch["entropy"], b.ref_before["entropy"], "entropy")
+    out = engine.forward(b.share, ("log_probs", "entropy", "sum_pi_squared"))
+    for name in ("log_probs", "entropy", "sum_pi_squared"):
+        assert_close(out.batch[name], b.ref_before[name], name)
     assert engine.dp_rank == ctx.rank and engine.dp_size == WORLD
     frozen = b.FSDP(
         ModelConfig(path=b.model_dir, use_remove_padding=True),

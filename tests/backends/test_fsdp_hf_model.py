@@ -32,22 +32,26 @@ def _reference_logprobs(model, b, temperature):
     )
     logp = torch.log_softmax(logits.float(), -1)
     mask = b["attention_mask"][:, -R:]
-    return logp.gather(-1, b["responses"][..., None])[..., 0] * mask, -(logp.exp() * logp).sum(-1) * mask
+    return (
+        logp.gather(-1, b["responses"][..., None])[..., 0] * mask,
+        -(logp.exp() * logp).sum(-1) * mask,
+        (logp.exp() ** 2).sum(-1) * mask,
+    )
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_causal_lm_packed_equals_padded_equals_reference(model_dir, batch, attn):
     model = build_model(ModelConfig(path=model_dir, dtype="float32", override_config={"attn_implementation": attn}))
     with torch.no_grad():
-        padded = forward_micro_batch(model, batch, ("log_probs", "entropy"), temperature=0.7)
-        packed = forward_micro_batch(
-            model, batch, ("log_probs", "entropy"), remove_padding=True, temperature=0.7, chunk_size=7
-        )
-        ref_lp, ref_ent = _reference_logprobs(model, batch, 0.7)
+        outputs = ("log_probs", "entropy", "sum_pi_squared")
+        padded = forward_micro_batch(model, batch, outputs, temperature=0.7)
+        packed = forward_micro_batch(model, batch, outputs, remove_padding=True, temperature=0.7, chunk_size=7)
+        ref_lp, ref_ent, ref_pi2 = _reference_logprobs(model, batch, 0.7)
     for out in (padded, packed):
         assert out["log_probs"].shape == batch["responses"].shape and out["log_probs"].dtype == torch.float32
         torch.testing.assert_close(out["log_probs"], ref_lp, atol=1e-5, rtol=0)
         torch.testing.assert_close(out["entropy"], ref_ent, atol=1e-5, rtol=0)
+        torch.testing.assert_close(out["sum_pi_squared"], ref_pi2, atol=1e-6, rtol=1e-5)
 
 
 def test_packed_gradients_equal_padded(model_dir, batch):

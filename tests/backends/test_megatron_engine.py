@@ -256,9 +256,9 @@ def stepped(ctx, layout):
 def check_forward(ctx, layout):
     s = layout_state(ctx, layout)
     assert s.engine.global_step == 0, "the layout's engine has stepped already: run its checks in order"
-    out = s.engine.forward(s.share, ("log_probs", "entropy"))
-    assert_close(out.batch["log_probs"], s.before["log_probs"], "log_probs")
-    assert_close(out.batch["entropy"], s.before["entropy"], "entropy")
+    out = s.engine.forward(s.share, ("log_probs", "entropy", "sum_pi_squared"))
+    for name in ("log_probs", "entropy", "sum_pi_squared"):  # TP: each over the vocabulary slices of the ranks
+        assert_close(out.batch[name], s.before[name], name)
     pp_last = s.engine.ps.is_pipeline_last_stage()
     assert s.engine.collects_output == (s.engine.tp_rank == 0 and pp_last)
 

@@ -1,4 +1,5 @@
-"""RLDataset: chat-template tokenization, left padding, overlong filtering / truncation, row errors, collation."""
+"""RLDataset: chat-template tokenization, left padding, overlong filtering / truncation, row errors, collation, the
+scorer's column (data.reward_fn_key) and the files' other columns passed through."""
 
 import logging
 
@@ -96,6 +97,8 @@ MALFORMED = {
     "missing ground truth": ({"reward_model": {"style": "rule"}}, r"reward_model\.ground_truth"),
     "missing reward_model": ({"reward_model": None}, r"reward_model\.ground_truth"),
     "missing data_source": ({"data_source": None}, "data_source"),
+    "an images column": ({"images": ["a.png"]}, "column 'images': multimodal rows are not supported yet"),
+    "a column named like a made field": ({"row_id": 7}, "column 'row_id' has the name of a field the dataset makes"),
 }
 
 
@@ -106,8 +109,10 @@ def test_malformed_row_names_file_and_row(tmp_path, tok, case):
     bad.update(change)
     if change.get("prompt") is None and "prompt" in change:
         del bad["prompt"]  # a column missing from the row (pyarrow fills it with null in other rows)
-    # parquet columns have one type: a string prompt can't sit next to a list one, so that file has a single row
-    rows = [bad] if case == "prompt is a string" else [row("1+1="), bad]
+    # parquet columns have one type: a string prompt can't sit next to a list one, so that file has a single row;
+    # a table written from rows takes its columns from the first row, so a column only the bad row has goes alone
+    alone = case == "prompt is a string" or not set(change) <= set(row("1+1="))
+    rows = [bad] if alone else [row("1+1="), bad]
     path = write_parquet(rows, tmp_path / "bad.parquet")
     with pytest.raises(ValueError, match=rf"bad\.parquet: row {len(rows) - 1}: .*{message}"):
         RLDataset(path, tok, max_prompt_length=16)
@@ -159,3 +164,22 @@ def test_max_samples(tmp_path, tok):
     path = write_parquet([row(str(i)) for i in range(10)], tmp_path / "m.parquet")
     ds = RLDataset([path, path], tok, 4, max_samples=13)
     assert len(ds) == 13 and ds[12]["raw_prompt"][0]["content"] == "2"
+
+
+def test_the_scorer_column_and_the_files_other_columns(tmp_path, tok):
+    a = write_parquet([{**row("1+1="), "task": "sum", "level": 2}], tmp_path / "a.parquet")
+    b = write_parquet([{**row("2+2="), "task": "twice"}], tmp_path / "b.parquet")
+    ds = RLDataset([a, b], tok, 8, reward_fn_key="task")
+    batch = ds.get_batch([0, 1])
+    non = batch.non_tensor_batch
+    # every column travels with its row (None where a file lacks it); data_source stays the rows' own
+    assert list(non["task"]) == ["sum", "twice"] and list(non["level"]) == [2, None]
+    assert list(non["data_source"]) == ["test/src", "test/src"]
+    # without a data_source column, the scorer's column names the rows' source
+    nameless = {k: v for k, v in row("3+3=").items() if k != "data_source"}
+    c = write_parquet([{**nameless, "task": "sum"}], tmp_path / "c.parquet")
+    assert RLDataset(c, tok, 8, reward_fn_key="task")[0]["data_source"] == "sum"
+    with pytest.raises(ValueError, match=r"c\.parquet: row 0: 'data_source' \(data.reward_fn_key: picks the scorer\)"):
+        RLDataset(c, tok, 8)
+    with pytest.raises(ValueError, match=r"a\.parquet: row 0: 'kind' \(data.reward_fn_key"):
+        RLDataset(a, tok, 8, reward_fn_key="kind")

@@ -1,6 +1,7 @@
 """The trainer (in-process runs of the CLI's) with algorithm.rollout_correction: rollout_corr/* logged every step, the
 IS weights reach the loss, and bypass mode trains against the rollout's log-probs without the old-log-prob forward
-(with PPO's clip, or verl's REINFORCE weighted in the loss).
+(with PPO's clip, or verl's REINFORCE weighted in the loss); the optimal-token-baseline estimator gets the actor's
+sum of squared probabilities from the old-log-prob pass and the IS weights.
 
 A top-k rollout (top_k=3) samples from a renormalised distribution, so its log-probs differ from the trainer's
 full-softmax ones by a known sign (pi_rollout >= pi_train on every sampled token). Three one-step runs with the same
@@ -11,7 +12,9 @@ hash of the response text, so samples of one prompt differ and GRPO's advantages
 """
 
 import pytest
+import torch
 
+from scaletrain.algos import ADV_ESTIMATORS, get_adv_estimator
 from tests.trainer.runs import metrics, run_in_process
 
 pytestmark = pytest.mark.slow
@@ -22,15 +25,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def run(task, run_dir, overrides):
-    run_in_process(task, run_dir, 1, overrides)  # the resume test's run, one step
-    return metrics(run_dir)[1]
-
-
-def test_rollout_correction_metrics_and_weights_in_a_run(ray_cluster, task, tmp_path):
+def common_overrides(tmp_path) -> list[str]:
+    """One step on a top-k rollout, scored by the hash reward, the whole batch one mini-batch, nothing saved."""
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(REWARD_FILE)
-    common = [
+    return [
         "actor_rollout_ref.rollout.top_k=3",
         "trainer.val_before_train=false",
         "data.val_files=null",
@@ -40,6 +39,15 @@ def test_rollout_correction_metrics_and_weights_in_a_run(ray_cluster, task, tmp_
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         f"custom_reward_function.path={reward_file}",
     ]
+
+
+def run(task, run_dir, overrides):
+    run_in_process(task, run_dir, 1, overrides)  # the resume test's run, one step
+    return metrics(run_dir)[1]
+
+
+def test_rollout_correction_metrics_and_weights_in_a_run(ray_cluster, task, tmp_path):
+    common = common_overrides(tmp_path)
     plain = run(task, tmp_path / "plain", common)
     tis = run(task, tmp_path / "tis", [*common, "algorithm.rollout_correction.rollout_is=token"])
     # the mismatch is measured whether or not it is corrected, and both runs saw the same rollout
@@ -73,3 +81,33 @@ def test_rollout_correction_metrics_and_weights_in_a_run(ray_cluster, task, tmp_
     assert "timing_s/old_log_prob" not in corrected and corrected["critic/score/mean"] == plain["critic/score/mean"]
     assert 0 < corrected["rollout_corr/is_ratio_mean"] < 1  # top-k: pi_theta <= pi_rollout on the sampled tokens
     assert corrected["actor/pg_loss"] != pytest.approx(bypass["actor/pg_loss"], rel=1e-3, abs=1e-6)
+
+
+def test_the_optimal_token_baseline_reads_the_actors_sum_of_squared_probabilities(
+    ray_cluster, task, tmp_path, monkeypatch
+):
+    """The estimator, wrapped to keep what the trainer hands it, in a one-step run with token-level IS."""
+    seen = []
+    estimator = get_adv_estimator("optimal_token_baseline")
+
+    def kept(**kwargs):
+        seen.append(kwargs)
+        return estimator(**kwargs)
+
+    monkeypatch.setitem(ADV_ESTIMATORS, "optimal_token_baseline", kept)
+    otb = ["algorithm.adv_estimator=optimal_token_baseline", "algorithm.rollout_correction.rollout_is=token"]
+    step = run(task, tmp_path / "otb", [*common_overrides(tmp_path), *otb])
+    assert len(seen) == 1 and step["critic/advantages/max"] > 0
+    got = seen[0]
+    mask = got["response_mask"].bool()
+    pi2, pi = got["sum_pi_squared"], got["old_log_probs"].exp()
+    # a probability distribution's sum of squares: in (0, 1], at least the sampled token's pi^2 (the vocabulary
+    # includes it), 0 at padding; 1 - 2 pi + sum pi^2 = |e_token - pi|^2 >= 0
+    assert bool((pi2[mask] > 0).all()) and bool((pi2[mask] <= 1 + 1e-5).all()) and float(pi2[~mask].abs().sum()) == 0
+    assert bool((pi2[mask] >= pi[mask] ** 2 - 1e-5).all())
+    assert bool(((1 - 2 * pi + pi2)[mask] >= -1e-5).all())
+    assert float(pi2[mask].std()) > 0  # not a constant
+    weights = got["rollout_is_weights"]
+    assert weights is not None and weights.shape == mask.shape and 0 < float(weights[mask].mean()) < 1
+    assert "index" in got and len(set(got["index"].tolist())) < mask.shape[0]  # prompt groups
+    assert not torch.equal(estimator(**{**got, "rollout_is_weights": None})[0], estimator(**got)[0])

@@ -102,6 +102,11 @@ def _validate_algorithm(cfg: PPOConfig) -> None:
             f"algorithm.gdpo_reward_weights has {len(algo.gdpo_reward_weights)} weights for "
             f"{len(algo.gdpo_reward_keys)} gdpo_reward_keys"
         )
+    if estimator_traits(estimator).needs_sum_pi_squared and algo.rollout_correction.bypass_mode:
+        raise ConfigError(
+            f"algorithm.adv_estimator={estimator} reads the actor's sum of squared probabilities from the old-log-prob "
+            "pass, which algorithm.rollout_correction.bypass_mode=true skips: turn bypass_mode off"
+        )
     if cfg.actor_rollout_ref.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
         raise ConfigError(
             "actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward both add a KL penalty; enable one"

@@ -32,6 +32,8 @@ class DataConfig(DataSettings):
     filter_overlong_prompts: bool = True  # drop prompts over max_prompt_length at load; false: truncation decides
     shuffle: bool = True  # a new order of the training prompts each epoch; false: file order
     return_raw_chat: bool = True  # rows keep their chat messages (raw_prompt); the agent loops need them
+    reward_fn_key: str = "data_source"  # the column that picks each row's scorer (a non-empty string in every row),
+    # handed to the reward manager as its reward_fn_key
 
 
 @dataclass

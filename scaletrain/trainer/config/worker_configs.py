@@ -12,6 +12,7 @@ from dataclasses import fields, replace
 from typing import TYPE_CHECKING
 
 from backends.config import BackendSettings, EngineConfig, LoraSettings, ModelConfig, ModelSettings
+from scaletrain.algos.advantage import estimator_traits
 
 if TYPE_CHECKING:
     from scaletrain.trainer.config.plan import RunPlan
@@ -49,6 +50,8 @@ def ppo_worker_configs(
     arr = cfg.actor_rollout_ref
     engine = engine_config(cfg.backend, cfg.trainer.seed, collective_timeout_s=cfg.trainer.collective_timeout_s)
     actor = replace(arr.actor, optim=replace(arr.actor.optim, total_steps=plan.actor_optim_steps))
+    if estimator_traits(cfg.algorithm.adv_estimator).needs_sum_pi_squared:
+        actor = replace(actor, calculate_sum_pi_squared=True)
     rc = cfg.algorithm.rollout_correction
     if corrects_in_the_loss(rc):  # verl's bypass: the correction runs in the loss, against the current policy
         policy_loss = replace(actor.policy_loss, loss_mode="bypass_mode", rollout_correction=bypass_policy_loss(rc))

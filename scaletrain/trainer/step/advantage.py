@@ -33,19 +33,24 @@ def compute_advantage(batch: DataProto, config: AlgorithmConfig) -> None:
 
     Called by keyword as verl's trainer calls a registered estimator (token_level_rewards, response_mask, config;
     index when the batch has uids, reward_baselines when it has them, values to one registered with needs_values,
-    the batch's columns to one registered with reads_batch),
+    the batch's columns to one registered with reads_batch, old_log_probs / sum_pi_squared / rollout_is_weights to
+    one registered with needs_sum_pi_squared),
     so an estimator written for verl runs here unchanged; gamma, lam and norm_adv_by_std_in_grpo come from
     ``config``."""
     estimator = get_adv_estimator(config.adv_estimator)
     tensors = batch.tensors
     kwargs = {"token_level_rewards": tensors["token_level_rewards"], "response_mask": tensors["response_mask"]}
-    if estimator_traits(config.adv_estimator).needs_values:
+    traits = estimator_traits(config.adv_estimator)
+    if traits.needs_values:
         kwargs["values"] = tensors["values"]
     if "reward_baselines" in tensors.keys():
         kwargs["reward_baselines"] = tensors["reward_baselines"]
     if "uid" in batch.non_tensor_batch:
         kwargs["index"] = np.asarray(batch.non_tensor_batch["uid"])
-    if estimator_traits(config.adv_estimator).reads_batch:  # verl hands GDPO the whole batch
+    if traits.reads_batch:  # verl hands GDPO the whole batch
         kwargs["non_tensor_batch"], kwargs["batch"] = batch.non_tensor_batch, tensors
+    if traits.needs_sum_pi_squared:
+        kwargs["old_log_probs"], kwargs["sum_pi_squared"] = tensors["old_log_probs"], tensors["sum_pi_squared"]
+        kwargs["rollout_is_weights"] = tensors["rollout_is_weights"] if "rollout_is_weights" in tensors.keys() else None
     advantages, returns = estimator(config=config, **kwargs)
     batch.tensors["advantages"], batch.tensors["returns"] = advantages, returns

@@ -164,7 +164,7 @@ def old_log_probs(
         old = actor.compute_log_prob(batch)
         entropy = old.tensors["entropys"][batch.tensors["response_mask"].bool()]
         metrics["actor/entropy"] = entropy.mean().item()
-        batch = batch.union(old.select(batch_keys=["old_log_probs"]))
+        batch = batch.union(old.select(batch_keys=[str(k) for k in old.tensors.keys() if k != "entropys"]))
     metrics.update(apply_rollout_correction(batch, cfg))
     return batch
 

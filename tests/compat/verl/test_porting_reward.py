@@ -1,7 +1,8 @@
 """The porting guide's reward manager example (docs/porting.md): a reward manager written for verl, unedited but for
 its import lines, registered through ``scaletrain.compat.verl`` and named by ``reward_model.reward_manager`` in a
-short PPO run of scaletrain's trainer: its scores are the ones the run trains on, ``reward_kwargs`` reach it, and
-its per-row extra info reaches the advantage estimator as batch columns (GDPO on ``acc``)."""
+short PPO run of scaletrain's trainer: its scores are the ones the run trains on, ``reward_kwargs`` and
+``data.reward_fn_key`` reach it, the data's own columns reach it as batch columns, and its per-row extra info
+reaches the advantage estimator as batch columns (GDPO on ``acc``)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class BonusRewardManager(AbstractRewardManager):
     """verl's naive manager's loop, plus a constant bonus on every response."""
 
     calls: list[float] = []  # each call's mean score: what the test compares with the run's metrics
+    seen: set = set()  # (scorer key value, the row's "difficulty" column) of every row scored
 
     def __init__(self, tokenizer, num_examine, compute_score=None, reward_fn_key="data_source", bonus=0.0):
         self.tokenizer = tokenizer
@@ -48,6 +50,8 @@ class BonusRewardManager(AbstractRewardManager):
                 extra_info=extra_info,
             )
             reward_extra_info["acc"].append(float(score))
+            row = data_item.non_tensor_batch
+            type(self).seen.add((row[self.reward_fn_key], row["difficulty"]))
             reward_tensor[i, valid_response_length - 1] = score + self.bonus
         type(self).calls.append(reward_tensor.sum(-1).mean().item())
         if return_dict:
@@ -66,12 +70,31 @@ def _unregister():
     del REWARD_MANAGERS["porting_example_bonus"]
 
 
+def renamed_scorer_column(path: str, out) -> str:
+    """The task's rows with data_source renamed to ``task_kind`` and a column of the user's own (``difficulty``)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    table = table.rename_columns(["task_kind" if c == "data_source" else c for c in table.column_names])
+    table = table.append_column("difficulty", pa.array(["easy"] * table.num_rows))
+    pq.write_table(table, out)
+    return str(out)
+
+
 @pytest.mark.slow
 def test_a_verl_reward_manager_scores_scaletrains_run(ray_cluster, task, tmp_path, _unregister):
+    import pyarrow.parquet as pq
+
     from tests.trainer.runs import metrics, run_in_process
 
     BonusRewardManager.calls.clear()
+    BonusRewardManager.seen.clear()
+    kinds = set(pq.read_table(task["train"]).column("data_source").to_pylist())
     overrides = [
+        f"data.train_files={renamed_scorer_column(task['train'], tmp_path / 'train.parquet')}",
+        f"data.val_files={renamed_scorer_column(task['test'], tmp_path / 'test.parquet')}",
+        "data.reward_fn_key=task_kind",  # handed to the manager: its column picks the scorer
         "reward_model.reward_manager=porting_example_bonus",
         "+reward_model.reward_kwargs.bonus=0.25",
         "algorithm.adv_estimator=gdpo",  # reads the manager's reward_extra_info["acc"] as a batch column
@@ -88,6 +111,9 @@ def test_a_verl_reward_manager_scores_scaletrains_run(ray_cluster, task, tmp_pat
         assert logged[step]["critic/score/mean"] >= 0.25  # the bonus from reward_kwargs reached the manager
     assert logged[2]["reward/score_mean"] == pytest.approx(BonusRewardManager.calls[2], abs=1e-6)
     assert all(abs(logged[step]["critic/advantages/mean"]) < 1e-5 for step in (1, 2))  # GDPO whitens the batch
+    # the manager read the scorer's name from data.reward_fn_key's column, and the user's own column reached it
+    assert BonusRewardManager.seen == {(kind, "easy") for kind in kinds}
+    assert any(key.startswith(f"val-core/{next(iter(kinds))}/") for key in logged[2])  # data_source: that column
 
 
 # --- a verl 0.9 user's per-sample (reward-loop) manager, unedited but for its imports (verl's: from

@@ -48,6 +48,10 @@ def test_yaml_defaults_build_and_validate():
             ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc]", "algorithm.gdpo_reward_weights=[1,2]"],
             "algorithm.gdpo_reward_weights has 2 weights for 1 gdpo_reward_keys",
         ),
+        (
+            ["algorithm.adv_estimator=optimal_token_baseline", "algorithm.rollout_correction.bypass_mode=true"],
+            "optimal_token_baseline reads the actor's sum of squared probabilities",
+        ),
         (["data.train_files=/no/such.parquet"], "data.train_files: file not found: /no/such.parquet"),
         (["actor_rollout_ref.model.path=/no/model"], "actor_rollout_ref.model.path: not found: /no/model"),
         (["trainer.resume_mode=resume_path"], "trainer.resume_mode=resume_path needs trainer.resume_from_path"),

@@ -49,6 +49,10 @@ from scaletrain.algos.policy_loss_trust_region import (
     compute_policy_loss_dppo_tv,
     compute_policy_loss_geo_mean,
 )
+from scaletrain.algos.token_baseline import (
+    compute_multi_turn_optimal_token_baseline_advantage,
+    compute_optimal_token_baseline_advantage,
+)
 from scaletrain.utils.registry import register_into, registry_key
 
 ADV_ESTIMATOR_REGISTRY = ADV_ESTIMATORS
@@ -134,7 +138,9 @@ __all__ = [
     "compute_grpo_outcome_advantage",
     "compute_grpo_passk_outcome_advantage",
     "compute_grpo_vectorized_outcome_advantage",
+    "compute_multi_turn_optimal_token_baseline_advantage",
     "compute_opo_outcome_advantage",
+    "compute_optimal_token_baseline_advantage",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",
     "compute_policy_loss_bypass_mode",
