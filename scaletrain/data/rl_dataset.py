@@ -8,6 +8,8 @@ Row format (one parquet row = one prompt)::
     reward_model  {"style": "rule" | "model", "ground_truth": ...}   ground_truth is required
     extra_info    dict (optional)                  passed through to the reward function
     agent_name    str (optional)                   picks the agent loop
+    images        list of images (optional)        with a processor: {"bytes"} / {"path"} / a path (vision.py),
+                                                   each placed at an ``<image>`` in the prompt's text
 
 Each prompt is rendered with the tokenizer's chat template (``add_generation_prompt=True``, as text) and that text
 is tokenized with ``add_special_tokens=False``: the template already writes any BOS/system tokens the model
@@ -20,8 +22,15 @@ wants, so letting the tokenizer add them again would double them.
 ids), ``index`` (``extra_info["index"]`` when present, else ``row_id``), ``row_id`` (the row's position across all
 files, unique, counted before filtering), ``agent_name`` when any file has that column, and every other column of
 the files as it is (verl passes them through: a custom reward manager may read them; None in a row without it).
-A media column (``images``, ``videos``, ``audios``: multimodal rows are not supported yet) or a column named like a
-field the dataset makes is refused.
+A column named like a field the dataset makes is refused (rl_rows.py), as are videos and audio (not supported yet)
+and images without a processor.
+
+With a ``processor`` (a vision-language model's), a row with images is rendered by the processor: its prompt ids
+hold the vision tokens (``max_prompt_length`` counts them; such a prompt is filtered when overlong, never
+truncated), ``raw_prompt`` holds the messages with image items, and every row gets verl's ``multi_modal_data``
+(``{"image": [PIL images]}``) and ``multi_modal_inputs`` (``pixel_values``, ``image_grid_thw``; empty dicts for a
+row without images). Position ids stay the text positions (0, 1, ...): a model with 3-D (M-RoPE) positions derives
+them in its forward from the ids, the image grid and which ids are image tokens.
 ``collate_fn`` turns a list of those into a DataProto.
 
 Everything is tokenized once in ``__init__`` (tens of microseconds a row), so overlong prompts are known up front:
@@ -42,15 +51,14 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from scaletrain.data.rl_rows import RowColumns, check_row
+from scaletrain.data.vision import decode_images, encode_prompt, vision_messages
 from scaletrain.protocol import DataProto, object_column
 
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right")
 TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids")
-KNOWN_COLUMNS = frozenset({"data_source", "reward_model", "extra_info", "ability", "agent_name"})
-MADE_FIELDS = frozenset({*TENSOR_KEYS, "raw_prompt", "raw_prompt_ids", "index", "row_id", "uid"})
-MEDIA_COLUMNS = frozenset({"images", "videos", "audios"})
 
 
 def left_pad(token_ids: Sequence[Sequence[int]], length: int, pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -98,68 +106,6 @@ def collate_rows(items: Sequence[dict[str, Any]]) -> tuple[dict[str, torch.Tenso
     return tensors, non_tensors
 
 
-def _is_message(message: Any) -> bool:
-    return (
-        isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)
-    )
-
-
-def _other_columns(row: dict[str, Any], prompt_key: str, where: str) -> dict[str, Any]:
-    """The row's columns beyond the known ones (they travel with the row as they are, as in verl); a media column or
-    one named like a field the dataset makes is refused, naming it."""
-    other = {k: v for k, v in row.items() if k not in KNOWN_COLUMNS and k != prompt_key}
-    for name in other:
-        if name in MEDIA_COLUMNS:
-            raise ValueError(f"{where}: column '{name}': multimodal rows are not supported yet")
-        if name in MADE_FIELDS:
-            raise ValueError(f"{where}: column '{name}' has the name of a field the dataset makes; rename it")
-    return other
-
-
-def _check_row(row: dict[str, Any], prompt_key: str, where: str, reward_fn_key: str = "data_source") -> dict[str, Any]:
-    """Validate one raw parquet row; return its fields normalised (dict copies, defaults filled)."""
-    messages = row.get(prompt_key)
-    if messages is None:
-        raise ValueError(f"{where}: missing '{prompt_key}' (a list of {{role, content}} chat messages)")
-    if not isinstance(messages, (list, tuple)) or not messages or not all(_is_message(m) for m in messages):
-        raise ValueError(
-            f"{where}: '{prompt_key}' must be a non-empty list of {{role: str, content: str}} messages, "
-            f"got {messages!r:.200}"
-        )
-    scorer_key = row.get(reward_fn_key)
-    if not isinstance(scorer_key, str) or not scorer_key:
-        raise ValueError(
-            f"{where}: '{reward_fn_key}' (data.reward_fn_key: picks the scorer) must be a non-empty string, "
-            f"got {scorer_key!r:.100}"
-        )
-    data_source = row.get("data_source", scorer_key)  # another reward_fn_key: data_source may be absent
-    if not isinstance(data_source, str) or not data_source:
-        raise ValueError(f"{where}: 'data_source' must be a non-empty string, got {data_source!r:.100}")
-    reward_model = row.get("reward_model")
-    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
-        raise ValueError(f"{where}: missing 'reward_model.ground_truth' (reward_model={reward_model!r:.200})")
-    extra_info = row.get("extra_info")
-    if extra_info is None:
-        extra_info = {}
-    elif not isinstance(extra_info, dict):
-        raise ValueError(f"{where}: 'extra_info' must be a dict, got {type(extra_info).__name__}")
-    ability = row.get("ability")
-    if ability is not None and not isinstance(ability, str):
-        raise ValueError(f"{where}: 'ability' must be a string, got {type(ability).__name__}")
-    agent_name = row.get("agent_name")
-    if agent_name is not None and not isinstance(agent_name, str):
-        raise ValueError(f"{where}: 'agent_name' must be a string, got {type(agent_name).__name__}")
-    return {
-        "data_source": data_source,
-        "raw_prompt": [{"role": m["role"], "content": m["content"]} for m in messages],
-        "ability": ability or "",
-        "reward_model": dict(reward_model),
-        "extra_info": dict(extra_info),
-        "agent_name": agent_name,
-        "columns": _other_columns(row, prompt_key, where),
-    }
-
-
 class RLDataset:
     """Prompts of one or more parquet files in verl's row format, tokenized and ready for ``collate_fn``.
 
@@ -175,6 +121,9 @@ class RLDataset:
         return_raw_chat: keep each row's chat messages (``raw_prompt``).
         reward_fn_key: the column that picks each row's scorer (a non-empty string in every row); with another
             column than ``data_source``, ``data_source`` may be absent and then takes that column's value.
+        processor: a vision-language model's processor (``scaletrain.models.processor.load_processor``); None
+            for a text model, whose data then must not have images.
+        image_key, video_key: the image and video columns (verl's ``data.image_key`` / ``data.video_key``).
     """
 
     def __init__(
@@ -190,6 +139,9 @@ class RLDataset:
         chat_template_kwargs: dict[str, Any] | None = None,
         return_raw_chat: bool = True,
         reward_fn_key: str = "data_source",
+        processor: Any = None,
+        image_key: str = "images",
+        video_key: str = "videos",
     ):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
@@ -203,8 +155,8 @@ class RLDataset:
         require_chat_template(tokenizer, "RLDataset renders the prompts' chat messages")
         self.tokenizer = tokenizer
         self.max_prompt_length = int(max_prompt_length)
-        self.prompt_key = prompt_key
-        self.reward_fn_key = reward_fn_key
+        self.processor = processor
+        self.columns = RowColumns(prompt_key, reward_fn_key, image_key if processor is not None else None, video_key)
         self.return_raw_chat = return_raw_chat
         self.filter_overlong_prompts = filter_overlong_prompts
         self.truncation = truncation
@@ -219,6 +171,7 @@ class RLDataset:
         self.num_filtered = 0
         self.num_truncated = 0
         self.has_agent_name = False
+        self.has_images = False  # some row has images: every row gets multi_modal_data / multi_modal_inputs
         self.other_columns: list[str] = []  # the files' columns beyond the known ones, in every row (None if absent)
         self._load(max_samples)
 
@@ -226,7 +179,7 @@ class RLDataset:
     def _load(self, max_samples: int | None) -> None:
         rows, wheres = self._read_rows(max_samples)
         for row_id, (row, ids, where) in enumerate(zip(rows, self._tokenize_prompts(rows, wheres), wheres)):
-            ids = self._fit_prompt(list(ids), where)
+            ids = self._fit_prompt(list(ids), where, bool(row["images"]))
             if ids is None:
                 continue
             row["row_id"] = row_id
@@ -264,13 +217,39 @@ class RLDataset:
                 if max_samples is not None and len(rows) >= max_samples:
                     break
                 where = f"{path}: row {i}"
-                rows.append(_check_row(raw, self.prompt_key, where, self.reward_fn_key))
+                row = check_row(raw, self.columns, where)
+                if row["images"]:
+                    row["image_dir"] = os.path.dirname(os.path.abspath(path))  # relative image paths: beside it
+                rows.append(row)
                 wheres.append(where)
         self.other_columns = sorted({name for row in rows for name in row["columns"]})
+        self.has_images = any(row["images"] for row in rows)
         return rows, wheres
 
     def _tokenize_prompts(self, rows: list[dict[str, Any]], wheres: list[str]) -> list[list[int]]:
-        """Token ids of each row's chat prompt (generation prompt added), tokenized in one batch."""
+        """Token ids of each row's chat prompt (generation prompt added): the text rows tokenized in one batch, a
+        row with images through the processor (its vision tokens counted)."""
+        ids: dict[int, list[int]] = {}
+        for i, (row, where) in enumerate(zip(rows, wheres)):
+            if row["images"]:
+                row["raw_prompt"] = vision_messages(row["raw_prompt"], len(row["images"]), f"{where}: prompt")
+                ids[i] = self._vision_inputs(row, where)[0]
+        text_rows = [i for i in range(len(rows)) if i not in ids]
+        ids.update(zip(text_rows, self._tokenize_texts([rows[i] for i in text_rows], [wheres[i] for i in text_rows])))
+        return [ids[i] for i in range(len(rows))]
+
+    def _vision_inputs(self, row: dict[str, Any], where: str) -> tuple[list[int], dict[str, Any], list[Any]]:
+        """(prompt ids, the model's vision inputs, the decoded images) of a row with images."""
+        column = f"{where}: column '{self.columns.image_key}'"
+        images = decode_images(row["images"], column, row.get("image_dir"))
+        try:
+            ids, inputs = encode_prompt(self.processor, row["raw_prompt"], images, self.chat_template_kwargs)
+        except Exception as exc:  # the processor's errors are about this row's data: say which row
+            raise ValueError(f"{where}: the processor failed on this row: {exc}") from exc
+        return ids, inputs, images
+
+    def _tokenize_texts(self, rows: list[dict[str, Any]], wheres: list[str]) -> list[list[int]]:
+        """Token ids of text rows' chat prompts, tokenized in one batch."""
         texts = []
         for row, where in zip(rows, wheres):
             try:
@@ -284,7 +263,7 @@ class RLDataset:
             return []
         return self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
 
-    def _fit_prompt(self, ids: list[int], where: str) -> list[int] | None:
+    def _fit_prompt(self, ids: list[int], where: str, has_images: bool = False) -> list[int] | None:
         """``ids`` within max_prompt_length: as is, truncated, or None when overlong prompts are filtered out."""
         limit = self.max_prompt_length
         if len(ids) <= limit:
@@ -292,7 +271,13 @@ class RLDataset:
         if self.filter_overlong_prompts:
             self.num_filtered += 1
             return None
-        if self.truncation == "error":
+        if self.truncation == "error" or has_images:
+            if has_images:
+                raise ValueError(
+                    f"{where}: prompt (with its images' tokens) has {len(ids)} tokens, more than "
+                    f"max_prompt_length={limit}, and a prompt with images cannot be truncated: raise "
+                    "max_prompt_length or set filter_overlong_prompts=True"
+                )
             raise ValueError(
                 f"{where}: prompt has {len(ids)} tokens, more than max_prompt_length={limit}; "
                 "raise max_prompt_length, set filter_overlong_prompts=True or truncation='left'|'right'"
@@ -324,7 +309,19 @@ class RLDataset:
             item["agent_name"] = row["agent_name"]
         for name in self.other_columns:
             item[name] = copy.deepcopy(row["columns"].get(name))
+        if self.has_images:
+            item.update(self._vision_item(row))
         return item
+
+    def _vision_item(self, row: dict[str, Any]) -> dict[str, Any]:
+        """verl's fields of a row with images: ``multi_modal_data`` ({"image": PIL images}: what a rollout engine
+        takes) and ``multi_modal_inputs`` (the processor's tensors: what the model's forward takes); empty dicts
+        for a row without images. The processor runs again here, as at load, so no tensors are kept in memory."""
+        if not row["images"]:
+            return {"multi_modal_data": {}, "multi_modal_inputs": {}}
+        where = f"row {row['row_id']}"
+        _, inputs, images = self._vision_inputs(row, where)
+        return {"multi_modal_data": {"image": images}, "multi_modal_inputs": inputs}
 
     def get_batch(self, indices: Sequence[int]) -> DataProto:
         """Rows ``indices`` collated into one DataProto."""

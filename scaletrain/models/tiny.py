@@ -3,6 +3,8 @@ are written down, for the embedded default (scaletrain/data/embedded.py), the te
 
 ``tiny_qwen2_config(vocab_size, pad, bos, eos, shape=..., **overrides)``: a ``Qwen2Config`` of one of ``SHAPES``
 (2 layers, tied embeddings, GQA) for a tokenizer's vocabulary and special ids, with any field overridden.
+``char_level_tokenizer(vocab, **special_tokens)``: the one-token-per-character tokenizer of the embedded task and
+the tiny VLM.
 """
 
 from __future__ import annotations
@@ -38,3 +40,16 @@ def tiny_qwen2_config(
     )
     settings.update(overrides)
     return Qwen2Config(**settings)
+
+
+def char_level_tokenizer(vocab: dict[str, int], **tokenizer_kwargs: Any) -> Any:
+    """A ``PreTrainedTokenizerFast`` whose every character is one token of ``vocab`` (a WordLevel model behind a
+    split-every-character pre-tokenizer, the ``Fuse`` decoder joining tokens back without spaces); unknown
+    characters become ``<unk>``. ``tokenizer_kwargs``: the special tokens and other tokenizer settings."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", **tokenizer_kwargs)

@@ -97,7 +97,7 @@ MALFORMED = {
     "missing ground truth": ({"reward_model": {"style": "rule"}}, r"reward_model\.ground_truth"),
     "missing reward_model": ({"reward_model": None}, r"reward_model\.ground_truth"),
     "missing data_source": ({"data_source": None}, "data_source"),
-    "an images column": ({"images": ["a.png"]}, "column 'images': multimodal rows are not supported yet"),
+    "an images column": ({"images": ["a.png"]}, "column 'images': images need a model with a processor"),
     "a column named like a made field": ({"row_id": 7}, "column 'row_id' has the name of a field the dataset makes"),
 }
 

@@ -67,7 +67,7 @@ def test_prepare_is_cached(smollm2_dir):
 
 
 def test_unknown_model_lists_the_known_ones():
-    with pytest.raises(ValueError, match="unknown pretrained model 'gpt5'; registered: smollm2"):
+    with pytest.raises(ValueError, match="unknown offline model 'gpt5'; registered: smollm2, tiny-qwen2.5-vl"):
         prepare_model("gpt5")
     run = subprocess.run(
         [sys.executable, "-m", "scaletrain.models.prepare", "gpt5"],
@@ -122,3 +122,18 @@ def test_cli_prints_the_path_alone(monkeypatch, capsys):
     assert prepare.main(["smollm2"]) == 0
     out = capsys.readouterr()
     assert out.out == "/cache/models/smollm2\n" and "Setting accelerator" in out.err
+
+
+def test_the_tiny_vlm_is_built_by_the_cli_once(tmp_path):
+    """``prepare tiny-qwen2.5-vl --output DIR``: a random-init model built here (no package), cached by its stamp."""
+    out = tmp_path / "vlm"
+    args = [sys.executable, "-m", "scaletrain.models.prepare", "tiny-qwen2.5-vl", "--output", str(out)]
+    run = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == str(out)
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "preprocessor_config.json", "chat_template.jinja"} <= names
+    weights = (out / "model.safetensors").stat().st_mtime_ns
+    assert (
+        prepare_model("tiny-qwen2.5-vl", out) == str(out) and (out / "model.safetensors").stat().st_mtime_ns == weights
+    )

@@ -1,6 +1,6 @@
 """Rule-based scorers: ``compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict``.
 
-gsm8k.py, math.py, arithmetic.py and reasoning_gym.py score one task family each; default.py dispatches on
+gsm8k.py, math.py, arithmetic.py, reasoning_gym.py and visual.py score one task family each; default.py dispatches on
 ``data_source``;
 components.py holds the small scorers (format, correctness, length) that the ``multi`` manager weights.
 """

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from scaletrain.reward.scorers import arithmetic, gsm8k, math, reasoning_gym
+from scaletrain.reward.scorers import arithmetic, gsm8k, math, reasoning_gym, visual
 
 
 def _gsm8k(solution_str: str, ground_truth: Any, extra_info: dict | None) -> float:
@@ -31,6 +31,7 @@ SCORERS_BY_DATA_SOURCE: dict[str, Callable[[str, Any, dict | None], float]] = {
 # families of sources sharing one scorer, which also receives the data_source (it names the task)
 SCORERS_BY_PREFIX: dict[str, Callable[[str, str, Any, dict | None], float | dict]] = {
     reasoning_gym.DATA_SOURCE_PREFIX: reasoning_gym.compute_score,
+    visual.DATA_SOURCE_PREFIX: visual.compute_score,
 }
 
 

@@ -1,6 +1,7 @@
 """verl's RL dataset API over scaletrain's (``scaletrain.compat.verl.utils.dataset``): ``RLHFDataset`` built from
 verl's arguments and a ``data`` config section, batched by a torch DataLoader with verl's ``collate_fn`` (a dict,
-not a DataProto), on the embedded task's parquet and tokenizer; what it cannot do yet is refused, naming it."""
+not a DataProto), on the embedded task's parquet and tokenizer; what it cannot do yet is refused, naming it; with a
+vision-language model's processor it loads rows with images."""
 
 from __future__ import annotations
 
@@ -39,14 +40,29 @@ def test_what_it_cannot_do_is_refused_by_name(task, tmp_path):
     tokenizer = hf_tokenizer(task["model"])
     with pytest.raises(InvalidInput, match=r"config keys \['tool_config_path'\] are not supported"):
         RLHFDataset(task["train"], tokenizer, {"tool_config_path": "tools.yaml"})
-    with pytest.raises(InvalidInput, match="a processor"):
-        RLHFDataset(task["train"], tokenizer, {}, processor=object())
     table = pq.read_table(task["train"]).slice(0, 4)
     images = pa.array([[{"bytes": b"", "path": "a.png"}]] * 4)
     pq.write_table(table.append_column("images", images), tmp_path / "mm.parquet")
-    with pytest.raises(InvalidInput, match=r"mm.parquet has multimodal columns \['images'\]"):
+    with pytest.raises(ValueError, match=r"mm.parquet: row 0: column 'images': images need a model with a processor"):
         RLHFDataset(str(tmp_path / "mm.parquet"), tokenizer, {})
     assert collate_fn([{"x": torch.ones(2), "tags": ["a"]}, {"x": torch.zeros(2), "tags": ["b", "c"]}])[
         "tags"
     ].tolist() == [["a"], ["b", "c"]]
     assert np.asarray(collate_fn([{"x": torch.ones(1)}])["x"]).shape == (1, 1)
+
+
+def test_a_verl_dataset_with_a_processor_loads_images(tmp_path):
+    """verl's multimodal path: hf_processor of a vision-language model, RLHFDataset(..., processor=...) over rows in
+    verl's image format, verl's collate_fn."""
+    from scaletrain.data.preprocess import visual
+    from scaletrain.models.prepare import prepare_model
+
+    model = prepare_model("tiny-qwen2.5-vl", tmp_path / "vlm")
+    processor = hf_processor(model)
+    assert processor is not None
+    task = visual.write_task("taller", str(tmp_path / "taller"), train_size=6, test_size=2)
+    config = OmegaConf.create({"max_prompt_length": 64, "image_key": "images", "return_raw_chat": True})
+    dataset = RLHFDataset(task["train"], hf_tokenizer(model), config, processor=processor)
+    batch = collate_fn([dataset[0], dataset[1]])
+    assert batch["multi_modal_inputs"][0]["image_grid_thw"].tolist() == [[1, 8, 8]]
+    assert len(batch["multi_modal_data"][1]["image"]) == 1 and batch["input_ids"].shape == (2, 64)

@@ -1,11 +1,14 @@
-"""``verl.utils.hf_tokenizer`` / ``hf_processor``: a model's tokenizer (with a pad token) and its processor."""
+"""``verl.utils.hf_tokenizer`` / ``hf_processor``: a model's tokenizer (with a pad token) and its processor
+(scaletrain.models.processor's: images only where torchvision is missing)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from transformers import AutoProcessor, AutoTokenizer, ProcessorMixin
+from transformers import AutoTokenizer
+
+from scaletrain.models.processor import load_processor
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +28,4 @@ def hf_tokenizer(name_or_path: str, correct_pad_token: bool = True, **kwargs: An
 
 def hf_processor(name_or_path: str, **kwargs: Any) -> Any:
     """The model's multimodal processor; None for a text-only model (whose "processor" is its tokenizer)."""
-    try:
-        processor = AutoProcessor.from_pretrained(name_or_path, **kwargs)
-    except (OSError, ValueError, KeyError) as e:
-        logger.info("no processor for %s (%s): a text-only model", name_or_path, e)
-        return None
-    return processor if isinstance(processor, ProcessorMixin) else None
+    return load_processor(name_or_path, trust_remote_code=bool(kwargs.get("trust_remote_code", False)))

@@ -4,8 +4,9 @@ where scaletrain's returns a DataProto).
 
 ``config`` is the ``data`` section (a mapping): the keys with an effect here are mapped onto RLDataset's arguments
 with verl's defaults (``return_raw_chat`` false, ``filter_overlong_prompts`` true); verl's keys that only tune
-its own loading (workers, caches, shared memory) are accepted and have no effect; multimodal rows and a processor
-are refused (not supported yet), as is any other key, naming it.
+its own loading (workers, caches, shared memory) are accepted and have no effect; any other key is refused,
+naming it. With a ``processor``, rows with images load as scaletrain's RLDataset loads them (``image_key``);
+videos and audio are refused (not supported yet).
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-import pyarrow.parquet as pq
 
 from scaletrain.data.rl_dataset import RLDataset, collate_rows
 from scaletrain.utils.errors import InvalidInput
@@ -28,11 +27,13 @@ _MAPPED = {
     "truncation": ("truncation", "error"),
     "filter_overlong_prompts": ("filter_overlong_prompts", True),
     "apply_chat_template_kwargs": ("chat_template_kwargs", None),
+    "image_key": ("image_key", "images"),
+    "video_key": ("video_key", "videos"),
 }
 # verl's loading knobs: how it filters and caches, not what a row becomes
 _NO_EFFECT = {
     "cache_dir", "filter_overlong_prompts_workers", "use_shm", "shuffle", "seed", "filter_prompts",
-    "dataloader_num_workers", "max_samples", "image_key", "video_key", "audio_key",
+    "dataloader_num_workers", "max_samples", "audio_key",
 }  # fmt: skip
 
 
@@ -53,21 +54,12 @@ class RLHFDataset(RLDataset):
         processor: Any = None,
         max_samples: int = -1,
     ):
-        if processor is not None:
-            raise InvalidInput("RLHFDataset: multimodal rows (a processor) are not supported yet; pass processor=None")
         unknown = sorted(set(config) - set(_MAPPED) - _NO_EFFECT)
         if unknown:
             raise InvalidInput(f"RLHFDataset: config keys {unknown} are not supported; known: {sorted(_MAPPED)}")
-        files = [data_files] if isinstance(data_files, (str, os.PathLike)) else list(data_files)
-        media = [
-            config.get(k, d) for k, d in (("image_key", "images"), ("video_key", "videos"), ("audio_key", "audios"))
-        ]
-        for path in files:
-            found = sorted(set(media) & set(pq.read_schema(path).names))
-            if found:
-                raise InvalidInput(f"RLHFDataset: {os.fspath(path)} has multimodal columns {found}: not supported yet")
         kwargs = {name: config.get(key, default) for key, (name, default) in _MAPPED.items()}
         if max_samples is None or max_samples < 0:
             max_samples = config.get("max_samples", -1)
         self.config = config
-        super().__init__(data_files, tokenizer, max_samples=None if max_samples < 0 else max_samples, **kwargs)
+        limit = None if max_samples < 0 else max_samples
+        super().__init__(data_files, tokenizer, max_samples=limit, processor=processor, **kwargs)
