@@ -1,4 +1,5 @@
-"""Gradient accumulation over micro-batches and data-parallel ranks, shared by every training engine (layer 1).
+"""Gradient accumulation over micro-batches and data-parallel ranks, and the guards and tail of a train step, shared
+by every training engine (layer 1).
 
 A ``loss_fn`` (backends/base.py ``LossFn``) returns the loss of ONE micro-batch as a mean over some units: valid
 tokens (token-mean), sequences (seq-mean-*), rows. Splitting a mini-batch into micro-batches (and over DP ranks)
@@ -17,18 +18,35 @@ a token-mean loss ``count_i`` is the micro-batch's valid-token count and ``N`` t
 Metrics use the same weights: each rank sums ``count_i / N * metric_i`` over its micro-batches and the sums are
 added over the DP group, so every rank reports the whole-mini-batch value (``loss`` is exactly L; a loss_fn metric
 is its unit-weighted mean, e.g. the global token mean of a clip fraction; a constant stays that constant).
+
+The train step's shared guards and tail, for every engine's ``train_step`` (the HF-model engines of
+backends/hf_engine.py, FSDP2 and DeepSpeed, and the Megatron engine):
+
+- ``require_trainable``: a forward-only engine (built with ``optim_config=None``) refuses ``train_step``.
+- ``partition_batch``: the micro-batches of a batch, agreed over the DP group (backends/dist.py), refusing an empty
+  batch. The count is agreed first, so an empty batch is empty on every rank and every rank raises: none is left
+  waiting in a collective.
+- ``finish_train_step``: the step-or-skip decision and the metrics ``TrainEngine.train_step`` returns. The global
+  gradient norm decides: a non-finite one (a NaN/inf loss or gradient on any rank) skips the optimizer update on
+  every rank alike, since the norm is the same everywhere, and the weights stay as they were.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from backends.dist import sum_over_ranks
+from backends.batching import Partition
+from backends.config import EngineConfig, MicroBatching, OptimConfig
+from backends.dist import agreed_partition, sum_over_ranks
 from scaletrain.protocol import DataProto
+
+logger = logging.getLogger(__name__)
 
 
 def loss_units(loss_fn, micro: DataProto) -> float:
@@ -76,3 +94,43 @@ class Accumulation:
             for key, value in sums.items():
                 out[key] += value
         return dict(out)
+
+
+# ------------------------------------------------------------------------------------ the train step's guards
+def require_trainable(optim_config: OptimConfig | None) -> OptimConfig:
+    """``optim_config``; a forward-only engine (built with ``optim_config=None``) refuses ``train_step``."""
+    if optim_config is None:
+        raise RuntimeError("train_step on a forward-only engine (built with optim_config=None)")
+    return optim_config
+
+
+def partition_batch(
+    batch: DataProto, cfg: EngineConfig, device: torch.device, group=None, call: MicroBatching | None = None
+) -> Partition:
+    """``agreed_partition`` of ``batch`` (``call``: one call's micro-batching over ``cfg``'s); a ValueError (on every
+    rank of ``group``) when the batch has no rows."""
+    parts = agreed_partition(batch, cfg, device, group, call)
+    if not parts:
+        raise ValueError("an empty batch (no rows on any data-parallel rank): nothing to compute")
+    return parts
+
+
+def finish_train_step(
+    sums: dict[str, float],
+    lr: float,
+    global_step: int,
+    grad_norm: Callable[[], float],
+    apply_update: Callable[[], object],
+) -> dict[str, float]:
+    """After the backward passes: ``grad_norm()`` returns the global gradient norm before clipping (the same on every
+    rank; the backend clips there or in ``apply_update``); ``apply_update()`` runs only when that norm is finite.
+    Returns the train_step metrics: the mini-batch's ``sums`` (backends/accumulation.py) plus ``grad_norm``, the
+    ``lr`` this step used and ``step_skipped`` (1.0 when the update was skipped). Zeroing the gradients and
+    advancing the LR schedule, skipped or not, stay with the caller."""
+    norm = float(grad_norm())
+    skipped = not math.isfinite(norm)
+    if skipped:
+        logger.warning("non-finite grad norm %s at step %d: optimizer step skipped", norm, global_step)
+    else:
+        apply_update()
+    return {**sums, "grad_norm": norm, "lr": lr, "step_skipped": float(skipped)}

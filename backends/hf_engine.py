@@ -3,7 +3,7 @@
 
 Shared here: loading the HF model (same seed on every rank, so fresh value/reward heads agree), ``forward`` (no-grad,
 micro-batched, outputs put back in row order), ``train_step`` (micro-batches weighted by backends/accumulation.py,
-then the step-or-skip tail of backends/train_step.py that the Megatron engine uses too), ``export_weights`` and
+then the step-or-skip tail of backends/accumulation.py that the Megatron engine uses too), ``export_weights`` and
 ``save_hf``. Micro-batches are ``micro_batch_size_per_gpu`` rows or, with ``use_dynamic_bsz``, a token budget
 (backends/batching.py); the ranks agree on one count. ``meta_info["temperature"]`` (default 1) divides the logits.
 
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
-from backends.accumulation import Accumulation
+from backends.accumulation import Accumulation, finish_train_step, partition_batch, require_trainable
 from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, base_model_only, bucketed
 from backends.batching import Partition, restore_order
 from backends.config import (
@@ -50,7 +50,7 @@ from backends.hf_checkpoint import collective_write, save_engine_hf
 from backends.hf_model import build_model, check_outputs, forward_micro_batch, tied_duplicate_names
 from backends.lora import ADAPTER, lora_enabled
 from backends.lora_weights import Item, LoraLayout, adapter_config_dict, write_adapter_dir
-from backends.train_step import finish_train_step, partition_batch, require_trainable
+from backends.vision import MULTI_MODAL_INPUTS, gather_vision_inputs
 from scaletrain.protocol import DataProto
 
 
@@ -140,6 +140,7 @@ class HFTrainEngine(TrainEngine):
 
     def _forward(self, micro: DataProto, outputs: tuple[str, ...], temperature: float) -> dict[str, torch.Tensor]:
         inputs = {k: micro.tensors[k].to(self.device) for k in MODEL_INPUTS if k in micro.tensors.keys()}
+        vision = gather_vision_inputs(micro.non_tensor_batch.get(MULTI_MODAL_INPUTS), self.device)
         return forward_micro_batch(
             self._compute_module(),
             inputs,
@@ -148,6 +149,7 @@ class HFTrainEngine(TrainEngine):
             remove_padding=self.model_config.use_remove_padding,
             temperature=temperature,
             chunk_size=self.engine_config.entropy_chunk_size,
+            vision=vision,
         )
 
     # -------------------------------------------------------------------------------------------- compute
@@ -158,7 +160,8 @@ class HFTrainEngine(TrainEngine):
         temperature = float(batch.meta_info.get("temperature", 1.0))
         base_only = base_model_only(options, self.has_adapter)
         keys = [k for k in MODEL_INPUTS if k in batch.tensors.keys()]
-        inputs = batch.select(batch_keys=keys, non_tensor_batch_keys=[])
+        vision = [MULTI_MODAL_INPUTS] if MULTI_MODAL_INPUTS in batch.non_tensor_batch else []
+        inputs = batch.select(batch_keys=keys, non_tensor_batch_keys=vision)
         with self._on_device(optimizer=False), self._adapters_off(base_only):
             self._compute_module().eval()
             parts = self._partition(inputs, options.micro_batching)
@@ -189,7 +192,7 @@ class HFTrainEngine(TrainEngine):
     def train_step(self, mini_batch: DataProto, loss_fn: LossFn, outputs: tuple[str, ...] = ("log_probs",)) -> dict:
         """Metrics are the whole mini-batch's (all DP ranks; backends/accumulation.py): ``loss`` and loss_fn's
         metrics, plus the global ``grad_norm`` (before clipping), the ``lr`` this step used and ``step_skipped``
-        (1.0 when a non-finite gradient norm skipped the optimizer update; backends/train_step.py)."""
+        (1.0 when a non-finite gradient norm skipped the optimizer update; backends/accumulation.py)."""
         require_trainable(self.optim_config)
         outputs = check_outputs(self.model_config.kind, outputs)
         temperature = float(mini_batch.meta_info.get("temperature", 1.0))

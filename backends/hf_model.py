@@ -22,6 +22,7 @@ Two paths, numerically equal (tests/backends/test_fsdp_hf_model.py):
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 
@@ -30,6 +31,14 @@ from torch import nn
 
 from backends.config import ATTN_IMPLEMENTATIONS, ModelConfig
 from backends.lora import lora_enabled, wrap_lora
+from backends.vision import (
+    hf_config,
+    idle_vision_tower,
+    is_vision_language,
+    mask_vision_tokens,
+    refuse_vision_tokens_in_responses,
+    vision_forward_kwargs,
+)
 from scaletrain.algos.entropy import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
 
 logger = logging.getLogger(__name__)
@@ -84,17 +93,24 @@ def build_hf_config(model_config: ModelConfig):
 def build_model(model_config: ModelConfig) -> nn.Module:
     """Load the HF model for ``model_config.kind`` on CPU in ``model_config.dtype``.
 
-    causal_lm -> AutoModelForCausalLM; value -> AutoModelForTokenClassification (num_labels=1, a value per token);
+    causal_lm -> AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language model (a config with a
+    vision tower: backends/vision.py); value -> AutoModelForTokenClassification (num_labels=1, a value per token);
     reward -> AutoModelForSequenceClassification (num_labels=1). A value/reward model may start from a causal-LM
     checkpoint: its head is then freshly initialised (seed the RNG identically on every rank first).
     ``attn_implementation`` (or verl's ``override_config["attn_implementation"]``) picks the attention kernel
     (default: transformers' choice, sdpa); see ``attention_kwargs``. With ``lora_rank > 0`` the model comes back
     wrapped by PEFT, only its adapters trainable (backends/lora.py).
     """
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
 
+    config = build_hf_config(model_config)
     classes = {
-        "causal_lm": AutoModelForCausalLM,
+        "causal_lm": AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM,
         "value": AutoModelForTokenClassification,
         "reward": AutoModelForSequenceClassification,
     }
@@ -103,7 +119,7 @@ def build_model(model_config: ModelConfig) -> nn.Module:
     kwargs = attention_kwargs(model_config)
     model = classes[model_config.kind].from_pretrained(
         model_config.path,
-        config=build_hf_config(model_config),
+        config=config,
         dtype=torch_dtype(model_config.dtype),
         trust_remote_code=model_config.trust_remote_code,
         **kwargs,
@@ -172,8 +188,10 @@ def forward_micro_batch(
     remove_padding: bool = False,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    vision: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Per-response-token outputs of one micro-batch (see the module docstring); gradients flow if enabled."""
+    """Per-response-token outputs of one micro-batch (see the module docstring); gradients flow if enabled.
+    ``vision``: a vision-language model's inputs for the micro-batch's rows with images (backends/vision.py)."""
     allowed = KIND_OUTPUTS[kind]
     unknown = [o for o in outputs if o not in allowed]
     if unknown:
@@ -187,34 +205,20 @@ def forward_micro_batch(
     if kind == "reward":
         return {"scores": _reward_scores(model, input_ids, attention_mask, position_ids, remove_padding)}
 
-    if remove_padding:
-        ids, pos, packed_index = pack(input_ids, attention_mask, position_ids)
-        # response token (i, T-R+j) is predicted at packed position of token (i, T-R+j-1)
-        predict_at = packed_index[:, T - R - 1 : T - 1][resp_valid]  # (n_valid,)
-        if kind == "causal_lm":
-            out = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=predict_at)
-            logits = out.logits[0]  # (n_valid, V)
-        else:
-            out = model(input_ids=ids, position_ids=pos, use_cache=False)
-            logits = out.logits[0, predict_at]  # (n_valid, 1)
-    else:
-        if kind == "causal_lm":
-            out = model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-                logits_to_keep=R + 1,
-            )
-            logits = out.logits[:, :-1][resp_valid]  # (n_valid, V)
-        else:
-            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-            logits = out.logits[:, T - R - 1 : T - 1][resp_valid]  # (n_valid, 1)
+    config = hf_config(model)
+    vl = is_vision_language(config)
+    if vl:
+        refuse_vision_tokens_in_responses(config, micro["responses"] if R else None, resp_valid)
+    # every rank runs the vision tower once per micro-batch, images or not (backends/vision.py)
+    with idle_vision_tower(model, input_ids.device) if vl and not vision else contextlib.nullcontext():
+        logits = _response_logits(model, micro, kind, remove_padding, (vision or {}) if vl else None)
 
     if kind == "value":
         return {"values": _scatter_rows(logits[:, 0].float(), resp_valid)}
     if temperature != 1.0:
         logits = logits / temperature
+    if vl:
+        logits = mask_vision_tokens(logits, config)
     result = {}
     if "log_probs" in outputs:
         labels = micro["responses"][resp_valid]
@@ -224,6 +228,38 @@ def forward_micro_batch(
     if "sum_pi_squared" in outputs:
         result["sum_pi_squared"] = _scatter_rows(sum_pi_squared_from_logits(logits, chunk_size), resp_valid)
     return result
+
+
+def _response_logits(
+    model: nn.Module,
+    micro: dict[str, torch.Tensor],
+    kind: str,
+    remove_padding: bool,
+    vision: dict[str, torch.Tensor] | None,
+) -> torch.Tensor:
+    """(n_valid, V) logits (causal_lm) or (n_valid, 1) head outputs (value) at the positions predicting the valid
+    response tokens, from the padded or the packed forward; ``vision`` (None: a text model) adds a
+    vision-language model's inputs and 3-D positions."""
+    input_ids, attention_mask, position_ids = micro["input_ids"], micro["attention_mask"], micro["position_ids"]
+    T = input_ids.shape[1]
+    R = micro["responses"].shape[1] if "responses" in micro else 0
+    resp_valid = attention_mask[:, T - R :].bool()
+    if remove_padding:
+        ids, pos, packed_index = pack(input_ids, attention_mask, position_ids)
+        # response token (i, T-R+j) is predicted at packed position of token (i, T-R+j-1)
+        predict_at = packed_index[:, T - R - 1 : T - 1][resp_valid]  # (n_valid,)
+        inputs = {"input_ids": ids, "position_ids": pos}
+        if vision is not None:
+            inputs |= vision_forward_kwargs(model, input_ids, attention_mask, vision, packed_text_positions=pos)
+        if kind == "causal_lm":
+            return model(**inputs, use_cache=False, logits_to_keep=predict_at).logits[0]
+        return model(**inputs, use_cache=False).logits[0, predict_at]
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    if vision is not None:
+        inputs |= vision_forward_kwargs(model, input_ids, attention_mask, vision)
+    if kind == "causal_lm":
+        return model(**inputs, use_cache=False, logits_to_keep=R + 1).logits[:, :-1][resp_valid]
+    return model(**inputs, use_cache=False).logits[:, T - R - 1 : T - 1][resp_valid]
 
 
 def _reward_scores(model, input_ids, attention_mask, position_ids, remove_padding) -> torch.Tensor:

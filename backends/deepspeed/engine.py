@@ -137,7 +137,7 @@ class DeepSpeedEngine(HFTrainEngine):
     def _clip_grads(self) -> float:
         """DeepSpeed clips and updates in one call, ``step()`` (the boundary: clip, AdamW, LR schedule, zero the
         gradients), so it runs here and ``_apply_update`` has nothing left to do. It skips the update itself on a
-        non-finite gradient norm (the rule of backends/train_step.py), reporting the norm as inf."""
+        non-finite gradient norm (the rule of backends/accumulation.py), reporting the norm as inf."""
         self.ds.step()
         norm = self.ds.get_global_grad_norm()
         norm = float("nan") if norm is None else float(norm)

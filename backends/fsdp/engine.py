@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from backends.accumulation import require_trainable
 from backends.base import Buckets, bucketed, register_backend
 from backends.config import EngineConfig, ModelConfig, OptimConfig
 from backends.dist import init_distributed
@@ -36,7 +37,6 @@ from backends.hf_engine import HFTrainEngine
 from backends.hf_model import decoder_layers, torch_dtype
 from backends.lora_weights import Item
 from backends.optim import build_lr_scheduler, build_optimizer
-from backends.train_step import require_trainable
 
 
 @register_backend("fsdp")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from backends.accumulation import Accumulation
+from backends.accumulation import Accumulation, finish_train_step, partition_batch, require_trainable
 from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, base_model_only, register_backend
 from backends.batching import restore_order
 from backends.config import (
@@ -49,7 +49,6 @@ from backends.megatron.ops import prepare_micro_batch, response_outputs
 from backends.megatron.parallel import MegatronParallelConfig, init_model_parallel
 from backends.optim import SCHEDULES, lr_multiplier, warmup_steps
 from backends.safe_load import load_rank_file
-from backends.train_step import finish_train_step, partition_batch, require_trainable
 from scaletrain.protocol import DataProto
 from scaletrain.utils.seeding import rng_state, set_rng_state
 
@@ -298,7 +297,7 @@ class MegatronEngine(TrainEngine):
     def train_step(self, mini_batch: DataProto, loss_fn: LossFn, outputs: tuple[str, ...] = ("log_probs",)) -> dict:
         """Metrics like the FSDP engine's: the whole mini-batch's ``loss`` and loss_fn metrics (all DP ranks), the
         global ``grad_norm`` (before clipping), the ``lr`` of this step and ``step_skipped``; the step-or-skip tail is
-        the one every engine shares (backends/train_step.py)."""
+        the one every engine shares (backends/accumulation.py)."""
         optim, optimizer, model = self._trainable()
         outputs = check_outputs(self.model_config.kind, outputs)
         lr = optim.lr * lr_multiplier(

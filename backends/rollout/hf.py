@@ -6,6 +6,9 @@
   (exactly the distribution the token was drawn from; greedy uses the raw logits). A call with
   ``sampling.seed`` set forks and seeds torch's RNG, so same seed + same weights -> same samples, and the
   global RNG state is left untouched.
+- A vision-language model (backends/vision.py) generates from the prompts' ``multi_modal_inputs`` (each row's
+  pixel values, repeated with it), its 3-D positions derived from which prompt ids are image tokens; it never
+  samples a vision special token (``suppress_tokens``: a generated image pad would be taken for an image).
 - ``update_weights``: HF-named tensors copied into the model bucket by bucket (unknown names raise).
   ``load_format=dummy`` starts from random weights (the first update replaces them), like vLLM's.
 - ``sleep`` / ``wake_up``: move the model to CPU and back when it lives on a GPU; no-op on CPU.
@@ -24,6 +27,13 @@ import torch
 from backends.hf_model import torch_dtype
 from backends.rollout.base import WAKE_TAGS, RolloutConfig, RolloutEngine, SamplingConfig, register_rollout
 from backends.rollout.layout import build_rollout_output, eos_token_ids, mask_after_eos, pad_token_id
+from backends.vision import (
+    MULTI_MODAL_INPUTS,
+    gather_vision_inputs,
+    is_vision_language,
+    vision_special_tokens,
+    vision_token_types,
+)
 from scaletrain.protocol import DataProto
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy decoding (same threshold as vLLM)
@@ -32,16 +42,19 @@ GREEDY_EPS = 1e-5  # temperatures below this mean greedy decoding (same threshol
 @register_rollout("hf")
 class HFRolloutEngine(RolloutEngine):
     def __init__(self, config: RolloutConfig, tokenizer):
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         self.config = config
         self.tokenizer = tokenizer
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = torch_dtype(config.resolved_for(self.device.type)["dtype"])
+        hf_config = AutoConfig.from_pretrained(config.model_path)
+        self.vision_language = is_vision_language(hf_config)
+        auto = AutoModelForImageTextToText if self.vision_language else AutoModelForCausalLM
         if config.load_format == "dummy":  # random weights, replaced by the first update (as vLLM's dummy loader)
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.model_path), dtype=dtype)
+            model = auto.from_config(hf_config, dtype=dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype)
+            model = auto.from_pretrained(config.model_path, dtype=dtype)
         # transformers wraps ``to`` with functools.wraps(nn.Module.to), which pyright reads as unbound
         self.model = model.to(self.device).eval()  # pyright: ignore[reportArgumentType]
         self.eos_ids = eos_token_ids(tokenizer, config.model_path)
@@ -63,6 +76,8 @@ class HFRolloutEngine(RolloutEngine):
             output_scores=True,
             use_cache=True,
         )
+        if self.vision_language:
+            kwargs["suppress_tokens"] = vision_special_tokens(self.model.config)
         if sampling.temperature < GREEDY_EPS:
             kwargs.update(do_sample=False)
         else:
@@ -79,6 +94,11 @@ class HFRolloutEngine(RolloutEngine):
         n, max_new = sampling.n, sampling.max_new_tokens
         input_ids = prompts.tensors["input_ids"].to(self.device).repeat_interleave(n, dim=0)
         attention_mask = prompts.tensors["attention_mask"].to(self.device).repeat_interleave(n, dim=0)
+        vision = {}
+        if self.vision_language:
+            column = prompts.non_tensor_batch.get(MULTI_MODAL_INPUTS)
+            vision = gather_vision_inputs(None if column is None else column.repeat(n), self.device)
+            vision["mm_token_type_ids"] = vision_token_types(self.model.config, input_ids)
         prompt_len = input_ids.shape[1]
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
@@ -86,7 +106,10 @@ class HFRolloutEngine(RolloutEngine):
                 torch.manual_seed(sampling.seed)
             # transformers types generate's self as a protocol its own auto-model type does not meet
             out = self.model.generate(  # pyright: ignore[reportAttributeAccessIssue]
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=self._generation_config(sampling)
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=self._generation_config(sampling),
+                **vision,
             )
         generated = out.sequences[:, prompt_len:]
         steps = generated.shape[1]

@@ -113,7 +113,7 @@ def assert_step_matches_reference(
 
 def assert_nonfinite_step_skipped(engine, batch, loss_fn, outputs, exported) -> None:
     """An HF engine's train_step with a NaN loss (so a NaN gradient norm) skips the update the same way on every
-    backend (backends/train_step.py): the weights stay bit-equal, the metrics say so, and the step still counts
+    backend (backends/accumulation.py): the weights stay bit-equal, the metrics say so, and the step still counts
     (step counter and LR schedule advance once, as after an applied step)."""
     import math
 

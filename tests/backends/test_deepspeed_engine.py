@@ -38,6 +38,7 @@ CHECKS = (
     "save_hf",
     "nonfinite_grad_skips_step",
     "empty_batch_refused",
+    "vision_language",
 )
 
 
@@ -45,10 +46,12 @@ CHECKS = (
 def ranks(tmp_path_factory):
     pytest.importorskip("deepspeed")
     from tests.backends.tiny import save_tiny_qwen2, save_tiny_reward_model
+    from tests.backends.vlm_batch import write_vlm_inputs
 
     work = tmp_path_factory.mktemp("deepspeed_2rank")
     save_tiny_qwen2(str(work / "model"), seed=0, initializer_range=0.1)
     save_tiny_reward_model(str(work / "rm"))
+    write_vlm_inputs(work)
     group = RankGroup("tests.backends.test_deepspeed_engine", work, WORLD, timeout_s=300)
     yield group
     group.close()
@@ -290,3 +293,11 @@ def check_empty_batch_refused(ctx):
     from tests.backends.reference import actor_loss
 
     assert_empty_batch_refused(stepped(ctx), base(ctx).share, actor_loss, ("log_probs", "entropy"))
+
+
+def check_vision_language(ctx):
+    """The tiny Qwen2.5-VL under ZeRO-3: forward (padded, packed) and one step equal plain transformers
+    (tests/backends/vlm_checks.py)."""
+    from tests.backends.vlm_checks import check_vlm_engine
+
+    check_vlm_engine(ctx, "deepspeed")

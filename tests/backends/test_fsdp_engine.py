@@ -37,6 +37,7 @@ CHECKS = (
     "resume_exact",
     "tampered_checkpoint_refused",
     "save_hf",
+    "vision_language",
 )
 TOL = 1e-5
 
@@ -45,9 +46,11 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     from tests.backends.tiny import save_tiny_qwen2
+    from tests.backends.vlm_batch import write_vlm_inputs
 
     work = tmp_path_factory.mktemp("fsdp_2rank")
     save_tiny_qwen2(str(work / "model"), seed=0, initializer_range=0.1)
+    write_vlm_inputs(work)
     group = RankGroup("tests.backends.test_fsdp_engine", work, WORLD)
     yield group
     group.close()
@@ -439,3 +442,11 @@ def check_save_hf(ctx):
         assert AutoTokenizer.from_pretrained(hf_dir)("1+1").input_ids
         assert not any(f.startswith("model-") for f in os.listdir(hf_dir))  # one shard: model.safetensors
     dist.barrier()
+
+
+def check_vision_language(ctx):
+    """The tiny Qwen2.5-VL: forward (padded, packed) and one step equal plain transformers (tests/backends/
+    vlm_checks.py)."""
+    from tests.backends.vlm_checks import check_vlm_engine
+
+    check_vlm_engine(ctx, "fsdp")

@@ -114,7 +114,7 @@ def test_rollout_tp2_through_the_worker(ray_cluster, tmp_path, backend):
     for rank, s in enumerate(status):
         assert s["last_update_bytes"] == expected_shard_bytes(trained, rank), (rank, s)
     # TP=1 reference on the exported weights: the same greedy tokens (fp32; HF generate stands for TP=1 here and
-    # agrees with vLLM's TP=1 engine, tests/backends/test_rollout_vllm.py)
+    # agrees with vLLM's TP=1 engine, tests/backends/rollout/test_rollout_vllm.py)
     reference = get_rollout("hf")(RolloutConfig(model_path=str(tmp_path / "hf")), make_tokenizer())
     ref = reference.generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=RESP))
     assert torch.equal(greedy.batch["responses"][::N], ref.batch["responses"])

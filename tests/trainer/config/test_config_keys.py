@@ -4,7 +4,7 @@ the command line), and each field is read by the code it configures.
 The read check is static: a field counts as read when some module of the project (tests excluded) loads the
 attribute by its name (``x.<field>``) or reads it through a generic consumer of that class (``fields(Cls)`` /
 ``asdict``), listed in GENERIC_CONSUMERS with where it happens. Targeted tests elsewhere check that the keys do
-what they say (tests/trainer/config/test_ppo_config.py, tests/backends/test_rollout_lifecycle.py, ...).
+what they say (tests/trainer/config/test_ppo_config.py, tests/backends/rollout/test_rollout_lifecycle.py, ...).
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ def test_async_engine_serves_the_adapter(lora_engine, rollout_config, rollout_to
     synchronous engine samples with the same adapter."""
     from backends.lora_weights import adapter_config_dict
     from backends.rollout.vllm_async import VLLMAsyncRolloutEngine
-    from tests.backends.test_rollout_vllm_async import token_requests
+    from tests.backends.rollout.test_rollout_vllm_async import token_requests
 
     model = peft_adapter(rollout_model_dir, seed=1)
     config = adapter_config_dict(model.peft_config["default"])

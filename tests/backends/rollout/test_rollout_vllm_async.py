@@ -17,7 +17,7 @@ import torch
 
 from backends.rollout.base import SamplingConfig, TokenRequest
 from tests.backends.conftest import PROMPTS
-from tests.backends.test_rollout_vllm import GREEDY, assert_same_rollout, checkpoint_buckets
+from tests.backends.rollout.test_rollout_vllm import GREEDY, assert_same_rollout, checkpoint_buckets
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow

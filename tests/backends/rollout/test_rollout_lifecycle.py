@@ -166,7 +166,7 @@ def test_push_without_trainer_is_refused():
 
 # ------------------------------------------------------------------------------------------- the real engine
 def test_vllm_engine_through_the_lifecycle(vllm_engine, rollout_model_dir, prompts):
-    from tests.backends.test_rollout_vllm import GREEDY, assert_same_rollout, checkpoint_buckets
+    from tests.backends.rollout.test_rollout_vllm import GREEDY, assert_same_rollout, checkpoint_buckets
 
     before = vllm_engine.generate(prompts, GREEDY)
     lc = EngineLifecycle(vllm_engine)

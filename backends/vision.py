@@ -1,0 +1,163 @@
+"""Vision-language models in the training engines' forward (Qwen2-VL / Qwen2.5-VL: a vision tower whose patch
+embeddings replace the image pad tokens, and 3-D "M-RoPE" positions).
+
+A batch row with images carries its processor outputs in the non-tensor column ``multi_modal_inputs``
+(``pixel_values``: (patches, dim), ``image_grid_thw``: (images, 3); scaletrain/data/vision.py); a micro-batch's are
+concatenated in row order (``gather_vision_inputs``), the order in which the model consumes image pad tokens.
+
+The policy never emits a vision special token (image / video pad, vision start / end): the rollout suppresses
+them and the trainer's log-probs and entropy exclude them (``mask_vision_tokens``), so both describe the same
+distribution; a response holding one is refused (``refuse_vision_tokens_in_responses``).
+
+Under FSDP or ZeRO-3 every rank must run the same modules in the same order: a micro-batch without images runs the
+vision tower on a blank image where the model would run it and adds 0 x its output (``idle_vision_tower``).
+
+Positions: the batch keeps text positions (0, 1, ... per row). The model's 3-D positions follow from the ids, the
+image grid and the mask (its ``get_rope_index``, told which ids are image or video tokens); ``mrope_positions``
+computes them on the padded micro-batch. The packed (remove-padding) forward takes them with the text positions
+prepended, (4, 1, total): transformers finds the rows' boundaries from that first row, as for a text model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+VISION_INPUTS = ("pixel_values", "image_grid_thw")
+MASKED_LOGIT = -1e30  # a vision special token's logit in the policy (see mask_vision_tokens)
+MULTI_MODAL_INPUTS = "multi_modal_inputs"  # the non-tensor column holding each row's vision inputs
+
+
+def hf_config(model: nn.Module) -> Any:
+    """The HF config of a model, through the wrappers that hold it as ``module`` (DeepSpeed's engine, whose own
+    ``config`` is DeepSpeed's)."""
+    from transformers import PretrainedConfig
+
+    config = getattr(model, "config", None)
+    if isinstance(config, PretrainedConfig):
+        return config
+    inner = getattr(model, "module", None)
+    if isinstance(inner, nn.Module):
+        return hf_config(inner)
+    raise ValueError(f"{type(model).__name__} has no Hugging Face config")
+
+
+def is_vision_language(config: Any) -> bool:
+    """Whether an HF config is a vision-language model's (it has a vision tower's config)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def gather_vision_inputs(column: np.ndarray | None, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The micro-batch's vision inputs: each name's tensors of the rows with images, concatenated in row order
+    ({} when no row has images)."""
+    rows = [inputs for inputs in (column if column is not None else ()) if inputs]
+    if not rows:
+        return {}
+    unknown = sorted({k for inputs in rows for k in inputs} - set(VISION_INPUTS))
+    if unknown:
+        raise ValueError(f"{MULTI_MODAL_INPUTS}: inputs {unknown} are not supported (images: {list(VISION_INPUTS)})")
+    return {name: torch.cat([inputs[name] for inputs in rows]).to(device) for name in VISION_INPUTS}
+
+
+def _rope_module(model: nn.Module) -> nn.Module:
+    """The submodule that defines ``get_rope_index`` (the VL model under its LM head, PEFT or FSDP wrappers)."""
+    for module in model.modules():
+        if hasattr(type(module), "get_rope_index"):
+            return module
+    raise ValueError(f"{type(model).__name__} has no get_rope_index: not a Qwen2-VL family model")
+
+
+def vision_token_types(config: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """transformers' ``mm_token_type_ids``: 1 at image pad tokens, 2 at video pad tokens, 0 elsewhere."""
+    token_types = torch.zeros_like(input_ids, dtype=torch.int32)
+    token_types[input_ids == config.image_token_id] = 1
+    video_id = getattr(config, "video_token_id", None)
+    if video_id is not None:
+        token_types[input_ids == video_id] = 2
+    return token_types
+
+
+def vision_special_tokens(config: Any) -> list[int]:
+    """The ids a rollout must never sample: the image / video pads and the vision start / end markers."""
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return [i for i in (getattr(config, name, None) for name in names) if i is not None]
+
+
+def mask_vision_tokens(logits: torch.Tensor, config: Any) -> torch.Tensor:
+    """The logits with the vision special tokens out of reach (a large negative value, finite so that entropy's
+    p * logit stays 0): the policy's actions are text tokens, the distribution the rollout samples from."""
+    ids = torch.tensor(vision_special_tokens(config), device=logits.device)
+    return logits.index_fill(-1, ids, MASKED_LOGIT)
+
+
+def mrope_positions(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, vision: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """(3, b, T) temporal / height / width positions of a padded micro-batch (text tokens: the same value thrice)."""
+    token_types = vision_token_types(hf_config(model), input_ids)
+    positions, _ = _rope_module(model).get_rope_index(  # pyright: ignore[reportCallIssue]
+        input_ids, token_types, vision.get("image_grid_thw"), None, attention_mask=attention_mask
+    )
+    return positions
+
+
+def vision_forward_kwargs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    vision: dict[str, torch.Tensor],
+    packed_text_positions: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The model's vision inputs and ``position_ids``: (3, b, T) for the padded forward, or with
+    ``packed_text_positions`` (1, total) the packed forward's (4, 1, total)."""
+    positions = mrope_positions(model, input_ids, attention_mask, vision)
+    if packed_text_positions is not None:
+        valid = positions[:, attention_mask.bool()]  # (3, total): the packed order is row by row
+        positions = torch.cat([packed_text_positions, valid])[:, None, :]
+    return {**vision, "position_ids": positions}
+
+
+def refuse_vision_tokens_in_responses(config: Any, responses: torch.Tensor | None, valid: torch.Tensor) -> None:
+    """A generated image or video pad token would be taken for a placeholder of vision features: the rollout must
+    never sample one (it suppresses them for a vision-language model); ValueError naming the rows otherwise."""
+    if responses is None:
+        return
+    ids = [getattr(config, name, None) for name in ("image_token_id", "video_token_id")]
+    ids = [i for i in ids if i is not None]
+    found = torch.isin(responses, torch.tensor(ids, device=responses.device)) & valid
+    if bool(found.any()):
+        rows = sorted({int(r) for r in found.nonzero()[:, 0]})
+        raise ValueError(
+            f"responses of rows {rows} hold the model's image / video pad token ({ids}): the rollout must not sample "
+            "vision placeholder tokens"
+        )
+
+
+@contextlib.contextmanager
+def idle_vision_tower(model: nn.Module, device: torch.device | str) -> Iterator[None]:
+    """For a forward without images: the vision tower runs on one blank image of a single merged patch where the
+    model runs it for images (right after the token embedding, before the language model: a hook on the embedding),
+    and 0 x its output joins the embeddings. Every rank then runs the same modules in the same order per
+    micro-batch, as the ranks with images do (FSDP and ZeRO-3 gather weights collectively: a rank that skipped the
+    tower, or ran it elsewhere, would leave the others waiting), and nothing changes."""
+    vl_model = _rope_module(model)
+    vision = hf_config(model).vision_config
+    merge = vision.spatial_merge_size
+    dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+
+    def after_embedding(module, args, output):
+        pixels = torch.zeros(merge * merge, dim, device=device)
+        grid = torch.tensor([[1, merge, merge]], device=device)
+        features = vl_model.get_image_features(pixels, grid).pooler_output  # pyright: ignore[reportCallIssue]
+        return output + torch.cat(list(features)).sum() * 0.0
+
+    hook = vl_model.get_input_embeddings().register_forward_hook(after_embedding)  # pyright: ignore[reportCallIssue]
+    try:
+        yield
+    finally:
+        hook.remove()
