@@ -149,7 +149,8 @@ def prepare_model(name: str, output: str | os.PathLike | None = None, dtype: str
 
 
 def check_causal_lm(path: str | os.PathLike, key: str = "model.path") -> None:
-    """Raise ValueError naming ``key`` unless ``path`` is an HF directory of a causal language model."""
+    """Raise ValueError naming ``key`` unless ``path`` is an HF directory of a causal language model (a
+    vision-language model's ``*ForConditionalGeneration`` with a vision tower counts: it generates text)."""
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{key}: {path} is not a Hugging Face model directory (no config.json)")
@@ -158,10 +159,12 @@ def check_causal_lm(path: str | os.PathLike, key: str = "model.path") -> None:
     except ValueError as exc:
         raise ValueError(f"{key}: {config_file} is not valid JSON: {exc}") from exc
     architectures = config.get("architectures") or []
-    if not any(a.endswith("ForCausalLM") for a in architectures):
+    vision_language = "vision_config" in config and any(a.endswith("ForConditionalGeneration") for a in architectures)
+    if not vision_language and not any(a.endswith("ForCausalLM") for a in architectures):
         raise ValueError(
             f"{key}: {path} is not a causal language model (architectures: {architectures or 'none'}, "
-            f"model_type: {config.get('model_type')}); expected an *ForCausalLM checkpoint"
+            f"model_type: {config.get('model_type')}); expected an *ForCausalLM checkpoint, or a vision-language "
+            "*ForConditionalGeneration one"
         )
 
 

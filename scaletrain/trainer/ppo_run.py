@@ -11,6 +11,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from scaletrain.data import RLDataset
+from scaletrain.models.processor import load_processor
 from scaletrain.trainer.config.plan import RunPlan, log_plan, plan_run
 from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.trainer.ppo_trainer import RayPPOTrainer
@@ -23,7 +24,7 @@ from scaletrain.workers.actor_rollout_ref import merged_dir
 logger = logging.getLogger(__name__)
 
 
-def _dataset(files: Any, tokenizer, cfg: PPOConfig, max_samples: int | None) -> RLDataset | None:
+def _dataset(files: Any, tokenizer, cfg: PPOConfig, max_samples: int | None, processor=None) -> RLDataset | None:
     if not files:
         return None
     return RLDataset(
@@ -36,6 +37,9 @@ def _dataset(files: Any, tokenizer, cfg: PPOConfig, max_samples: int | None) -> 
         max_samples=max_samples,
         return_raw_chat=cfg.data.return_raw_chat,
         reward_fn_key=cfg.data.reward_fn_key,
+        processor=processor,
+        image_key=cfg.data.image_key,
+        video_key=cfg.data.video_key,
     )
 
 
@@ -61,9 +65,12 @@ def train(cfg: PPOConfig, watch: PreemptionWatch | None = None) -> RunResult:
     returns or raises (the cluster may be shared: ray_cluster.py). ``watch``: the caller's, entered before Ray
     started (a signal during start-up ends the run before its first step); None: fit()'s own."""
     start = time.monotonic()
-    tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
-    train_set = resolved(_dataset(cfg.data.train_files, tokenizer, cfg, cfg.data.max_samples), "data.train_files")
-    val_set = _dataset(cfg.data.val_files, tokenizer, cfg, cfg.data.val_max_samples)
+    model_path = resolved(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    processor = load_processor(model_path)  # None for a text model
+    train_files, val_files = cfg.data.train_files, cfg.data.val_files
+    train_set = resolved(_dataset(train_files, tokenizer, cfg, cfg.data.max_samples, processor), "data.train_files")
+    val_set = _dataset(val_files, tokenizer, cfg, cfg.data.val_max_samples, processor)
     run_dir = os.path.abspath(resolved(cfg.trainer.default_local_dir, "trainer.default_local_dir"))
     latest = CheckpointManager(run_dir).latest()
     plan = plan_run(cfg, len(train_set), latest)

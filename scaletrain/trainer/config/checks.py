@@ -19,6 +19,7 @@ from scaletrain.trainer.config.async_checks import rollout_world_size, validate_
 from scaletrain.trainer.config.lora_checks import validate_lora
 from scaletrain.trainer.config.ppo_config import PPOConfig, TrainerSection, files_of
 from scaletrain.trainer.config.rollout_checks import validate_rollout, validate_rollout_model
+from scaletrain.trainer.config.vision_checks import validate_vision_language
 from scaletrain.utils.typed_config import ConfigError
 from scaletrain.workers.config import with_megatron
 
@@ -35,7 +36,8 @@ def check_config(cfg: PPOConfig) -> PPOConfig:
     from scaletrain.trainer.run.ray_cluster import check_ray_kwargs
     from scaletrain.trainer.step.rollout_correction import validate_rollout_correction
 
-    validate_lora(cfg)  # first: megatron's refusal of LoRA before its packages are imported
+    validate_vision_language(cfg)  # first: before the backends' checks read the model's config as a text model's
+    validate_lora(cfg)  # megatron's refusal of LoRA before its packages are imported
     _validate_names(cfg)
     _validate_batch_sizes(cfg)
     _validate_algorithm(cfg)

@@ -36,6 +36,14 @@ if TYPE_CHECKING:
     from scaletrain.workers.roles import ActorRolloutRefRole, RolloutRole
 
 GEN_KEYS = ["input_ids", "attention_mask", "position_ids"]  # what the engines read of a prompt batch
+GEN_NON_TENSOR_KEYS = ["multi_modal_inputs"]  # and a vision-language model's images (when the data has them)
+
+
+def pop_gen_batch(batch: DataProto) -> DataProto:
+    """What the rollout engine reads of ``batch``'s prompts, taken out of it (the engine's output brings each
+    field back, repeated per response)."""
+    vision = [k for k in GEN_NON_TENSOR_KEYS if k in batch.non_tensor_batch]
+    return batch.pop(batch_keys=GEN_KEYS, non_tensor_batch_keys=vision)
 
 
 def build_agent_manager(cfg: PPOConfig, rollout: ActorRolloutRefRole | RolloutRole, tokenizer):
@@ -93,7 +101,7 @@ class RolloutProducer:
         cfg = self.cfg
         suffix = f"-{gen_index}" if gen_index else ""
         batch.non_tensor_batch["uid"] = np.array([f"{step}{suffix}-{i}" for i in range(len(batch))], dtype=object)
-        gen_batch = batch.pop(batch_keys=GEN_KEYS)
+        gen_batch = pop_gen_batch(batch)
         sampling = self.sampling_cfg.train_sampling(seed=derive_seed(cfg.trainer.seed, step, gen_index))
         with timer("gen", timings):
             gen_out, metrics = self.generate(batch, gen_batch, sampling, tag=f"step{step}{suffix}")
@@ -138,7 +146,7 @@ class RolloutProducer:
     def validation_batch(self, batch: DataProto, tag: str) -> tuple[DataProto, dict]:
         """``batch``'s held-out prompts generated with the validation sampling (seed 0) and scored with the rule
         reward: (the prompts repeated per response with the responses, the reward's dict)."""
-        gen_batch = batch.pop(batch_keys=GEN_KEYS)
+        gen_batch = pop_gen_batch(batch)
         out, _ = self.generate(batch, gen_batch, self.sampling_cfg.validation_sampling(seed=0), tag=tag)
         batch = batch.repeat(len(out) // len(batch), interleave=True).union(out)
         with self.reward_lock:  # the rollout thread may be scoring too

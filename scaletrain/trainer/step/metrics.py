@@ -82,11 +82,14 @@ def throughput_metrics(
 
 
 def count_params(path: str) -> int:
-    """Parameters of the HF causal LM at ``path`` (built on the meta device: no memory, no weights read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Parameters of the HF causal LM (or vision-language model) at ``path`` (built on the meta device: no memory,
+    no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    config = AutoConfig.from_pretrained(path)
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        model = auto.from_config(config)
     return sum(p.numel() for p in model.parameters())
 
 

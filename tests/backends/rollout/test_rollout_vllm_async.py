@@ -4,13 +4,13 @@ engine left behind when its owner dies."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,7 +108,7 @@ def running(pid: int) -> bool:
 
 
 def test_engine_core_exits_when_its_owner_is_killed(rollout_model_dir):
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = str(Path(__file__).resolve().parents[3])  # the repository (tests/backends/rollout/this file)
     code = textwrap.dedent(OWNER.format(root=root, model=rollout_model_dir))
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:

@@ -40,7 +40,7 @@ ALTERNATIVES = {
 # worker: their effects are tested where the driver uses them (test_ppo_config.py, the end-to-end runs)
 DRIVER_READ = {
     *(f"data.{k}" for k in ("val_batch_size", "filter_overlong_prompts", "truncation", "shuffle", "seed")),
-    *(f"data.{k}" for k in ("prompt_key", "reward_fn_key", "max_samples", "val_max_samples")),
+    *(f"data.{k}" for k in ("prompt_key", "reward_fn_key", "image_key", "video_key", "max_samples", "val_max_samples")),
     "critic.enable",  # decides whether a critic exists (the base has one either way: GAE)
     "actor_rollout_ref.actor.optim.total_steps",  # derived by the plan, whatever the key says
     "critic.optim.total_steps",

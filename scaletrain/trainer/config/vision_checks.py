@@ -1,0 +1,47 @@
+"""Config checks of a run whose actor is a vision-language model (layer 4): what such a run can do today is
+trained and rolled out with images on fsdp or deepspeed with the HF rollout engine, single-turn; every other
+combination is refused before Ray starts, naming the key (docs/multimodal.md says what is next)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from scaletrain.trainer.config.ppo_config import PPOConfig
+from scaletrain.utils.typed_config import ConfigError
+
+
+def is_vision_language_dir(path: str) -> bool:
+    """Whether the HF model directory ``path`` holds a vision-language model (its config has a vision tower)."""
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return False
+    with open(config) as f:
+        return "vision_config" in json.load(f)
+
+
+def validate_vision_language(cfg: PPOConfig) -> None:
+    """ConfigError naming the key of what a run of a vision-language actor cannot do yet (nothing for a text one)."""
+    model_path = cfg.actor_rollout_ref.model.path
+    if model_path is None or not is_vision_language_dir(model_path):
+        return
+    arr = cfg.actor_rollout_ref
+    what = f"actor_rollout_ref.model.path={model_path} is a vision-language model"
+    async_loops = arr.rollout.multi_turn.enable or arr.rollout.mode != "sync"
+    not_yet = "is not supported on a vision-language model yet"
+    refusals = [
+        (
+            "backend.name",
+            cfg.backend.name == "megatron",
+            "the megatron backend does not take one: use fsdp or deepspeed",
+        ),
+        ("actor_rollout_ref.rollout.name", arr.rollout.name != "hf", "only rollout=hf generates from images yet"),
+        ("actor_rollout_ref.rollout.multi_turn.enable", async_loops, "the agent loops do not carry images yet"),
+        ("actor_rollout_ref.model.lora_rank", arr.model.lora_rank > 0, f"LoRA {not_yet}"),
+        ("critic.enable", cfg.use_critic, f"a critic {not_yet}"),
+        ("reward_model.enable", cfg.reward_model.enable, f"a reward model {not_yet}"),
+        ("async_training.mode", cfg.async_training.mode != "sync", f"asynchronous training {not_yet}"),
+    ]
+    for key, refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{key}: {what}: {why}")
