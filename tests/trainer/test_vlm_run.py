@@ -68,13 +68,10 @@ def test_two_grpo_steps_of_a_vlm_from_images(ray_cluster, visual, tmp_path, back
     ],
 )
 def test_what_a_vlm_run_cannot_do_yet_is_refused_naming_the_key(visual, tmp_path, overrides, key):
-    from scaletrain.trainer.config.checks import check_config
-    from scaletrain.trainer.config.plan import resolve_config
-    from scaletrain.trainer.config.ppo_config import load_ppo_config
     from scaletrain.utils.typed_config import ConfigError
-    from tests.trainer.config.test_ppo_config import composed
+    from tests.trainer.config.test_ppo_config import checked
     from tests.trainer.runs import ppo_overrides
 
     args = ppo_overrides(visual, tmp_path / "run", 2, [*VLM_RUN, *overrides])
     with pytest.raises(ConfigError, match=rf"^{key}: actor_rollout_ref.model.path=.* is a vision-language model"):
-        check_config(resolve_config(load_ppo_config(composed(*args))))
+        checked(*args)

@@ -86,8 +86,10 @@ def count_params(path: str) -> int:
     no weights read)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from backends.vision import is_vision_language
+
     config = AutoConfig.from_pretrained(path)
-    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto.from_config(config)
     return sum(p.numel() for p in model.parameters())
