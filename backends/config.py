@@ -48,6 +48,7 @@ class ModelConfig(ModelSettings, LoraSettings):
 
     kind: str = "causal_lm"  # causal_lm (actor/ref) | value (critic) | reward (seq. classifier)
     override_config: dict[str, Any] = field(default_factory=dict)  # HF config attributes set before loading
+    freeze_vision_tower: bool = False  # a vision-language model's vision tower gets no gradient (the actor's key)
 
     @property
     def checkpoint(self) -> str:

@@ -32,6 +32,8 @@ from torch import nn
 from backends.config import ATTN_IMPLEMENTATIONS, ModelConfig
 from backends.lora import lora_enabled, wrap_lora
 from backends.vision import (
+    check_image_tokens,
+    freeze_vision_tower,
     hf_config,
     idle_vision_tower,
     is_vision_language,
@@ -99,7 +101,8 @@ def build_model(model_config: ModelConfig) -> nn.Module:
     checkpoint: its head is then freshly initialised (seed the RNG identically on every rank first).
     ``attn_implementation`` (or verl's ``override_config["attn_implementation"]``) picks the attention kernel
     (default: transformers' choice, sdpa); see ``attention_kwargs``. With ``lora_rank > 0`` the model comes back
-    wrapped by PEFT, only its adapters trainable (backends/lora.py).
+    wrapped by PEFT, only its adapters trainable (backends/lora.py); with ``freeze_vision_tower`` a VLM's vision
+    tower is frozen (backends/vision.py).
     """
     from transformers import (
         AutoModelForCausalLM,
@@ -124,6 +127,8 @@ def build_model(model_config: ModelConfig) -> nn.Module:
         trust_remote_code=model_config.trust_remote_code,
         **kwargs,
     )
+    if model_config.freeze_vision_tower:
+        freeze_vision_tower(model)
     if model_config.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_enabled(model_config):
@@ -209,6 +214,7 @@ def forward_micro_batch(
     vl = is_vision_language(config)
     if vl:
         refuse_vision_tokens_in_responses(config, micro["responses"] if R else None, resp_valid)
+        check_image_tokens(config, input_ids, vision or {})
     # every rank runs the vision tower once per micro-batch, images or not (backends/vision.py)
     with idle_vision_tower(model, input_ids.device) if vl and not vision else contextlib.nullcontext():
         logits = _response_logits(model, micro, kind, remove_padding, (vision or {}) if vl else None)

@@ -72,6 +72,24 @@ def _rope_module(model: nn.Module) -> nn.Module:
     raise ValueError(f"{type(model).__name__} has no get_rope_index: not a Qwen2-VL family model")
 
 
+def vision_tower(model: nn.Module) -> nn.Module:
+    """The vision encoder of a vision-language model (Qwen2-VL family: ``visual``; LLaVA-style: ``vision_tower`` or
+    ``vision_model``), found under the LM head and PEFT wrappers."""
+    for module in model.modules():
+        for name in ("visual", "vision_tower", "vision_model"):
+            tower = getattr(module, name, None)
+            if isinstance(tower, nn.Module):
+                return tower
+    raise ValueError(f"{type(model).__name__} has no vision tower (visual / vision_tower / vision_model)")
+
+
+def freeze_vision_tower(model: nn.Module) -> None:
+    """verl's ``actor.freeze_vision_tower``: the vision encoder gets no gradient (the optimizers take parameters with
+    ``requires_grad`` only, backends/optim.py); the language model and the vision-to-text merger under it train on.
+    Qwen2-VL's merger sits inside ``visual`` and is frozen with it, as in verl."""
+    vision_tower(model).requires_grad_(False)
+
+
 def vision_token_types(config: Any, input_ids: torch.Tensor) -> torch.Tensor:
     """transformers' ``mm_token_type_ids``: 1 at image pad tokens, 2 at video pad tokens, 0 elsewhere."""
     token_types = torch.zeros_like(input_ids, dtype=torch.int32)
@@ -120,6 +138,21 @@ def vision_forward_kwargs(
         valid = positions[:, attention_mask.bool()]  # (3, total): the packed order is row by row
         positions = torch.cat([packed_text_positions, valid])[:, None, :]
     return {**vision, "position_ids": positions}
+
+
+def check_image_tokens(config: Any, input_ids: torch.Tensor, vision: dict[str, torch.Tensor]) -> None:
+    """The batch's image pad tokens number its images' merged patches: a prompt whose vision inputs were dropped on
+    the way (the rows' ``multi_modal_inputs`` column not passed) would otherwise run with its image pads read as
+    text, silently (transformers checks the count only when pixel values come)."""
+    pads = int((input_ids == config.image_token_id).sum())
+    grid = vision.get("image_grid_thw")
+    merge = config.vision_config.spatial_merge_size
+    expected = 0 if grid is None else int(grid.prod(-1).sum()) // merge**2
+    if pads != expected:
+        raise ValueError(
+            f"the batch holds {pads} image pad tokens but its vision inputs ({MULTI_MODAL_INPUTS}) give {expected} "
+            "image tokens: pass each row's multi_modal_inputs with its prompt"
+        )
 
 
 def refuse_vision_tokens_in_responses(config: Any, responses: torch.Tensor | None, valid: torch.Tensor) -> None:

@@ -29,6 +29,7 @@ from backends.rollout.base import WAKE_TAGS, RolloutConfig, RolloutEngine, Sampl
 from backends.rollout.layout import build_rollout_output, eos_token_ids, mask_after_eos, pad_token_id
 from backends.vision import (
     MULTI_MODAL_INPUTS,
+    check_image_tokens,
     gather_vision_inputs,
     is_vision_language,
     vision_special_tokens,
@@ -98,6 +99,7 @@ class HFRolloutEngine(RolloutEngine):
         if self.vision_language:
             column = prompts.non_tensor_batch.get(MULTI_MODAL_INPUTS)
             vision = gather_vision_inputs(None if column is None else column.repeat(n), self.device)
+            check_image_tokens(self.model.config, input_ids, vision)
             vision["mm_token_type_ids"] = vision_token_types(self.model.config, input_ids)
         prompt_len = input_ids.shape[1]
         devices = [self.device.index or 0] if self.device.type == "cuda" else []

@@ -106,8 +106,9 @@ class SFTTrainer:
             out = self.model.eval_loss(self.val_batch)
             metrics["val/loss"] = out.tensors["nll_sum"].sum().item() / max(out.tensors["num_tokens"].sum().item(), 1.0)
         if self.val_prompts is not None:
+            vision = [k for k in ("multi_modal_inputs",) if k in self.val_prompts.non_tensor_batch]
             prompts = self.val_prompts.select(
-                batch_keys=["input_ids", "attention_mask", "position_ids"], non_tensor_batch_keys=[]
+                batch_keys=["input_ids", "attention_mask", "position_ids"], non_tensor_batch_keys=vision
             )
             out = self.model.generate(prompts)
             metrics["val/acc"] = float(np.mean(greedy_scores(out, self.val_prompts, self.tokenizer, self.eos_ids)))
@@ -172,8 +173,11 @@ def worker_config(cfg: SFTConfig, train_rows: int) -> tuple[SFTWorkerConfig, Eng
     return config, setup
 
 
-def _datasets(data: SFTDataConfig, tokenizer: Any) -> tuple[SFTDataset, SFTDataset | None, DataProto | None]:
-    """The training rows, the validation-loss rows and the greedy-accuracy prompts (None where not configured)."""
+def _datasets(
+    data: SFTDataConfig, tokenizer: Any, processor: Any
+) -> tuple[SFTDataset, SFTDataset | None, DataProto | None]:
+    """The training rows, the validation-loss rows and the greedy-accuracy prompts (None where not configured);
+    ``processor``: a vision-language model's (rows with images), else None."""
     from scaletrain.data import RLDataset
 
     def sft_rows(files: Any, max_samples: int | None) -> SFTDataset:
@@ -186,12 +190,21 @@ def _datasets(data: SFTDataConfig, tokenizer: Any) -> tuple[SFTDataset, SFTDatas
             data.max_response_length,
             data.truncation,
             max_samples,
+            processor=processor,
+            image_key=data.image_key,
         )
 
     val = sft_rows(data.val_files, data.val_max_samples) if files_of(data.val_files) else None
     prompts = None
     if data.val_prompts_file:
-        rl = RLDataset(data.val_prompts_file, tokenizer, data.max_prompt_length, max_samples=data.val_max_samples)
+        rl = RLDataset(
+            data.val_prompts_file,
+            tokenizer,
+            data.max_prompt_length,
+            max_samples=data.val_max_samples,
+            processor=processor,
+            image_key=data.image_key,
+        )
         prompts = rl.get_batch(range(len(rl)))
     return sft_rows(data.train_files, data.max_samples), val, prompts
 
@@ -203,12 +216,16 @@ def run_sft(config: SFTConfig | Mapping[str, Any]) -> dict[str, Any]:
     this process's connection if it has one); the workers and their placement group are freed before returning."""
     from transformers import AutoTokenizer
 
+    from scaletrain.models.processor import load_processor
     from scaletrain.trainer.run.ray_cluster import ray_cluster
 
     cfg = config if isinstance(config, SFTConfig) else load_sft_config(config)
     cfg = check_sft_config(resolve_embedded(cfg))
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    train, val, prompts = _datasets(cfg.data, tokenizer)
+    path = cfg.model.path
+    assert path is not None  # check_sft_config refuses a missing model path
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    processor = load_processor(path, trust_remote_code=cfg.model.trust_remote_code)
+    train, val, prompts = _datasets(cfg.data, tokenizer, processor)
 
     with ray_cluster(cfg.ray_kwargs, cfg.world_size, cfg.trainer.device):
         summary = _train_on_workers(cfg, tokenizer, train, val, prompts)

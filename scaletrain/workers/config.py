@@ -141,6 +141,7 @@ class ActorConfig(PPOUpdateSettings):
     calculate_sum_pi_squared: bool = False  # the old-log-prob pass also gives each response token's sum of squared
     # probabilities over the vocabulary (column sum_pi_squared); always on for an estimator that reads it
     # (optimal_token_baseline, tir_optimal_token_baseline)
+    freeze_vision_tower: bool = False  # a vision-language model's vision tower gets no gradient (verl's key)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 

@@ -33,8 +33,15 @@ from scaletrain.workers.rollout_setup import build_colocated_rollout
 
 logger = logging.getLogger(__name__)
 
-# batch fields the SFT update reads
+# batch fields the SFT update reads (and, for a vision-language model, each row's vision inputs)
 SFT_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+VISION_INPUTS = "multi_modal_inputs"
+
+
+def sft_inputs(data: DataProto) -> DataProto:
+    """The fields of ``data`` the SFT update and loss read."""
+    vision = [VISION_INPUTS] if VISION_INPUTS in data.non_tensor_batch else []
+    return data.select(batch_keys=list(SFT_INPUTS), non_tensor_batch_keys=vision)
 
 
 @dataclass
@@ -109,15 +116,14 @@ class SFTWorker(Worker):
     def train_batch(self, data: DataProto) -> dict[str, float]:
         """One optimizer step on this rank's share of the batch; metrics ``sft/loss``, ``sft/grad_norm``, ``sft/lr``."""
         engine = self._training()
-        batch = data.select(batch_keys=list(SFT_INPUTS), non_tensor_batch_keys=[])
-        metrics = engine.train_step(batch, sft_loss_fn, outputs=("log_probs",))
+        metrics = engine.train_step(sft_inputs(data), sft_loss_fn, outputs=("log_probs",))
         self._rollout_stale = True
         return {(k if "/" in k else f"sft/{k}"): float(v) for k, v in metrics.items()}
 
     @register(dispatch_mode=ENGINE_PROTO)
     def eval_loss(self, data: DataProto) -> DataProto:
         """No-grad NLL per row: ``nll_sum`` (summed over response tokens) and ``num_tokens``, both (B,) float."""
-        batch = data.select(batch_keys=list(SFT_INPUTS), non_tensor_batch_keys=[])
+        batch = sft_inputs(data)
         log_probs = self._training().forward(batch, outputs=("log_probs",)).tensors["log_probs"]
         mask = batch.tensors["response_mask"].float()
         return DataProto.from_dict({"nll_sum": -(log_probs * mask).sum(-1), "num_tokens": mask.sum(-1)})

@@ -46,3 +46,11 @@ def test_a_generated_vision_token_is_refused(setup):
     vision = gather_vision_inputs(batch.non_tensor_batch["multi_modal_inputs"], "cpu")
     with pytest.raises(ValueError, match=r"responses of rows \[2\] hold the model's image / video pad token"):
         forward_micro_batch(model, tensors, ("log_probs",), vision=vision)
+
+
+def test_image_tokens_without_their_vision_inputs_are_refused(setup):
+    """A prompt whose vision inputs were dropped on the way would run with its image pads read as text."""
+    model, batch = setup
+    tensors = {k: batch.batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")}
+    with pytest.raises(ValueError, match=r"holds 80 image pad tokens but its vision inputs .* give 0"):
+        forward_micro_batch(model, tensors, ("log_probs",), vision={})

@@ -4,7 +4,8 @@ batch with images (tests/backends/vlm_batch.py), each rank holding half of the r
 - forward, padded and packed: every response token's log-prob and entropy equal the row's own unpadded forward in
   plain transformers (fp32, 1e-4);
 - one train step equals a single-process step on the whole batch (plain HF model, torch AdamW, the same token-mean
-  loss): loss, gradient norm and every weight, the vision tower's included (which the step must change).
+  loss): loss, gradient norm and every weight, the vision tower's included (which the step must change);
+- with ``freeze_vision_tower`` a step changes no vision-tower weight and trains the language model.
 """
 
 from __future__ import annotations
@@ -52,3 +53,20 @@ def check_vlm_engine(ctx, backend: str, **engine_settings) -> None:
         assert_close(weight, ref_sd[name], f"{backend} weight {name}", tol=TOL)
     vision = [name for name in after if ".visual." in name or name.startswith("visual.")]
     assert vision and any(not torch.equal(before[n], after[n]) for n in vision), "the vision tower did not train"
+    settings = EngineConfig(micro_batch_size_per_gpu=2, **engine_settings)
+    check_frozen_vision_tower(Engine, model_dir, share, optim, settings)
+
+
+def check_frozen_vision_tower(Engine, model_dir: str, share, optim, settings) -> None:
+    """``freeze_vision_tower``: a step leaves every vision-tower weight as it was and trains the language model."""
+    from backends.config import ModelConfig
+    from tests.backends import reference
+
+    engine = Engine(ModelConfig(path=model_dir, freeze_vision_tower=True), optim, settings)
+    before = {k: v.clone() for bucket in engine.export_weights(1 << 30) for k, v in bucket}
+    engine.train_step(share, reference.actor_loss, ("log_probs", "entropy"))
+    after = {k: v for bucket in engine.export_weights(1 << 30) for k, v in bucket}
+    changed = {name for name in after if not torch.equal(before[name], after[name])}
+    vision = {name for name in after if ".visual." in name or name.startswith("visual.")}
+    assert vision and not changed & vision, f"frozen vision tower weights changed: {sorted(changed & vision)[:3]}"
+    assert changed - vision, "the language model did not train"

@@ -202,12 +202,46 @@ def broken_files(tmp_path) -> dict[str, tuple[list[dict], str]]:
     }
 
 
+def sft_rows(path, processor, max_prompt_length=64, with_processor=True, **kwargs):
+    """The SFT dataset on RL-format rows, the answers as the responses (the processor given, or the tokenizer only)."""
+    from scaletrain.data.sft_dataset import SFTDataset
+
+    if with_processor:
+        kwargs["processor"] = processor
+    return SFTDataset(path, processor.tokenizer, "prompt", "reward_model.ground_truth", max_prompt_length, 4, **kwargs)
+
+
+@pytest.mark.parametrize("dataset", ["rl", "sft"])
 @pytest.mark.parametrize("case", ["undecodable bytes", "missing file", "placeholders do not match", "not a list"])
-def test_bad_images_are_refused_naming_file_row_column_and_image(tmp_path, processor, case):
+def test_bad_images_are_refused_naming_file_row_column_and_image(tmp_path, processor, case, dataset):
     rows, message = broken_files(tmp_path)[case]
     path = write(rows, tmp_path / "bad.parquet")
     with pytest.raises(ValueError, match=rf"bad\.parquet: {message}"):
-        RLDataset(path, processor.tokenizer, 128, processor=processor)
+        if dataset == "rl":
+            RLDataset(path, processor.tokenizer, 128, processor=processor)
+        else:
+            sft_rows(path, processor, 128)
+
+
+def test_sft_rows_with_images_render_as_the_rl_prompts(count_task, processor):
+    """SFT on the task's RL parquet (the answers as responses): each prompt's ids and vision inputs are the RL
+    dataset's, the response the answer and EOS; images without a processor and an image prompt over
+    max_prompt_length (never truncated) are refused naming the row."""
+    rl = RLDataset(count_task["train"], processor.tokenizer, 64, processor=processor)
+    sft = sft_rows(count_task["train"], processor, truncation="truncate")
+    batch = sft.get_batch([0, 1])
+    tok = processor.tokenizer
+    for row in (0, 1):
+        prompt_mask = batch.batch["attention_mask"][row, :64].bool()
+        assert batch.batch["input_ids"][row, :64][prompt_mask].tolist() == rl[row]["raw_prompt_ids"]
+        inputs = batch.non_tensor_batch["multi_modal_inputs"][row]
+        torch.testing.assert_close(inputs["pixel_values"], rl[row]["multi_modal_inputs"]["pixel_values"])
+        response = batch.batch["responses"][row][batch.batch["response_mask"][row].bool()]
+        assert tok.decode(response) == rl.rows[row]["reward_model"]["ground_truth"] + tok.eos_token
+    with pytest.raises(ValueError, match=r"train\.parquet: row 0: column 'images': images need a model with a proc"):
+        sft_rows(count_task["train"], processor, with_processor=False)
+    with pytest.raises(ValueError, match=r"train\.parquet: row 0: .* tokens exceed .*never truncated"):
+        sft_rows(count_task["train"], processor, 20, truncation="truncate")
 
 
 def test_images_without_a_processor_and_videos_are_refused(tmp_path, processor):

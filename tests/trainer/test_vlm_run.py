@@ -1,6 +1,8 @@
 """A vision-language model through the trainer (the CLI's in-process entry point): 2 GRPO steps of the tiny
 Qwen2.5-VL on the synthetic visual task, on fsdp and on deepspeed, with the HF rollout engine generating from the
-images; the exported HF checkpoint is a VLM whose vision tower trained. What a VLM run cannot do yet is refused
+images; the exported HF checkpoint is a VLM whose vision tower trained (left as it was with
+``actor.freeze_vision_tower``, the language model trained). SFT of the VLM on the task's RL parquet, on both
+backends. What a VLM run cannot do yet is refused
 before Ray, naming the key (scaletrain/trainer/config/vision_checks.py)."""
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ VLM_RUN = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
-def test_two_grpo_steps_of_a_vlm_from_images(ray_cluster, visual, tmp_path, backend):
+@pytest.mark.parametrize("backend, frozen", [("fsdp", False), ("deepspeed", True)])
+def test_two_grpo_steps_of_a_vlm_from_images(ray_cluster, visual, tmp_path, backend, frozen):
     from transformers import AutoModelForImageTextToText
 
     # a random model scores 0 on the task: a hash of the response gives the samples of one prompt other rewards,
@@ -44,15 +46,57 @@ def test_two_grpo_steps_of_a_vlm_from_images(ray_cluster, visual, tmp_path, back
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(HASH_REWARD)
     overrides = [*VLM_RUN, f"backend.name={backend}", f"custom_reward_function.path={reward_file}"]
+    overrides.append(f"actor_rollout_ref.actor.freeze_vision_tower={str(frozen).lower()}")
     result = run_in_process(visual, tmp_path / "run", 2, overrides)
     logged = metrics(result.run_dir)
     for step in (1, 2):
         assert "critic/score/mean" in logged[step] and torch.isfinite(torch.tensor(logged[step]["actor/pg_loss"]))
     assert logged[1]["critic/advantages/max"] > 0
     assert any(k.startswith("val-core/scaletrain/visual/count/") for k in logged[2])  # validated on the images
-    # the exported checkpoint loads as a VLM, its vision tower trained
+    # the exported checkpoint loads as a VLM, its vision tower trained (or left as it was, frozen)
     before = AutoModelForImageTextToText.from_pretrained(visual["model"]).state_dict()
     after = AutoModelForImageTextToText.from_pretrained(result.hf_checkpoint).state_dict()
+    vision = [name for name in before if ".visual." in name]
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert vision and bool(changed & set(vision)) != frozen, f"vision tower changed: {bool(changed & set(vision))}"
+    assert changed - set(vision), "the language model did not train"
+
+
+def test_freeze_vision_tower_on_a_text_model_is_refused(visual, tmp_path):
+    from scaletrain.data import build_embedded_default
+    from scaletrain.utils.typed_config import ConfigError
+    from tests.trainer.config.test_ppo_config import checked
+    from tests.trainer.runs import ppo_overrides
+
+    text = {**visual, "model": build_embedded_default()["model"]}
+    args = ppo_overrides(text, tmp_path / "run", 2, [*VLM_RUN, "actor_rollout_ref.actor.freeze_vision_tower=true"])
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.freeze_vision_tower: .* has no vision tower"):
+        checked(*args)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
+def test_sft_of_a_vlm_on_the_tasks_rl_parquet(ray_cluster, visual, tmp_path, backend):
+    """SFT reads the task's RL parquet (the answers as responses), trains the whole VLM on the images and measures
+    greedy accuracy on the test images; the saved checkpoint is a VLM whose vision tower trained."""
+    from transformers import AutoModelForImageTextToText
+
+    from scaletrain.trainer.sft_trainer import run_sft
+
+    data = {"train_files": visual["train"], "val_files": visual["test"], "val_prompts_file": visual["test"]}
+    data.update(response_key="reward_model.ground_truth", train_batch_size=8, micro_batch_size_per_gpu=2)
+    data.update(max_prompt_length=64, max_response_length=3)
+    summary = run_sft(
+        {
+            "data": data,
+            "model": {"path": visual["model"]},
+            "backend": {"name": backend},
+            "trainer": {"total_steps": 2, "test_freq": 2, "default_local_dir": str(tmp_path), "logger": ["jsonl"]},
+        }
+    )
+    assert summary["step"] == 2 and 0.0 <= summary["val_acc"] <= 1.0 and summary["val_loss"] > 0
+    before = AutoModelForImageTextToText.from_pretrained(visual["model"]).state_dict()
+    after = AutoModelForImageTextToText.from_pretrained(summary["hf_path"]).state_dict()
     vision = [name for name in before if ".visual." in name]
     assert vision and any(not torch.equal(before[n], after[n]) for n in vision), "the vision tower did not train"
 

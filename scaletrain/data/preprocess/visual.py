@@ -12,6 +12,8 @@ Tasks (``TASKS``), drawn with PIL on a white 112 x 112 canvas:
   - ``count``: 1-5 filled squares and circles in red, green or blue; "how many <colour>?" -> 0-5.
   - ``taller``: two bars of different heights; "which bar is taller?" -> left | right.
   - ``number``: one digit drawn large; "what number?" -> the digit.
+  - ``colour``: one square or circle, 24-56 pixels wide, anywhere, in one of six colours; "what colour?" -> its
+    name (the recipe's task: the tiny VLM learns it from scratch in minutes, docs/multimodal.md).
 The test split is drawn first; a train image identical to a test one is drawn again (the splits are disjoint).
 """
 
@@ -31,6 +33,7 @@ from scaletrain.utils.registry import Registry
 DATA_SOURCE_PREFIX = "scaletrain/visual/"
 SIZE = 112
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 60, 220)}
+MORE_COLOURS = {**COLOURS, "yellow": (230, 200, 20), "purple": (140, 40, 170), "orange": (240, 130, 20)}
 TASKS = Registry("visual task")
 Drawn = tuple[Any, str, str]  # (PIL image, question, answer)
 
@@ -74,6 +77,16 @@ def draw_number(rng: random.Random) -> Drawn:
     font = ImageFont.load_default(size=rng.randint(48, 72))
     draw.text((rng.randint(20, 50), rng.randint(5, 30)), str(digit), fill=(0, 0, 0), font=font)
     return image, "what number?", str(digit)
+
+
+@TASKS.register("colour")
+def draw_colour(rng: random.Random) -> Drawn:
+    image, draw = _canvas()
+    name, size = rng.choice(list(MORE_COLOURS)), rng.randint(24, 56)
+    x, y = rng.randint(0, SIZE - size), rng.randint(0, SIZE - size)
+    shape = draw.rectangle if rng.random() < 0.5 else draw.ellipse
+    shape((x, y, x + size - 1, y + size - 1), fill=MORE_COLOURS[name])
+    return image, "what colour?", name
 
 
 def png_bytes(image) -> bytes:

@@ -12,6 +12,7 @@ class DataSettings:
     train_files: Any = None  # str | list[str] of parquet files; null: the embedded default task's
     val_files: Any = None  # str | list[str]; null: no validation (the embedded default task: its held-out split)
     prompt_key: str = "prompt"  # the column holding each row's prompt
+    image_key: str = "images"  # a vision-language model's image column (lists of {bytes} / {path} / paths)
     truncation: str = "error"  # a row over its length limits: error; PPO (when not filtering): left | right;
     # SFT: truncate (the prompt keeps its end, the response its start)
     seed: int = 1  # seed of the training rows' order (epoch e: derive_seed(seed, e))

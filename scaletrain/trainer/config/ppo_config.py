@@ -34,7 +34,6 @@ class DataConfig(DataSettings):
     return_raw_chat: bool = True  # rows keep their chat messages (raw_prompt); the agent loops need them
     reward_fn_key: str = "data_source"  # the column that picks each row's scorer (a non-empty string in every row),
     # handed to the reward manager as its reward_fn_key
-    image_key: str = "images"  # a vision-language model's image column (lists of {bytes} / {path} / paths)
     video_key: str = "videos"  # the video column (refused: videos are not supported yet)
 
 

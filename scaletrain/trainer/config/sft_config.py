@@ -28,7 +28,8 @@ DEVICES = ("auto", "cpu", "cuda")
 @dataclass
 class SFTDataConfig(DataSettings):
     val_prompts_file: str | None = None  # RL-format parquet for greedy accuracy (embedded default: its val)
-    response_key: str = "response"  # the column holding the target response text (EOS appended)
+    response_key: str = "response"  # the column holding the target response text (EOS appended); a.b: field b of
+    # struct column a (reward_model.ground_truth: an RL parquet's answers)
     train_batch_size: int = 128  # rows per optimizer step, over all ranks
     micro_batch_size_per_gpu: int = 64  # rows per forward/backward on each rank
     max_prompt_length: int = 8  # prompt tokens, left-padded to this (longer ones: truncation decides)
@@ -115,7 +116,21 @@ def check_sft_config(cfg: SFTConfig) -> SFTConfig:
     if cfg.model.path is None or not os.path.exists(cfg.model.path):
         raise ConfigError(f"model.path: not found: {cfg.model.path}")
     _check_data_files(cfg.data)
+    _check_vision_language(cfg)
     return cfg
+
+
+def _check_vision_language(cfg: SFTConfig) -> None:
+    """What SFT of a vision-language model cannot do yet, refused naming the key (as for PPO: vision_checks.py)."""
+    from scaletrain.trainer.config.vision_checks import is_vision_language_dir
+
+    if cfg.model.path is None or not is_vision_language_dir(cfg.model.path):
+        return
+    what = f"model.path={cfg.model.path} is a vision-language model"
+    if cfg.backend.name == "megatron":
+        raise ConfigError(f"backend.name: {what}: the megatron backend does not take one: use fsdp or deepspeed")
+    if cfg.rollout.name != "hf" and cfg.data.val_prompts_file:
+        raise ConfigError(f"rollout.name: {what}: only rollout=hf generates from images yet")
 
 
 def _check_values(cfg: SFTConfig) -> None:
@@ -166,7 +181,7 @@ def _check_data_files(data: SFTDataConfig) -> None:
                 raise ConfigError(f"data.{key}: file not found: {path}")
             columns = pq.read_schema(path).names
             for col_key in ("prompt_key", "response_key"):
-                if getattr(data, col_key) not in columns:
+                if getattr(data, col_key).split(".")[0] not in columns:
                     raise ConfigError(
                         f"data.{col_key}: column '{getattr(data, col_key)}' not in {path} "
                         f"(columns: {', '.join(columns)})"

@@ -82,8 +82,6 @@ UNSUPPORTED = {
     "actor_rollout_ref.rollout.multi_turn.function_tool_path": Unsupported(
         "tools are BaseTool classes listed in actor_rollout_ref.rollout.multi_turn.tools_config_file"
     ),
-    "data.image_key": Unsupported("multimodal rows (images, videos) are not supported yet: train on text prompts"),
-    "data.video_key": Unsupported("multimodal rows (images, videos) are not supported yet: train on text prompts"),
     "algorithm.use_pf_ppo": Unsupported("policy-filtration PPO is not implemented (remove the key)", FALSE),
     "algorithm.pf_ppo": Unsupported("policy-filtration PPO is not implemented (remove the key)"),
     "reward_model.use_reward_loop": Unsupported(

@@ -22,10 +22,15 @@ def is_vision_language_dir(path: str) -> bool:
 
 def validate_vision_language(cfg: PPOConfig) -> None:
     """ConfigError naming the key of what a run of a vision-language actor cannot do yet (nothing for a text one)."""
-    model_path = cfg.actor_rollout_ref.model.path
-    if model_path is None or not is_vision_language_dir(model_path):
-        return
     arr = cfg.actor_rollout_ref
+    model_path = arr.model.path
+    if model_path is None or not is_vision_language_dir(model_path):
+        if arr.actor.freeze_vision_tower:
+            raise ConfigError(
+                f"actor_rollout_ref.actor.freeze_vision_tower: actor_rollout_ref.model.path={model_path} has no "
+                "vision tower (not a vision-language model)"
+            )
+        return
     what = f"actor_rollout_ref.model.path={model_path} is a vision-language model"
     async_loops = arr.rollout.multi_turn.enable or arr.rollout.mode != "sync"
     not_yet = "is not supported on a vision-language model yet"

@@ -56,7 +56,8 @@ def ppo_worker_configs(
     if corrects_in_the_loss(rc):  # verl's bypass: the correction runs in the loss, against the current policy
         policy_loss = replace(actor.policy_loss, loss_mode="bypass_mode", rollout_correction=bypass_policy_loss(rc))
         actor = replace(actor, policy_loss=policy_loss)
-    setup = EngineSetup(model=model_config(arr.model, arr.model.path), backend=cfg.backend.name, engine=engine)
+    model = replace(model_config(arr.model, arr.model.path), freeze_vision_tower=actor.freeze_vision_tower)
+    setup = EngineSetup(model=model, backend=cfg.backend.name, engine=engine)
     actor_cfg = (replace(arr, actor=actor), setup)
     critic_cfg = _critic_config(cfg, plan, engine) if plan.use_critic else None
     return actor_cfg, critic_cfg, _reward_model_config(cfg, engine)

@@ -4,6 +4,7 @@ on the same weights (backends/hf_model.py; the figure: max abs difference <= 1e-
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from backends.config import ModelConfig
@@ -45,3 +46,7 @@ def test_rollout_from_images_and_its_log_probs_equal_the_trainers(tmp_path):
     with torch.no_grad():
         other = forward_micro_batch(model, tensors, ("log_probs",), vision=gather_vision_inputs(shuffled, "cpu"))
     assert (other["log_probs"] - trainer)[valid].abs().max().item() > 1e-3
+    # prompts whose vision inputs were dropped are refused, not generated from their image pads as text
+    without = prompts.select(batch_keys=["input_ids", "attention_mask", "position_ids"], non_tensor_batch_keys=[])
+    with pytest.raises(ValueError, match=r"image pad tokens but its vision inputs \(multi_modal_inputs\) give 0"):
+        engine.generate(without, SamplingConfig(n=1, temperature=1.0, max_new_tokens=2, seed=7))
