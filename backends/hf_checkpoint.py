@@ -9,9 +9,9 @@ The HF export: ``write_hf_checkpoint`` consumes an iterator of buckets of (HF na
 (the gathers behind it are collective) and, on the writing rank, saves each bucket as one safetensors shard as it
 arrives, so no rank ever holds more than one bucket. It then writes the shard index (when there are several
 shards), the config (``use_cache`` back on, ``architectures`` set), the generation config, and copies the
-tokenizer files found next to the source model, so ``from_pretrained`` (transformers, vLLM) loads the directory
-directly. Everything goes to ``<path>.incomplete`` first and is renamed to ``path`` when complete, so ``path`` is
-never a half-written export and a failed export leaves the previous one in place.
+tokenizer and processor files found next to the source model, so ``from_pretrained`` (transformers, vLLM) loads
+the directory directly. Everything goes to ``<path>.incomplete`` first and is renamed to ``path`` when complete, so
+``path`` is never a half-written export and a failed export leaves the previous one in place.
 """
 
 from __future__ import annotations
@@ -39,12 +39,16 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "chat_template.jinja",
     "chat_template.json",
+    # a vision-language model's processor: without these the export would load as a text model
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
 )
 
 
 # ------------------------------------------------------------------------------------------------ the HF export
 def copy_tokenizer_files(src_dir: str, dst_dir: str) -> list[str]:
-    """Copy the tokenizer files present in ``src_dir``; returns their names."""
+    """Copy the tokenizer (and processor) files present in ``src_dir``; returns their names."""
     copied = []
     for name in TOKENIZER_FILES:
         src = os.path.join(src_dir, name)

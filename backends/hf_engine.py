@@ -139,7 +139,9 @@ class HFTrainEngine(TrainEngine):
         return partition_batch(batch, self.engine_config, self.device, self.group, call)
 
     def _forward(self, micro: DataProto, outputs: tuple[str, ...], temperature: float) -> dict[str, torch.Tensor]:
-        inputs = {k: micro.tensors[k].to(self.device) for k in MODEL_INPUTS if k in micro.tensors.keys()}
+        # response_mask: which response tokens are the model's (a vision-language model's tool turns hold images)
+        keys = (*MODEL_INPUTS, "response_mask")
+        inputs = {k: micro.tensors[k].to(self.device) for k in keys if k in micro.tensors.keys()}
         vision = gather_vision_inputs(micro.non_tensor_batch.get(MULTI_MODAL_INPUTS), self.device)
         return forward_micro_batch(
             self._compute_module(),

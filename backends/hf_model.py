@@ -37,6 +37,7 @@ from backends.vision import (
     hf_config,
     idle_vision_tower,
     is_vision_language,
+    is_vision_special,
     mask_vision_tokens,
     refuse_vision_tokens_in_responses,
     vision_forward_kwargs,
@@ -212,8 +213,9 @@ def forward_micro_batch(
 
     config = hf_config(model)
     vl = is_vision_language(config)
-    if vl:
-        refuse_vision_tokens_in_responses(config, micro["responses"] if R else None, resp_valid)
+    if vl:  # the model's own tokens (response_mask, where given) never hold a vision token; a tool turn's may
+        model_tokens = resp_valid & micro["response_mask"].bool() if "response_mask" in micro else resp_valid
+        refuse_vision_tokens_in_responses(config, micro["responses"] if R else None, model_tokens)
         check_image_tokens(config, input_ids, vision or {})
     # every rank runs the vision tower once per micro-batch, images or not (backends/vision.py)
     with idle_vision_tower(model, input_ids.device) if vl and not vision else contextlib.nullcontext():
@@ -229,6 +231,8 @@ def forward_micro_batch(
     if "log_probs" in outputs:
         labels = micro["responses"][resp_valid]
         result["log_probs"] = _scatter_rows(logprobs_from_logits(logits, labels, chunk_size), resp_valid)
+        if vl:  # a tool turn's image tokens are no action of the policy: log-prob 0, as padding (not -1e30)
+            result["log_probs"] = result["log_probs"].masked_fill(is_vision_special(config, micro["responses"]), 0.0)
     if "entropy" in outputs:
         result["entropy"] = _scatter_rows(entropy_from_logits(logits, chunk_size), resp_valid)
     if "sum_pi_squared" in outputs:

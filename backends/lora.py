@@ -5,7 +5,9 @@ a fresh adapter (``peft.LoraConfig`` from the ModelConfig keys, dropout 0 so a f
 trained one at ``lora_adapter_path`` (``PeftModel.from_pretrained(..., is_trainable=True)``). PEFT freezes every base
 weight, so the engines' optimizers (backends/optim.py takes parameters with ``requires_grad`` only) hold state for
 the adapters alone. A value or reward model also trains its head: the head gets no adapter and is a PEFT
-``modules_to_save`` copy (the original stays frozen and is what the model uses with the adapters disabled).
+``modules_to_save`` copy (the original stays frozen and is what the model uses with the adapters disabled). On a
+vision-language model the adapters go on the language model: the vision tower (and its merger) gets none and stays
+frozen, as in verl.
 
 Supported: adapters on ``nn.Linear`` layers (what ``target_modules="all-linear"`` picks), not on a layer whose weight
 is tied to another (a tied ``lm_head``), no DoRA. The names and the merge of the exported weights are
@@ -15,10 +17,12 @@ backends/lora_weights.py's.
 from __future__ import annotations
 
 import os
+import re
 
 from torch import nn
 
 from backends.config import ModelConfig
+from backends.vision import is_vision_language, vision_tower
 
 ADAPTER = "default"  # PEFT's name of the one adapter
 TASK_TYPES = {"causal_lm": "CAUSAL_LM", "value": "TOKEN_CLS", "reward": "SEQ_CLS"}
@@ -55,6 +59,8 @@ def lora_config(model: nn.Module, model_config: ModelConfig):
     target = target if isinstance(target, str) else list(target)
     exclude = exclude if exclude is None or isinstance(exclude, str) else list(exclude)
     modules_to_save = None
+    if is_vision_language(getattr(model, "config", None)):  # LoRA on the language model: the vision tower stays
+        exclude = _exclude_vision_tower(model, exclude)
     if model_config.kind != "causal_lm":
         head = head_name(model)
         exclude, modules_to_save = _exclude_head(exclude, head), [head]
@@ -84,6 +90,19 @@ def _exclude_head(exclude, head: str):
     if isinstance(exclude, str):
         return f"(?:{exclude})|(?:(?:.*\\.)?{head})"
     return [*exclude, head]
+
+
+def _exclude_vision_tower(model: nn.Module, exclude):
+    """``exclude_modules`` plus every module of the vision tower (its merger included), as a full-match regex (a
+    list's names match as PEFT matches them: the name or its last dotted parts)."""
+    tower = vision_tower(model)
+    prefix = next(name for name, module in model.named_modules() if module is tower)
+    tower_regex = f"(?:{re.escape(prefix)}(?:\\..*)?)"
+    if exclude is None:
+        return tower_regex
+    if isinstance(exclude, str):
+        return f"(?:{exclude})|{tower_regex}"
+    return "|".join([*(f"(?:(?:.*\\.)?{re.escape(name)})" for name in exclude), tower_regex])
 
 
 def _check_adapter_path(model_config: ModelConfig) -> str:

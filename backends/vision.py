@@ -7,7 +7,8 @@ concatenated in row order (``gather_vision_inputs``), the order in which the mod
 
 The policy never emits a vision special token (image / video pad, vision start / end): the rollout suppresses
 them and the trainer's log-probs and entropy exclude them (``mask_vision_tokens``), so both describe the same
-distribution; a response holding one is refused (``refuse_vision_tokens_in_responses``).
+distribution; a model token holding one is refused (``refuse_vision_tokens_in_responses``). A tool turn's image
+tokens (mask 0, a multi-turn trajectory's) are no action: their log-probs are 0.
 
 Under FSDP or ZeRO-3 every rank must run the same modules in the same order: a micro-batch without images runs the
 vision tower on a blank image where the model would run it and adds 0 x its output (``idle_vision_tower``).
@@ -104,6 +105,11 @@ def vision_special_tokens(config: Any) -> list[int]:
     """The ids a rollout must never sample: the image / video pads and the vision start / end markers."""
     names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
     return [i for i in (getattr(config, name, None) for name in names) if i is not None]
+
+
+def is_vision_special(config: Any, ids: torch.Tensor) -> torch.Tensor:
+    """Where ``ids`` hold a vision special token (image / video pad, vision start / end)."""
+    return torch.isin(ids, torch.tensor(vision_special_tokens(config), device=ids.device))
 
 
 def mask_vision_tokens(logits: torch.Tensor, config: Any) -> torch.Tensor:

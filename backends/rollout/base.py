@@ -10,7 +10,8 @@ R = ``max_new_tokens`` always, so shapes do not depend on what was sampled.
 
 ``generate_tokens`` is the token-level entry the agent loops use: a list of ``TokenRequest`` (prompt token ids
 + per-request sampling, n=1) in, one ``TokenOutput`` (the sampled ids exactly as generated, their log-probs,
-``finish_reason`` "stop" when the last token is an EOS, else "length") per request out. The default
+``finish_reason`` "stop" when the last token is an EOS, else "length") per request out; a vision-language
+model's request carries its prompt's vision inputs (``multi_modal_inputs``; the HF engine takes them). The default
 implementation groups requests with equal temperature / top-p / top-k (a group uses its first request's seed
 and the largest ``max_new_tokens``; each output is then cut to its own limit, which samples from the same
 distribution as stopping there) and runs ``generate`` on each group; engines override it where they can do
@@ -26,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from scaletrain.protocol import DataProto
+from backends.vision import MULTI_MODAL_INPUTS
+from scaletrain.protocol import DataProto, object_column
 from scaletrain.utils.registry import Registry
 
 CPU_KV_CACHE_BYTES = 64 << 20  # the CPU default KV-cache budget
@@ -48,6 +50,9 @@ class SamplingConfig:
 class TokenRequest:
     prompt_ids: list[int]
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # n is ignored (always 1)
+    # a vision-language model's inputs for the prompt's images, in their order (pixel_values, image_grid_thw:
+    # backends/vision.py); None: no images
+    multi_modal_inputs: dict[str, torch.Tensor] | None = None
 
 
 @dataclass
@@ -180,7 +185,9 @@ class RolloutEngine(ABC):
             for row, p in enumerate(prompts):
                 ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
                 mask[row, width - len(p) :] = 1
-            data = DataProto.from_dict({"input_ids": ids, "attention_mask": mask})
+            vision = [requests[i].multi_modal_inputs for i in idx]
+            non_tensors = {MULTI_MODAL_INPUTS: object_column([v or {} for v in vision])} if any(vision) else None
+            data = DataProto.from_dict({"input_ids": ids, "attention_mask": mask}, non_tensors)
             longest = max(requests[i].sampling.max_new_tokens for i in idx)
             out = self.generate(data, replace(requests[idx[0]].sampling, n=1, max_new_tokens=longest))
             valid = out.tensors["response_mask"].bool()

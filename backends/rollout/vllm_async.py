@@ -32,7 +32,7 @@ import threading
 from typing import Any
 
 from backends.rollout.base import WAKE_TAGS, RolloutConfig, TokenOutput, TokenRequest, register_rollout
-from backends.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, start_vllm
+from backends.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, refuse_images, start_vllm
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class VLLMAsyncRolloutEngine(VLLMRolloutEngine):
         """Start one agent-loop request now, alongside those in flight; the Future's result is its TokenOutput."""
         from vllm.inputs import TokensPrompt
 
+        refuse_images([request])
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
         return asyncio.run_coroutine_threadsafe(self._token(prompt, self.token_params(request.sampling)), self._loop)
 

@@ -62,6 +62,13 @@ EXTENSION = "backends.rollout.vllm_extension.WeightSyncExtension"
 GREEDY_EPS = 1e-5
 
 
+def refuse_images(requests: list[TokenRequest]) -> None:
+    """vLLM does not build a vision-language model here (docs/multimodal.md): a request with images is refused,
+    never generated from its image pads read as text."""
+    if any(r.multi_modal_inputs for r in requests):
+        raise ValueError("the vllm rollout engine does not take images: use rollout=hf for a vision-language model")
+
+
 def import_vllm():
     """``import vllm`` with an actionable error when it is missing."""
     try:
@@ -180,6 +187,7 @@ class VLLMRolloutEngine(RolloutEngine):
         """All requests in one ``LLM.generate`` call, each with its own SamplingParams (and seed)."""
         from vllm.inputs import TokensPrompt
 
+        refuse_images(requests)
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
         params = [self.token_params(r.sampling) for r in requests]
         return [self.token_output(out) for out in self.run_requests(prompts, params)]

@@ -52,7 +52,7 @@ if [[ ! -f "$SFT_DIR/hf/config.json" ]]; then
     data.train_files="$DATA/train.parquet" data.val_prompts_file="$DATA/test.parquet" \
     data.response_key=reward_model.ground_truth data.max_prompt_length=64 data.max_response_length=8 \
     data.train_batch_size=64 data.micro_batch_size_per_gpu=32 data.seed="$SEED" trainer.seed="$SEED" \
-    optim.lr=1e-3 optim.warmup_steps=20 trainer.total_steps="$SFT_STEPS" trainer.test_freq=10 \
+    optim.lr=1e-3 optim.warmup_steps=20 trainer.total_steps="$SFT_STEPS" trainer.test_freq=5 \
     trainer.stop_at_val_acc="$SFT_STOP" trainer.project_name=tiny_vlm_visual trainer.experiment_name=sft \
     trainer.default_local_dir="$SFT_DIR" trainer.logger=[console,jsonl] >&2
 fi

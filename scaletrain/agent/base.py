@@ -4,8 +4,10 @@ An agent loop turns one dataset row into one trajectory: it renders the prompt, 
 tokens (``await server_manager.generate(request_id, prompt_ids, sampling_params)``), may call tools or a
 simulated user in between, and returns an ``AgentLoopOutput``: the prompt ids, the response ids (model tokens
 exactly as generated, interleaved with template-rendered tool / user tokens), a mask (1 = model token, 0 = not)
-and the rollout log-prob of every model token. Loops are registered by name and picked per row by the
-``agent_name`` column::
+and the rollout log-prob of every model token. With a vision-language model (``processor`` set) the prompt's images
+(the row's ``multi_modal_inputs``) and those a tool answers with go to the server with the ids, and the output
+carries them all, in order, for the trainer's forward (``AgentLoopOutput.multi_modal_inputs``). Loops are registered
+by name and picked per row by the ``agent_name`` column::
 
     @register_agent_loop("my_agent")
     class MyAgentLoop(AgentLoopBase):
@@ -55,6 +57,8 @@ class AgentLoopOutput:
     num_turns: int = 2  # user + assistant turns (and tool turns), the prompt counted
     metrics: dict[str, float] = field(default_factory=dict)
     extra_fields: dict[str, Any] = field(default_factory=dict)
+    # a vision-language model's inputs for every image in prompt + response, in order; None: no images
+    multi_modal_inputs: dict[str, Any] | None = None
 
 
 @dataclass
@@ -79,6 +83,8 @@ class AgentData:
     interaction_kwargs: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     extra_fields: dict[str, Any] = field(default_factory=dict)
+    image_data: list[Any] = field(default_factory=list)  # the images so far (PIL), the prompt's and the tools'
+    vision_inputs: list[dict[str, Any]] = field(default_factory=list)  # their processor inputs, one per render
 
     def count(self, key: str, value: float = 1.0) -> None:
         self.metrics[key] = self.metrics.get(key, 0.0) + value
@@ -87,7 +93,8 @@ class AgentData:
 class AgentLoopBase:
     """Base of every agent loop. ``config`` is the ``multi_turn`` settings (``MultiTurnConfig``),
     ``server_manager`` answers ``await generate(request_id, prompt_ids, sampling_params)`` with a
-    ``TokenOutput``, ``tokenizer`` renders chat messages. ``response_length`` bounds the whole response."""
+    ``TokenOutput``, ``tokenizer`` renders chat messages. ``response_length`` bounds the whole response.
+    ``processor``: a vision-language model's (renders messages with images), None for a text model."""
 
     def __init__(
         self,
@@ -97,9 +104,11 @@ class AgentLoopBase:
         *,
         response_length: int,
         prompt_length: int | None = None,
+        processor: Any = None,
         **kwargs: Any,
     ) -> None:
         self.config = config
+        self.processor = processor
         self.server_manager = server_manager
         self.tokenizer = tokenizer
         self.response_length = int(response_length)
@@ -121,6 +130,15 @@ class AgentLoopBase:
         raise NotImplementedError
 
     # -------------------------------------------------------------------------------------------- helpers
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: dict[str, Any], vision: dict[str, Any] | None
+    ):
+        """The server's sample continuing ``prompt_ids``, given the images in them (``vision``; None: none: the
+        server's three-argument call, as servers written for text models take it)."""
+        if vision:
+            return await self.server_manager.generate(request_id, prompt_ids, params, multi_modal_inputs=vision)
+        return await self.server_manager.generate(request_id, prompt_ids, params)
+
     def apply_chat_template(
         self, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True
     ) -> list[int]:
@@ -150,3 +168,17 @@ class AgentLoopBase:
         if after[: len(before)] == before:
             return after[len(before) :]
         return self.apply_chat_template(list(messages), add_generation_prompt=True)
+
+    def render_turn_with_images(self, messages: list[dict], images: list[Any]) -> tuple[list[int], dict[str, Any]]:
+        """``render_turn`` for messages holding image items: the same difference, taken on the rendered text, then
+        encoded by the processor (each image's vision tokens expanded); returns (ids, the images' vision inputs)."""
+        from scaletrain.data.vision import encode_text
+
+        assert self.processor is not None  # only a vision-language model's loop renders images
+        base = [{"role": "user", "content": "x"}]
+        render = self.processor.apply_chat_template
+        before = render(base, add_generation_prompt=False, tokenize=False)
+        after = render(base + list(messages), add_generation_prompt=True, tokenize=False)
+        if not after.startswith(before):
+            after, before = render(list(messages), add_generation_prompt=True, tokenize=False), ""
+        return encode_text(self.processor, after[len(before) :], images)

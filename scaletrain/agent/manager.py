@@ -8,7 +8,9 @@ layout (backends/rollout/base.py): ``prompts`` (left-padded to ``prompt_length``
 naming the row), ``responses`` / ``response_mask`` / ``rollout_log_probs`` (``response_length`` columns; the mask
 is 1 on model tokens only), ``input_ids`` / ``attention_mask`` (1 on every real token, tool and user tokens
 included) / ``position_ids``, and the non-tensor fields ``num_turns``, ``turn_scores``, ``tool_rewards`` (and
-``rollout_version``, the oldest weight version in each trajectory, where the engines report it).
+``rollout_version``, the oldest weight version in each trajectory, where the engines report it; and, with a
+vision-language model's ``processor``, ``multi_modal_inputs``: every image of the trajectory, prompt's and
+tools', in order).
 ``meta_info["metrics"]`` holds ``num_turns/*`` and ``agent/*`` (tool calls, tool errors and timeouts, malformed
 calls, generate batches).
 """
@@ -29,7 +31,16 @@ from scaletrain.protocol import DataProto, object_column
 from scaletrain.utils.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
-ROW_FIELDS = ("raw_prompt", "raw_prompt_ids", "extra_info", "data_source", "reward_model", "index")
+ROW_FIELDS = (
+    "raw_prompt",
+    "raw_prompt_ids",
+    "extra_info",
+    "data_source",
+    "reward_model",
+    "index",
+    "multi_modal_data",  # a vision-language model's rows: the prompt's images
+    "multi_modal_inputs",  # and their processor inputs
+)
 
 
 class AgentLoopManager:
@@ -42,13 +53,14 @@ class AgentLoopManager:
         prompt_length: int,
         response_length: int,
         pad_token_id: int | None = None,
+        processor: Any = None,
     ) -> None:
         from scaletrain.agent.interactions.base import load_interactions
         from scaletrain.agent.tools.base import load_tools
 
         self.config = config
         self.server_manager = server_manager
-        self.tokenizer = tokenizer
+        self.tokenizer, self.processor = tokenizer, processor
         self.prompt_length, self.response_length = int(prompt_length), int(response_length)
         pad = pad_token_id if pad_token_id is not None else tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id)
@@ -68,6 +80,7 @@ class AgentLoopManager:
                 prompt_length=self.prompt_length,
                 tools=self.tools,
                 interactions=self.interactions,
+                processor=self.processor,
             )
         return self._loops[name]
 
@@ -155,6 +168,8 @@ class AgentLoopManager:
             "turn_scores": object_column([list(o.extra_fields.get("turn_scores", [])) for o in outputs]),
             "tool_rewards": object_column([list(o.extra_fields.get("tool_rewards", [])) for o in outputs]),
         }
+        if any(o.multi_modal_inputs for o in outputs):  # each row's images, for the trainer's forward
+            non_tensors["multi_modal_inputs"] = object_column([o.multi_modal_inputs or {} for o in outputs])
         return DataProto.from_dict(tensors, non_tensors)
 
     def _metrics(self, outputs: list[AgentLoopOutput], wall_s: float) -> dict[str, float]:

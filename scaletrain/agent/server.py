@@ -161,15 +161,24 @@ class AsyncServerManager:
             self._poke()  # the trajectories still live may all be waiting now
 
     # ----------------------------------------------------------------------------------------- generate
-    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]) -> TokenOutput:
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        multi_modal_inputs: dict[str, Any] | None = None,
+    ) -> TokenOutput:
+        """One sample continuing ``prompt_ids``; ``multi_modal_inputs``: a vision-language model's inputs for the
+        images in them, in order (None: no images)."""
         rank = self.acquire(request_id)
         if not prompt_ids:
             raise ValueError(f"request {request_id}: empty prompt")
         sampling = to_sampling(sampling_params)
+        vision = multi_modal_inputs or None
         if self.segment_tokens and sampling.max_new_tokens > self.segment_tokens:
-            out = await self._generate_in_segments(rank, list(prompt_ids), sampling, self.segment_tokens)
+            out = await self._generate_in_segments(rank, list(prompt_ids), sampling, self.segment_tokens, vision)
         else:
-            out = await self._submit(rank, TokenRequest(list(prompt_ids), sampling))
+            out = await self._submit(rank, TokenRequest(list(prompt_ids), sampling, vision))
         self.versions.setdefault(request_id, []).append(out.weight_version)
         return out
 
@@ -186,7 +195,12 @@ class AsyncServerManager:
         return await future
 
     async def _generate_in_segments(
-        self, rank: int, prompt_ids: list[int], sampling: SamplingConfig, segment_tokens: int
+        self,
+        rank: int,
+        prompt_ids: list[int],
+        sampling: SamplingConfig,
+        segment_tokens: int,
+        vision: dict[str, Any] | None = None,
     ) -> TokenOutput:
         """Partial rollout: ``segment_tokens`` at a time, each segment continuing from the tokens so far. A
         weight push between two segments goes first, and the rest is generated with the new weights; the tokens
@@ -198,9 +212,8 @@ class AsyncServerManager:
         while len(tokens) < sampling.max_new_tokens:
             want = min(segment_tokens, sampling.max_new_tokens - len(tokens))
             seed = sampling.seed if sampling.seed is None or not versions else derive_seed(sampling.seed, len(versions))
-            part = await self._submit(
-                rank, TokenRequest(prompt_ids + tokens, replace(sampling, max_new_tokens=want, seed=seed))
-            )
+            request = TokenRequest(prompt_ids + tokens, replace(sampling, max_new_tokens=want, seed=seed), vision)
+            part = await self._submit(rank, request)
             tokens += part.token_ids
             log_probs += part.log_probs
             versions.append(part.weight_version)

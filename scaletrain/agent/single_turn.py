@@ -1,4 +1,5 @@
-"""``single_turn_agent``: one generation from the prompt, no tools (the agent-path twin of the sync rollout)."""
+"""``single_turn_agent``: one generation from the prompt, no tools (the agent-path twin of the sync rollout); a row
+with images (``multi_modal_inputs``: the dataset's) is generated from them and carries them on."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ class SingleTurnAgentLoop(AgentLoopBase):
         self.check_prompt(prompt_ids, row)
         request_id = row["request_id"]
         limit = self.max_new_tokens(row)
-        out = await self.server_manager.generate(request_id, prompt_ids, {**sampling_params, "max_new_tokens": limit})
+        vision = row.get("multi_modal_inputs") or None
+        params = {**sampling_params, "max_new_tokens": limit}
+        out = await self.generate(request_id, prompt_ids, params, vision)
         ids = list(out.token_ids)[:limit]
         return AgentLoopOutput(
             prompt_ids=prompt_ids,
@@ -27,4 +30,5 @@ class SingleTurnAgentLoop(AgentLoopBase):
             response_logprobs=list(out.log_probs)[: len(ids)],
             num_turns=2,
             metrics={"assistant_turns": 1.0},
+            multi_modal_inputs=vision,
         )

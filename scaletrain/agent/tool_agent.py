@@ -18,6 +18,13 @@ ends the trajectory after that tool turn. Per-row inputs: ``raw_prompt`` (messag
 (names of the tools this row may use; all when absent), ``extra_info.tools_kwargs``
 ({tool: {"create_kwargs": {...}}}), ``extra_info.interaction_kwargs`` ({"name": ..., **kwargs for
 start_interaction}).
+
+Images (a vision-language model: ``processor`` set): the row's prompt images (``multi_modal_data``) are rendered
+with the prompt; a tool may answer with images (``ToolResponse.image``: one or a list of PIL images, ``{"bytes": ...}``
+or paths), shown to the model as image items before the tool's text and rendered by the processor (its vision tokens
+expanded, mask 0); every image of the trajectory goes to the server with the ids and out with the trajectory
+(``multi_modal_inputs``). A tool image that cannot be decoded answers the model with an error text (counted in
+``tool_errors``); a text model's loop drops tool images, counted in ``tool_images_dropped``.
 """
 
 from __future__ import annotations
@@ -83,6 +90,7 @@ class ToolAgentLoop(AgentLoopBase):
             messages=[dict(m) for m in row["raw_prompt"]],
             request_id=row["request_id"],
             tools_kwargs=dict(extra_info.get("tools_kwargs") or {}),
+            image_data=list((row.get("multi_modal_data") or {}).get("image") or []),
         )
         self._select_tools(data, extra_info.get("tool_selection"))
         data.interaction_kwargs = dict(extra_info.get("interaction_kwargs") or {})
@@ -150,6 +158,7 @@ class ToolAgentLoop(AgentLoopBase):
                 "tool_rewards": list(data.tool_rewards),
                 "messages": data.messages,
             },
+            multi_modal_inputs=self._vision(data),
         )
 
     def _budget(self, data: AgentData) -> int:
@@ -175,16 +184,34 @@ class ToolAgentLoop(AgentLoopBase):
 
     # --------------------------------------------------------------------------------------------- states
     async def _handle_pending(self, data: AgentData) -> AgentState:
-        data.prompt_ids = self.apply_chat_template(data.messages, tools=data.tool_schemas or None)
+        if data.image_data:  # the dataset gave the messages their image items (scaletrain/data/vision.py)
+            data.prompt_ids, inputs = self._render_prompt_with_images(data)
+            data.vision_inputs.append(inputs)
+        else:
+            data.prompt_ids = self.apply_chat_template(data.messages, tools=data.tool_schemas or None)
         self.check_prompt(data.prompt_ids, {"request_id": data.request_id})
         data.extra_fields["prompt_len"] = len(data.prompt_ids)
         return AgentState.GENERATING
+
+    def _render_prompt_with_images(self, data: AgentData) -> tuple[list[int], dict[str, Any]]:
+        from scaletrain.data.vision import encode_text
+
+        if self.processor is None:
+            raise ValueError(f"row {data.request_id}: the prompt has images but the model has no processor")
+        kwargs = {"tools": data.tool_schemas} if data.tool_schemas else {}
+        text = self.processor.apply_chat_template(data.messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        return encode_text(self.processor, text, data.image_data)
+
+    def _vision(self, data: AgentData) -> dict[str, Any] | None:
+        from scaletrain.data.vision import concat_vision_inputs
+
+        return concat_vision_inputs(data.vision_inputs) or None
 
     async def _handle_generating(self, data: AgentData, sampling_params: dict[str, Any]) -> AgentState:
         params = {**sampling_params, "max_new_tokens": self._budget(data)}
         if params.get("seed") is not None:  # a fresh stream per turn, still reproducible
             params["seed"] = derive_seed(int(params["seed"]), data.assistant_turns)
-        out = await self.server_manager.generate(data.request_id, data.prompt_ids, params)
+        out = await self.generate(data.request_id, data.prompt_ids, params, self._vision(data))
         data.assistant_turns += 1
         data.response_ids = list(out.token_ids)
         data.prompt_ids += data.response_ids
@@ -207,20 +234,49 @@ class ToolAgentLoop(AgentLoopBase):
         data.count("tool_calls_dropped", len(data.tool_calls) - len(calls))
         data.tool_calls = []
         results = await asyncio.gather(*(self._call_tool(call, data) for call in calls))
-        messages = []
+        messages, images = [], []
         for response, reward, _ in results:
             text = truncate_text(
                 response.text or "", self.config.max_tool_response_length, self.config.tool_response_truncate_side
             )
-            messages.append({"role": "tool", "content": text})
+            message, shown = self._tool_message(text, response.image, data)
+            messages.append(message)
+            images += shown
             data.tool_rewards.append(float(reward))
         data.messages += messages
         data.user_turns += 1
-        if not self._append(data, self.render_turn(messages)) or self._turn_limit_reached(data):
+        if images:
+            ids, inputs = self.render_turn_with_images(messages, images)
+        else:
+            ids, inputs = self.render_turn(messages), {}
+        if not self._append(data, ids) or self._turn_limit_reached(data):
             return AgentState.TERMINATED
+        if images:  # appended: its images join the trajectory's, in order
+            data.image_data += images
+            data.vision_inputs.append(inputs)
         if any(fatal for _, _, fatal in results):
             return AgentState.TERMINATED
         return AgentState.GENERATING
+
+    def _tool_message(self, text: str, image: Any, data: AgentData) -> tuple[dict[str, Any], list[Any]]:
+        """A tool's answer as a chat message, and the images it shows the model: a vision-language model sees
+        them (one image item each, before the text, as verl renders them); a text model cannot, so they are
+        dropped and counted (``agent/tool_images_dropped``)."""
+        from scaletrain.data.vision import decode_images
+
+        images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
+        if not images:
+            return {"role": "tool", "content": text}, []
+        if self.processor is None:
+            data.count("tool_images_dropped", len(images))
+            return {"role": "tool", "content": text}, []
+        try:
+            images = decode_images(images, "the tool's image")
+        except ValueError as exc:  # a tool's bad output is the model's to see, as a tool error is
+            data.count("tool_errors")
+            return {"role": "tool", "content": f"Error: {exc}"}, []
+        content = [{"type": "image"} for _ in images] + ([{"type": "text", "text": text}] if text else [])
+        return {"role": "tool", "content": content}, images
 
     async def _call_tool(self, call: FunctionCall, data: AgentData) -> tuple[ToolResponse, float, bool]:
         """(answer to the model, reward, fatal); fatal: the tool could not be created in time, the trajectory ends."""

@@ -75,7 +75,7 @@ def train(cfg: PPOConfig, watch: PreemptionWatch | None = None) -> RunResult:
     latest = CheckpointManager(run_dir).latest()
     plan = plan_run(cfg, len(train_set), latest)
     log_plan(cfg, plan)
-    trainer = RayPPOTrainer(cfg, plan, tokenizer, train_set, val_set)
+    trainer = RayPPOTrainer(cfg, plan, tokenizer, train_set, val_set, processor)
     os.makedirs(plan.run_dir, exist_ok=True)
     try:
         trainer.init_workers()

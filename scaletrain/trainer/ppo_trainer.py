@@ -56,9 +56,10 @@ logger = logging.getLogger(__name__)
 
 
 class RayPPOTrainer:
-    def __init__(self, cfg: PPOConfig, plan: RunPlan, tokenizer, train_dataset, val_dataset) -> None:
-        """``cfg`` resolved and ``plan`` computed by scaletrain/trainer/config/plan.py."""
-        self.cfg, self.plan, self.tokenizer = cfg, plan, tokenizer
+    def __init__(self, cfg: PPOConfig, plan: RunPlan, tokenizer, train_dataset, val_dataset, processor=None) -> None:
+        """``cfg`` resolved and ``plan`` computed by scaletrain/trainer/config/plan.py; ``processor``: a
+        vision-language model's (the agent loops render images with it), None for a text model."""
+        self.cfg, self.plan, self.tokenizer, self.processor = cfg, plan, tokenizer, processor
         self.loader = StatefulDataLoader(
             train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed
         )
@@ -146,7 +147,7 @@ class RayPPOTrainer:
             train_reward_fn = RewardWithRM(reward_model, rule_fn)
         agents = None  # the batched generate; the agent loops for multi_turn.enable / rollout.mode=async
         if cfg.actor_rollout_ref.rollout.use_agent_loop:
-            agents = build_agent_manager(cfg, self.rollout, self.tokenizer)
+            agents = build_agent_manager(cfg, self.rollout, self.tokenizer, self.processor)
         self.producer = RolloutProducer(
             cfg, self.rollout, self.weight_sync, self.reward_fn, train_reward_fn, self.reward_guard, agents
         )

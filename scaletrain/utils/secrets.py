@@ -4,10 +4,10 @@ Config values (``redact_secrets``): a key is a secret's when its last name conta
 ``password`` / ``passwd``, ``secret``, ``credential``, ``auth`` or ``bearer`` (any case) and its value is a
 non-empty string, list or mapping: all of it is redacted. Numbers and flags such as ``max_num_batched_tokens``
 stay, and so do the config's own string keys that only name things (``NOT_SECRET``: ``data.prompt_key`` names a
-column, ``input_tokenizer`` a path). Any other string is redacted where its value looks like a secret
-(``VALUE_PATTERNS``): a URL's password (``https://user:PASSWORD@host``), a bearer token, and the prefixes of
-common API tokens (OpenAI ``sk-``, GitHub ``ghp_`` / ``github_pat_``, Hugging Face ``hf_``, Slack ``xox?-``, AWS
-``AKIA``, GitLab ``glpat-``).
+column, ``input_tokenizer`` a path; no default value of the trainers' configs is redacted). Any other string is
+redacted where its value looks like a secret (``VALUE_PATTERNS``): a URL's password
+(``https://user:PASSWORD@host``), a bearer token, and the prefixes of common API tokens (OpenAI ``sk-``, GitHub
+``ghp_`` / ``github_pat_``, Hugging Face ``hf_``, Slack ``xox?-``, AWS ``AKIA``, GitLab ``glpat-``).
 
 Free text (a log line, an error message, a function's repr, Hydra's echo of the overrides of a failed run) goes
 through ``redact_text``: the same value patterns, ``name=value`` and ``'name': 'value'`` pairs under a
@@ -28,7 +28,19 @@ from typing import Any, TextIO
 
 SECRET_WORDS = r"token|key|passw(?:or)?d|secret|credential|auth(?!ors?\b)|bearer"
 SECRET_NAME = re.compile(SECRET_WORDS, re.IGNORECASE)
-NOT_SECRET = frozenset({"prompt_key", "input_tokenizer", "tokenizer", "tokenizer_path"})
+NOT_SECRET = frozenset(  # the configs' keys whose values name columns or paths
+    {
+        "prompt_key",
+        "response_key",
+        "reward_fn_key",
+        "image_key",
+        "video_key",
+        "gdpo_reward_keys",
+        "input_tokenizer",
+        "tokenizer",
+        "tokenizer_path",
+    }
+)
 REDACTED = "***redacted***"
 # a name ending so names a setting about a secret, not the secret (RAY_AUTH_MODE=disabled, token_path=/x)
 SETTING_NAME = re.compile(r"(?i)(mode|type|path|file|dir|name)$")

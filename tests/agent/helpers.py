@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable
 
 from backends.rollout.base import TokenOutput
+from scaletrain.agent.server import LocalEngineBackend
 from scaletrain.agent.tools.pids_cgroup import read_text
 from scaletrain.workers.config import MultiTurnConfig
 from tests.backends.tiny import EOS_ID, make_tokenizer
@@ -63,6 +64,20 @@ class ScriptedServer:
             reason = "length"
         self.calls.append((request_id, list(prompt_ids), dict(sampling_params), list(ids)))
         return TokenOutput(ids, [-(k + 1) / 100 for k in range(len(ids))], reason)
+
+
+class SpyBackend(LocalEngineBackend):
+    """In-process engines that record every (prompt ids, sampled ids) they were asked and gave."""
+
+    def __init__(self, engines):
+        super().__init__(engines)
+        self.sampled: list[tuple[list[int], list[int]]] = []
+
+    def generate(self, per_rank):
+        outs = super().generate(per_rank)
+        for reqs, rank_outs in zip(per_rank, outs):
+            self.sampled += [(list(r.prompt_ids), list(o.token_ids)) for r, o in zip(reqs, rank_outs)]
+        return outs
 
 
 def pids_named(name: str) -> list[int]:

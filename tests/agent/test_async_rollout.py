@@ -16,7 +16,7 @@ from backends.rollout.base import RolloutConfig, TokenOutput
 from scaletrain.agent.manager import AgentLoopManager
 from scaletrain.agent.server import AsyncServerManager, LocalEngineBackend
 from scaletrain.protocol import DataProto
-from tests.agent.helpers import config, make_agent_tokenizer
+from tests.agent.helpers import SpyBackend, config, make_agent_tokenizer
 from tests.backends.tiny import EOS_ID
 
 TOK = make_agent_tokenizer()
@@ -96,18 +96,6 @@ def test_agent_name_per_row_and_unknown(tmp_path):
     assert list(out.non_tensor_batch["num_turns"]) == [2]  # the single-turn loop: no tool turn
     with pytest.raises(ValueError, match="unknown agent loop 'nope'"):
         manager.generate_sequences(batch(["x"], agent_name="nope"), {"temperature": 1.0})
-
-
-class SpyBackend(LocalEngineBackend):
-    def __init__(self, engines):
-        super().__init__(engines)
-        self.sampled = []
-
-    def generate(self, per_rank):
-        outs = super().generate(per_rank)
-        for reqs, rank_outs in zip(per_rank, outs):
-            self.sampled += [(r.prompt_ids, o.token_ids) for r, o in zip(reqs, rank_outs)]
-        return outs
 
 
 def make_engine(name, model_dir):

@@ -103,9 +103,16 @@ def test_the_visual_tasks_rows_and_scorer(count_task):
     assert default_compute_score(row["data_source"], answer, answer, {"response_ended_with_eos": True}) == 1.0
     assert default_compute_score(row["data_source"], answer + "0", answer) == 0.0
     assert default_compute_score(row["data_source"], answer, answer, {"response_ended_with_eos": False}) == 0.0
-    for task in ("taller", "number"):
+    for task in ("taller", "number", "colour"):
         (drawn,) = visual.build_splits(task, 1, 0, seed=1)["train"]
-        assert drawn["reward_model"]["ground_truth"] in {"left", "right", *map(str, range(10))}
+        assert drawn["reward_model"]["ground_truth"] in {"left", "right", *map(str, range(10)), *visual.MORE_COLOURS}
+    # colour: the shape's pixels are the answer's colour
+    from PIL import Image
+
+    for row in visual.build_splits("colour", 5, 0, seed=2)["train"]:
+        image = Image.open(io.BytesIO(row["images"][0]["bytes"])).convert("RGB")
+        colours = {c for _, c in image.getcolors(1 << 16)} - {(255, 255, 255)}
+        assert colours == {visual.MORE_COLOURS[row["reward_model"]["ground_truth"]]}, colours
 
 
 def test_rows_with_images_carry_vision_tokens_and_inputs(count_task, processor):

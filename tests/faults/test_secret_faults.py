@@ -25,6 +25,18 @@ def test_redaction_keeps_names_and_numbers():
     assert SECRET in str(CONFIG), "the input is not changed"
 
 
+def test_no_default_config_value_is_redacted():
+    """The configs' own keys that name columns (data.reward_fn_key, data.image_key, ...) hold no secret: redacting
+    their values would scrub a column name such as "images" out of every log line."""
+    from scaletrain.trainer.config.ppo_config import PPOConfig
+    from scaletrain.trainer.config.sft_config import SFTConfig
+    from scaletrain.utils.typed_config import to_dict
+
+    for config in (PPOConfig(), SFTConfig()):
+        plain = to_dict(config)
+        assert redact_secrets(plain) == plain
+
+
 def _tree_bytes(root):
     return b"".join(p.read_bytes() for p in root.rglob("*") if p.is_file())
 

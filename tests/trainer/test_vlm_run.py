@@ -1,15 +1,18 @@
 """A vision-language model through the trainer (the CLI's in-process entry point): 2 GRPO steps of the tiny
-Qwen2.5-VL on the synthetic visual task, on fsdp and on deepspeed, with the HF rollout engine generating from the
-images; the exported HF checkpoint is a VLM whose vision tower trained (left as it was with
-``actor.freeze_vision_tower``, the language model trained). SFT of the VLM on the task's RL parquet, on both
-backends. What a VLM run cannot do yet is refused
-before Ray, naming the key (scaletrain/trainer/config/vision_checks.py)."""
+Qwen2.5-VL on the synthetic visual task, on fsdp (through the agent loops) and on deepspeed (the batched
+generate), with the HF rollout engine generating from the images; the exported HF checkpoint is a VLM whose vision
+tower trained (left as it was with ``actor.freeze_vision_tower``, the language model trained). SFT of the VLM on
+the task's RL parquet, on both backends. What a VLM run cannot do yet is refused before Ray, naming the key
+(scaletrain/trainer/config/vision_checks.py)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
+from scaletrain.models.processor import load_processor
 from tests.trainer.runs import metrics, run_in_process
 
 
@@ -37,8 +40,8 @@ VLM_RUN = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, frozen", [("fsdp", False), ("deepspeed", True)])
-def test_two_grpo_steps_of_a_vlm_from_images(ray_cluster, visual, tmp_path, backend, frozen):
+@pytest.mark.parametrize("backend, frozen, agent_loops", [("fsdp", False, True), ("deepspeed", True, False)])
+def test_two_grpo_steps_of_a_vlm_from_images(ray_cluster, visual, tmp_path, backend, frozen, agent_loops):
     from transformers import AutoModelForImageTextToText
 
     # a random model scores 0 on the task: a hash of the response gives the samples of one prompt other rewards,
@@ -47,15 +50,21 @@ def test_two_grpo_steps_of_a_vlm_from_images(ray_cluster, visual, tmp_path, back
     reward_file.write_text(HASH_REWARD)
     overrides = [*VLM_RUN, f"backend.name={backend}", f"custom_reward_function.path={reward_file}"]
     overrides.append(f"actor_rollout_ref.actor.freeze_vision_tower={str(frozen).lower()}")
+    overrides.append(f"actor_rollout_ref.rollout.multi_turn.enable={str(agent_loops).lower()}")
+    if agent_loops:  # and rows of several lengths: token-balanced ranks, micro-batches by token budget
+        overrides += ["trainer.balance_batch=true", "actor_rollout_ref.actor.use_dynamic_bsz=true"]
+        overrides.append("actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160")
     result = run_in_process(visual, tmp_path / "run", 2, overrides)
     logged = metrics(result.run_dir)
     for step in (1, 2):
         assert "critic/score/mean" in logged[step] and torch.isfinite(torch.tensor(logged[step]["actor/pg_loss"]))
     assert logged[1]["critic/advantages/max"] > 0
+    assert ("agent/generate_requests" in logged[1]) == agent_loops  # the rollout path this run took
     assert any(k.startswith("val-core/scaletrain/visual/count/") for k in logged[2])  # validated on the images
     # the exported checkpoint loads as a VLM, its vision tower trained (or left as it was, frozen)
     before = AutoModelForImageTextToText.from_pretrained(visual["model"]).state_dict()
     after = AutoModelForImageTextToText.from_pretrained(result.hf_checkpoint).state_dict()
+    assert load_processor(result.hf_checkpoint) is not None  # the export carries the processor: a VLM to train on
     vision = [name for name in before if ".visual." in name]
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     assert vision and bool(changed & set(vision)) != frozen, f"vision tower changed: {bool(changed & set(vision))}"
@@ -72,6 +81,24 @@ def test_freeze_vision_tower_on_a_text_model_is_refused(visual, tmp_path):
     args = ppo_overrides(text, tmp_path / "run", 2, [*VLM_RUN, "actor_rollout_ref.actor.freeze_vision_tower=true"])
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.freeze_vision_tower: .* has no vision tower"):
         checked(*args)
+
+
+@pytest.mark.slow
+def test_lora_on_a_vlms_language_model(ray_cluster, visual, tmp_path):
+    """LoRA on the VLM: adapters on the language model's linear layers only (the vision tower gets none, frozen);
+    the HF rollout generates from the images with the synced weights; the exported adapter names no vision module."""
+    from safetensors.torch import load_file
+
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text(HASH_REWARD)
+    overrides = [*VLM_RUN, "actor_rollout_ref.model.lora_rank=4", f"custom_reward_function.path={reward_file}"]
+    result = run_in_process(visual, tmp_path / "run", 2, overrides)
+    logged = metrics(result.run_dir)
+    assert torch.isfinite(torch.tensor(logged[2]["actor/pg_loss"])) and logged[1]["critic/advantages/max"] > 0
+    adapter = load_file(os.path.join(result.hf_checkpoint, "adapter_model.safetensors"))
+    names = list(adapter)
+    assert any(".language_model." in n and "lora_A" in n for n in names), names[:4]
+    assert not any("visual" in n for n in names), [n for n in names if "visual" in n][:4]
 
 
 @pytest.mark.slow
@@ -97,6 +124,7 @@ def test_sft_of_a_vlm_on_the_tasks_rl_parquet(ray_cluster, visual, tmp_path, bac
     assert summary["step"] == 2 and 0.0 <= summary["val_acc"] <= 1.0 and summary["val_loss"] > 0
     before = AutoModelForImageTextToText.from_pretrained(visual["model"]).state_dict()
     after = AutoModelForImageTextToText.from_pretrained(summary["hf_path"]).state_dict()
+    assert load_processor(summary["hf_path"]) is not None
     vision = [name for name in before if ".visual." in name]
     assert vision and any(not torch.equal(before[n], after[n]) for n in vision), "the vision tower did not train"
 
@@ -106,9 +134,7 @@ def test_sft_of_a_vlm_on_the_tasks_rl_parquet(ray_cluster, visual, tmp_path, bac
     [
         (["backend.name=megatron"], "backend.name"),
         (["actor_rollout_ref.rollout.name=vllm"], "actor_rollout_ref.rollout.name"),
-        (["actor_rollout_ref.rollout.multi_turn.enable=true"], "actor_rollout_ref.rollout.multi_turn.enable"),
         (["algorithm.adv_estimator=gae"], "critic.enable"),
-        (["actor_rollout_ref.model.lora_rank=4"], "actor_rollout_ref.model.lora_rank"),
     ],
 )
 def test_what_a_vlm_run_cannot_do_yet_is_refused_naming_the_key(visual, tmp_path, overrides, key):

@@ -1,6 +1,6 @@
 """Config checks of a run whose actor is a vision-language model (layer 4): what such a run can do today is
-trained and rolled out with images on fsdp or deepspeed with the HF rollout engine, single-turn; every other
-combination is refused before Ray starts, naming the key (docs/multimodal.md says what is next)."""
+trained and rolled out with images on fsdp or deepspeed with the HF rollout engine, the agent loops included;
+every other combination is refused before Ray starts, naming the key (docs/multimodal.md says what is next)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ def validate_vision_language(cfg: PPOConfig) -> None:
             )
         return
     what = f"actor_rollout_ref.model.path={model_path} is a vision-language model"
-    async_loops = arr.rollout.multi_turn.enable or arr.rollout.mode != "sync"
     not_yet = "is not supported on a vision-language model yet"
     refusals = [
         (
@@ -41,8 +40,6 @@ def validate_vision_language(cfg: PPOConfig) -> None:
             "the megatron backend does not take one: use fsdp or deepspeed",
         ),
         ("actor_rollout_ref.rollout.name", arr.rollout.name != "hf", "only rollout=hf generates from images yet"),
-        ("actor_rollout_ref.rollout.multi_turn.enable", async_loops, "the agent loops do not carry images yet"),
-        ("actor_rollout_ref.model.lora_rank", arr.model.lora_rank > 0, f"LoRA {not_yet}"),
         ("critic.enable", cfg.use_critic, f"a critic {not_yet}"),
         ("reward_model.enable", cfg.reward_model.enable, f"a reward model {not_yet}"),
         ("async_training.mode", cfg.async_training.mode != "sync", f"asynchronous training {not_yet}"),

@@ -46,9 +46,10 @@ def pop_gen_batch(batch: DataProto) -> DataProto:
     return batch.pop(batch_keys=GEN_KEYS, non_tensor_batch_keys=vision)
 
 
-def build_agent_manager(cfg: PPOConfig, rollout: ActorRolloutRefRole | RolloutRole, tokenizer):
+def build_agent_manager(cfg: PPOConfig, rollout: ActorRolloutRefRole | RolloutRole, tokenizer, processor=None):
     """The agent loops (``multi_turn.enable`` / ``rollout.mode=async``) over ``rollout``'s engines: each request
-    at once to a rollout worker's async engine, or through the driver-side batcher."""
+    at once to a rollout worker's async engine, or through the driver-side batcher; ``processor``: a
+    vision-language model's (the loops render images), else None."""
     from scaletrain.agent.manager import AgentLoopManager
     from scaletrain.agent.server import AsyncEngineBackend, AsyncServerManager, WorkerGroupBackend
 
@@ -58,7 +59,12 @@ def build_agent_manager(cfg: PPOConfig, rollout: ActorRolloutRefRole | RolloutRo
     backend = (AsyncEngineBackend if rc.use_async_engine else WorkerGroupBackend)(rollout)
     server = AsyncServerManager(backend, rc.multi_turn.max_batch_wait_ms, segment)
     return AgentLoopManager(
-        rc.multi_turn, server, tokenizer, prompt_length=prompt_length, response_length=response_length
+        rc.multi_turn,
+        server,
+        tokenizer,
+        prompt_length=prompt_length,
+        response_length=response_length,
+        processor=processor,
     )
 
 
@@ -88,7 +94,8 @@ class RolloutProducer:
         the agent loops read): one batched generate, or the agent loops; returns (rows, rollout metrics)."""
         if self.agent_manager is None:
             return self.rollout.generate(gen_batch, sampling), {}
-        rows = DataProto.from_dict(non_tensors=dict(batch.non_tensor_batch))
+        # the rows' fields and their images (pop_gen_batch took those into gen_batch)
+        rows = DataProto.from_dict(non_tensors={**batch.non_tensor_batch, **gen_batch.non_tensor_batch})
         params = {k: getattr(sampling, k) for k in ("temperature", "top_p", "top_k", "seed")}  # n: per call
         with self.agent_lock:  # one event loop at a time drives the batcher (the rollout thread, validation)
             out = self.agent_manager.generate_sequences(rows, params, n=sampling.n, tag=tag)
