@@ -102,12 +102,51 @@ def test_lora_on_a_vlms_language_model(ray_cluster, visual, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
-def test_sft_of_a_vlm_on_the_tasks_rl_parquet(ray_cluster, visual, tmp_path, backend):
-    """SFT reads the task's RL parquet (the answers as responses), trains the whole VLM on the images and measures
-    greedy accuracy on the test images; the saved checkpoint is a VLM whose vision tower trained."""
+def test_the_recipe_shortened_sft_then_grpo(ray_cluster, tmp_path):
+    """launch/recipes/tiny_vlm_visual.sh shortened: its SFT stage as the script runs it (PRINT_ONLY: model, data and
+    the SFT checkpoint, fsdp), then 2 GRPO steps of its printed overrides in this process, from that checkpoint."""
+    import subprocess
+    import sys
+
+    from scaletrain.models.prepare import prepare_model
+    from scaletrain.trainer.main_ppo import run
+    from tests.trainer.runs import ROOT, env
+
+    run_env = dict(env(), PYTHON=sys.executable, OUT=str(tmp_path), PRINT_ONLY="1", TRAIN_SIZE="64", TEST_SIZE="8")
+    run_env.update(SFT_STEPS="2", SFT_STOP="1.0", STEPS="2", TEST_FREQ="2")
+    shorter = [
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    ]
+    script = str(ROOT / "launch/recipes/tiny_vlm_visual.sh")
+    proc = subprocess.run([script, *shorter], env=run_env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    overrides = proc.stdout.splitlines()
+    sft_dir = next(o for o in overrides if o.startswith("actor_rollout_ref.model.path=")).split("=", 1)[1]
+    assert load_processor(sft_dir) is not None  # the SFT export is a VLM with its processor, its vision tower trained
+    assert_vision_tower_changed(prepare_model("tiny-qwen2.5-vl"), sft_dir)
+    result = run([*overrides, "trainer.val_before_train=false", "trainer.plot_at_end=false"])
+    logged = metrics(result.run_dir)
+    assert torch.isfinite(torch.tensor(logged[2]["actor/pg_loss"]))
+    assert "val/scaletrain/visual/colour/acc" in logged[2]
+
+
+def assert_vision_tower_changed(before_dir: str, after_dir: str) -> None:
     from transformers import AutoModelForImageTextToText
 
+    before = AutoModelForImageTextToText.from_pretrained(before_dir).state_dict()
+    after = AutoModelForImageTextToText.from_pretrained(after_dir).state_dict()
+    vision = [name for name in before if ".visual." in name]
+    assert vision and any(not torch.equal(before[n], after[n]) for n in vision), "the vision tower did not train"
+
+
+@pytest.mark.slow
+def test_sft_of_a_vlm_on_the_tasks_rl_parquet(ray_cluster, visual, tmp_path):
+    """SFT reads the task's RL parquet (the answers as responses), trains the whole VLM on the images and measures
+    greedy accuracy on the test images; the saved checkpoint is a VLM whose vision tower trained. On deepspeed here;
+    fsdp's is the recipe's SFT stage above."""
+    backend = "deepspeed"
     from scaletrain.trainer.sft_trainer import run_sft
 
     data = {"train_files": visual["train"], "val_files": visual["test"], "val_prompts_file": visual["test"]}
@@ -122,11 +161,8 @@ def test_sft_of_a_vlm_on_the_tasks_rl_parquet(ray_cluster, visual, tmp_path, bac
         }
     )
     assert summary["step"] == 2 and 0.0 <= summary["val_acc"] <= 1.0 and summary["val_loss"] > 0
-    before = AutoModelForImageTextToText.from_pretrained(visual["model"]).state_dict()
-    after = AutoModelForImageTextToText.from_pretrained(summary["hf_path"]).state_dict()
     assert load_processor(summary["hf_path"]) is not None
-    vision = [name for name in before if ".visual." in name]
-    assert vision and any(not torch.equal(before[n], after[n]) for n in vision), "the vision tower did not train"
+    assert_vision_tower_changed(visual["model"], summary["hf_path"])
 
 
 @pytest.mark.parametrize(
