@@ -249,11 +249,12 @@ class ToolAgentLoop(AgentLoopBase):
             ids, inputs = self.render_turn_with_images(messages, images)
         else:
             ids, inputs = self.render_turn(messages), {}
-        if not self._append(data, ids) or self._turn_limit_reached(data):
-            return AgentState.TERMINATED
-        if images:  # appended: its images join the trajectory's, in order
+        appended = self._append(data, ids)
+        if appended and images:  # its images join the trajectory's, in order (whatever comes next)
             data.image_data += images
             data.vision_inputs.append(inputs)
+        if not appended or self._turn_limit_reached(data):
+            return AgentState.TERMINATED
         if any(fatal for _, _, fatal in results):
             return AgentState.TERMINATED
         return AgentState.GENERATING

@@ -52,7 +52,7 @@ class ScriptedServer:
         self.turns: dict[str, int] = {}
         self.calls: list[tuple[str, list[int], dict, list[int]]] = []
 
-    async def generate(self, request_id, prompt_ids, sampling_params) -> TokenOutput:
+    async def generate(self, request_id, prompt_ids, sampling_params, multi_modal_inputs=None) -> TokenOutput:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         turn = self.turns.get(request_id, 0)

@@ -185,3 +185,27 @@ def test_tool_images_a_loop_cannot_show_are_counted(vlm, tmp_path, case):
         assert output.metrics["tool_errors"] == 1
         assert "cannot decode the image" in tool_message["content"]
     assert output.multi_modal_inputs is None
+
+
+@pytest.mark.parametrize("limit", ["max_user_turns", "response budget"])
+def test_a_trajectory_ending_on_a_tool_turn_keeps_its_images(vlm, tmp_path, limit):
+    """Ended by the turn limit right after a tool's image (appended), or by the budget before it (not appended):
+    the ids' image pads and the trajectory's vision inputs still agree."""
+    from tests.agent.helpers import ScriptedServer
+
+    path, processor = vlm
+    tok = processor.tokenizer
+    server = ScriptedServer(lambda rid, turn, ids: tok("0", add_special_tokens=False)["input_ids"])
+    settings = {"max_user_turns": 1} if limit == "max_user_turns" else {}
+    cfg = config(tools_config_file=tools_file(tmp_path), max_assistant_turns=3, **settings)
+    cfg.format = "test_always_look"
+    budget = 60 if limit == "max_user_turns" else 8  # 8: no room for a tool turn holding an image's 4 pads
+    manager = AgentLoopManager(cfg, server, tok, prompt_length=64, response_length=budget, processor=processor)
+    row = image_rows(tmp_path, processor, 1)
+    fields = {k: row.non_tensor_batch[k][0] for k in ("raw_prompt", "multi_modal_data", "multi_modal_inputs")}
+    output = asyncio.run(manager._loop("tool_agent").run({}, request_id="t", extra_info={}, **fields))
+    pad_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    pads = (output.prompt_ids + output.response_ids).count(pad_id)
+    images = output.multi_modal_inputs["image_grid_thw"].shape[0]
+    assert images == (2 if limit == "max_user_turns" else 1)
+    assert pads == int(output.multi_modal_inputs["image_grid_thw"].prod(-1).sum()) // 4

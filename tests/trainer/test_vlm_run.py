@@ -102,6 +102,31 @@ def test_lora_on_a_vlms_language_model(ray_cluster, visual, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_asynchronous_training_of_a_vlm(ray_cluster, visual, tmp_path, mode):
+    """Split placement (a rollout rank of its own) with the asynchronous schedules: the trained weights, vision
+    tower included, reach the rollout engine after every step. fully_async at staleness 0 generates each step with
+    the weights being trained, so the rollout's log-probs equal the trainer's (the actor's lr is high enough that a
+    tower left unsynced would show)."""
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text(HASH_REWARD)
+    overrides = [*VLM_RUN, f"custom_reward_function.path={reward_file}", "actor_rollout_ref.actor.optim.lr=1e-3"]
+    overrides += ["actor_rollout_ref.hybrid_engine=false", "trainer.n_gpus_per_node=1"]
+    overrides += ["actor_rollout_ref.rollout.n_gpus_per_node=1", "data.train_batch_size=2"]
+    if mode == "fully_async":
+        overrides += ["async_training.mode=fully_async", "data.train_batch_size=0"]
+    else:
+        overrides += ["async_training.mode=one_step_off"]
+    logged = metrics(run_in_process(visual, tmp_path / "run", 3, overrides).run_dir)
+    staleness = 0.0 if mode == "fully_async" else 1.0
+    for step in (2, 3):
+        assert logged[step]["async/weight_version"] == step and logged[step]["async/staleness_max"] == staleness
+        assert torch.isfinite(torch.tensor(logged[step]["actor/pg_loss"]))
+        if mode == "fully_async":
+            assert logged[step]["rollout_corr/log_prob_abs_diff_max"] < 1e-4, logged[step]
+
+
+@pytest.mark.slow
 def test_the_recipe_shortened_sft_then_grpo(ray_cluster, tmp_path):
     """launch/recipes/tiny_vlm_visual.sh shortened: its SFT stage as the script runs it (PRINT_ONLY: model, data and
     the SFT checkpoint, fsdp), then 2 GRPO steps of its printed overrides in this process, from that checkpoint."""

@@ -1,6 +1,7 @@
 """Config checks of a run whose actor is a vision-language model (layer 4): what such a run can do today is
-trained and rolled out with images on fsdp or deepspeed with the HF rollout engine, the agent loops included;
-every other combination is refused before Ray starts, naming the key (docs/multimodal.md says what is next)."""
+trained and rolled out with images on fsdp or deepspeed with the HF rollout engine, the agent loops, LoRA and the
+asynchronous schedules included; every other combination is refused before Ray starts, naming the key
+(docs/multimodal.md says what is next)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,6 @@ def validate_vision_language(cfg: PPOConfig) -> None:
         ("actor_rollout_ref.rollout.name", arr.rollout.name != "hf", "only rollout=hf generates from images yet"),
         ("critic.enable", cfg.use_critic, f"a critic {not_yet}"),
         ("reward_model.enable", cfg.reward_model.enable, f"a reward model {not_yet}"),
-        ("async_training.mode", cfg.async_training.mode != "sync", f"asynchronous training {not_yet}"),
     ]
     for key, refused, why in refusals:
         if refused:
