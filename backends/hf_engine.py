@@ -50,7 +50,7 @@ from backends.hf_checkpoint import collective_write, save_engine_hf
 from backends.hf_model import build_model, check_outputs, forward_micro_batch, tied_duplicate_names
 from backends.lora import ADAPTER, lora_enabled
 from backends.lora_weights import Item, LoraLayout, adapter_config_dict, write_adapter_dir
-from backends.vision import MULTI_MODAL_INPUTS, gather_vision_inputs
+from backends.vision import MULTI_MODAL_INPUTS, gather_vision_inputs, vision_keys
 from scaletrain.protocol import DataProto
 
 
@@ -162,8 +162,7 @@ class HFTrainEngine(TrainEngine):
         temperature = float(batch.meta_info.get("temperature", 1.0))
         base_only = base_model_only(options, self.has_adapter)
         keys = [k for k in MODEL_INPUTS if k in batch.tensors.keys()]
-        vision = [MULTI_MODAL_INPUTS] if MULTI_MODAL_INPUTS in batch.non_tensor_batch else []
-        inputs = batch.select(batch_keys=keys, non_tensor_batch_keys=vision)
+        inputs = batch.select(batch_keys=keys, non_tensor_batch_keys=vision_keys(batch.non_tensor_batch))
         with self._on_device(optimizer=False), self._adapters_off(base_only):
             self._compute_module().eval()
             parts = self._partition(inputs, options.micro_batching)

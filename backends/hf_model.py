@@ -32,6 +32,7 @@ from torch import nn
 from backends.config import ATTN_IMPLEMENTATIONS, ModelConfig
 from backends.lora import lora_enabled, wrap_lora
 from backends.vision import (
+    causal_lm_class,
     check_image_tokens,
     freeze_vision_tower,
     hf_config,
@@ -105,16 +106,11 @@ def build_model(model_config: ModelConfig) -> nn.Module:
     wrapped by PEFT, only its adapters trainable (backends/lora.py); with ``freeze_vision_tower`` a VLM's vision
     tower is frozen (backends/vision.py).
     """
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForImageTextToText,
-        AutoModelForSequenceClassification,
-        AutoModelForTokenClassification,
-    )
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     config = build_hf_config(model_config)
     classes = {
-        "causal_lm": AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM,
+        "causal_lm": causal_lm_class(config),
         "value": AutoModelForTokenClassification,
         "reward": AutoModelForSequenceClassification,
     }

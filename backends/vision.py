@@ -22,7 +22,7 @@ prepended, (4, 1, total): transformers finds the rows' boundaries from that firs
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,9 +53,25 @@ def is_vision_language(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def gather_vision_inputs(column: np.ndarray | None, device: torch.device | str) -> dict[str, torch.Tensor]:
+def causal_lm_class(config: Any) -> Any:
+    """The transformers auto class of a generating model with ``config``: AutoModelForImageTextToText for a
+    vision-language model, AutoModelForCausalLM for a text one."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
+def vision_keys(non_tensor_batch: dict[str, Any]) -> list[str]:
+    """The non-tensor keys of a batch that hold its rows' vision inputs: ``[MULTI_MODAL_INPUTS]`` when the batch has
+    that column, else ``[]`` (for a ``select`` / ``pop`` that must carry the images with the ids)."""
+    return [MULTI_MODAL_INPUTS] if MULTI_MODAL_INPUTS in non_tensor_batch else []
+
+
+def gather_vision_inputs(
+    column: np.ndarray | Sequence[dict[str, Any]] | None, device: torch.device | str
+) -> dict[str, torch.Tensor]:
     """The micro-batch's vision inputs: each name's tensors of the rows with images, concatenated in row order
-    ({} when no row has images)."""
+    ({} when no row has images). A trajectory's renders (a prompt's images, then a tool answer's) join the same way."""
     rows = [inputs for inputs in (column if column is not None else ()) if inputs]
     if not rows:
         return {}

@@ -29,6 +29,7 @@ from backends.rollout.base import WAKE_TAGS, RolloutConfig, RolloutEngine, Sampl
 from backends.rollout.layout import build_rollout_output, eos_token_ids, mask_after_eos, pad_token_id
 from backends.vision import (
     MULTI_MODAL_INPUTS,
+    causal_lm_class,
     check_image_tokens,
     gather_vision_inputs,
     is_vision_language,
@@ -43,7 +44,7 @@ GREEDY_EPS = 1e-5  # temperatures below this mean greedy decoding (same threshol
 @register_rollout("hf")
 class HFRolloutEngine(RolloutEngine):
     def __init__(self, config: RolloutConfig, tokenizer):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+        from transformers import AutoConfig
 
         self.config = config
         self.tokenizer = tokenizer
@@ -51,7 +52,7 @@ class HFRolloutEngine(RolloutEngine):
         dtype = torch_dtype(config.resolved_for(self.device.type)["dtype"])
         hf_config = AutoConfig.from_pretrained(config.model_path)
         self.vision_language = is_vision_language(hf_config)
-        auto = AutoModelForImageTextToText if self.vision_language else AutoModelForCausalLM
+        auto = causal_lm_class(hf_config)
         if config.load_format == "dummy":  # random weights, replaced by the first update (as vLLM's dummy loader)
             model = auto.from_config(hf_config, dtype=dtype)
         else:

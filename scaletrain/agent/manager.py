@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from backends.vision import MULTI_MODAL_INPUTS
 from scaletrain.agent.base import AgentLoopOutput, get_agent_loop
 from scaletrain.agent.server import AsyncServerManager
 from scaletrain.protocol import DataProto, object_column
@@ -169,7 +170,7 @@ class AgentLoopManager:
             "tool_rewards": object_column([list(o.extra_fields.get("tool_rewards", [])) for o in outputs]),
         }
         if any(o.multi_modal_inputs for o in outputs):  # each row's images, for the trainer's forward
-            non_tensors["multi_modal_inputs"] = object_column([o.multi_modal_inputs or {} for o in outputs])
+            non_tensors[MULTI_MODAL_INPUTS] = object_column([o.multi_modal_inputs or {} for o in outputs])
         return DataProto.from_dict(tensors, non_tensors)
 
     def _metrics(self, outputs: list[AgentLoopOutput], wall_s: float) -> dict[str, float]:

@@ -34,6 +34,7 @@ import json
 import logging
 from typing import Any
 
+from backends.vision import gather_vision_inputs
 from scaletrain.agent.base import AgentData, AgentLoopBase, AgentLoopOutput, AgentState, register_agent_loop
 from scaletrain.agent.tool_parser import FunctionCall, ToolParser
 from scaletrain.agent.tools.base import (
@@ -194,18 +195,16 @@ class ToolAgentLoop(AgentLoopBase):
         return AgentState.GENERATING
 
     def _render_prompt_with_images(self, data: AgentData) -> tuple[list[int], dict[str, Any]]:
-        from scaletrain.data.vision import encode_text
+        from scaletrain.data.vision import encode_prompt
 
         if self.processor is None:
             raise ValueError(f"row {data.request_id}: the prompt has images but the model has no processor")
         kwargs = {"tools": data.tool_schemas} if data.tool_schemas else {}
-        text = self.processor.apply_chat_template(data.messages, add_generation_prompt=True, tokenize=False, **kwargs)
-        return encode_text(self.processor, text, data.image_data)
+        return encode_prompt(self.processor, data.messages, data.image_data, kwargs)
 
     def _vision(self, data: AgentData) -> dict[str, Any] | None:
-        from scaletrain.data.vision import concat_vision_inputs
-
-        return concat_vision_inputs(data.vision_inputs) or None
+        """Every image of the trajectory so far, its vision inputs in order; None without images."""
+        return gather_vision_inputs(data.vision_inputs, "cpu") or None
 
     async def _handle_generating(self, data: AgentData, sampling_params: dict[str, Any]) -> AgentState:
         params = {**sampling_params, "max_new_tokens": self._budget(data)}

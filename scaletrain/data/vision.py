@@ -91,14 +91,3 @@ def encode_text(processor: Any, text: str, images: list[Any]) -> tuple[list[int]
     # per-token fields (the mask, the processor's token types) follow from the ids: only the vision inputs stay
     inputs = {k: v for k, v in encoded.items() if k not in ("input_ids", "attention_mask", *TOKEN_ALIGNED)}
     return encoded["input_ids"][0].tolist(), inputs
-
-
-def concat_vision_inputs(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The vision inputs of several renders (a prompt's images, then a tool answer's, ...) as one, images in order;
-    {} when none has images."""
-    parts = [p for p in parts if p]
-    if not parts:
-        return {}
-    import torch
-
-    return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}

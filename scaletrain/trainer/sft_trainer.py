@@ -106,9 +106,11 @@ class SFTTrainer:
             out = self.model.eval_loss(self.val_batch)
             metrics["val/loss"] = out.tensors["nll_sum"].sum().item() / max(out.tensors["num_tokens"].sum().item(), 1.0)
         if self.val_prompts is not None:
-            vision = [k for k in ("multi_modal_inputs",) if k in self.val_prompts.non_tensor_batch]
+            from backends.vision import vision_keys
+
             prompts = self.val_prompts.select(
-                batch_keys=["input_ids", "attention_mask", "position_ids"], non_tensor_batch_keys=vision
+                batch_keys=["input_ids", "attention_mask", "position_ids"],
+                non_tensor_batch_keys=vision_keys(self.val_prompts.non_tensor_batch),
             )
             out = self.model.generate(prompts)
             metrics["val/acc"] = float(np.mean(greedy_scores(out, self.val_prompts, self.tokenizer, self.eos_ids)))

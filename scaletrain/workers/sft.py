@@ -22,6 +22,7 @@ import torch
 from backends.base import TrainEngine, get_backend
 from backends.config import OptimConfig
 from backends.rollout.base import RolloutEngineSettings, SamplingConfig
+from backends.vision import vision_keys
 from scaletrain.algos import agg_loss
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
@@ -35,13 +36,11 @@ logger = logging.getLogger(__name__)
 
 # batch fields the SFT update reads (and, for a vision-language model, each row's vision inputs)
 SFT_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
-VISION_INPUTS = "multi_modal_inputs"
 
 
 def sft_inputs(data: DataProto) -> DataProto:
     """The fields of ``data`` the SFT update and loss read."""
-    vision = [VISION_INPUTS] if VISION_INPUTS in data.non_tensor_batch else []
-    return data.select(batch_keys=list(SFT_INPUTS), non_tensor_batch_keys=vision)
+    return data.select(batch_keys=list(SFT_INPUTS), non_tensor_batch_keys=vision_keys(data.non_tensor_batch))
 
 
 @dataclass

@@ -122,15 +122,16 @@ def check_sft_config(cfg: SFTConfig) -> SFTConfig:
 
 def _check_vision_language(cfg: SFTConfig) -> None:
     """What SFT of a vision-language model cannot do yet, refused naming the key (as for PPO: vision_checks.py)."""
-    from scaletrain.trainer.config.vision_checks import is_vision_language_dir
+    from scaletrain.trainer.config.vision_checks import HF_ROLLOUT_ONLY, NO_MEGATRON, is_vision_language_dir, refuse
 
     if cfg.model.path is None or not is_vision_language_dir(cfg.model.path):
         return
-    what = f"model.path={cfg.model.path} is a vision-language model"
-    if cfg.backend.name == "megatron":
-        raise ConfigError(f"backend.name: {what}: the megatron backend does not take one: use fsdp or deepspeed")
-    if cfg.rollout.name != "hf" and cfg.data.val_prompts_file:
-        raise ConfigError(f"rollout.name: {what}: only rollout=hf generates from images yet")
+    generates = bool(cfg.data.val_prompts_file)  # greedy accuracy: the rollout engine takes the images
+    refusals = [
+        ("backend.name", cfg.backend.name == "megatron", NO_MEGATRON),
+        ("rollout.name", cfg.rollout.name != "hf" and generates, HF_ROLLOUT_ONLY),
+    ]
+    refuse(f"model.path={cfg.model.path} is a vision-language model", refusals)
 
 
 def _check_values(cfg: SFTConfig) -> None:

@@ -21,6 +21,17 @@ def is_vision_language_dir(path: str) -> bool:
         return "vision_config" in json.load(f)
 
 
+NO_MEGATRON = "the megatron backend does not take one: use fsdp or deepspeed"
+HF_ROLLOUT_ONLY = "only rollout=hf generates from images yet"
+
+
+def refuse(what: str, refusals: list[tuple[str, bool, str]]) -> None:
+    """ConfigError ``<key>: <what>: <why>`` for the first (key, refused, why) that is refused."""
+    for key, refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{key}: {what}: {why}")
+
+
 def validate_vision_language(cfg: PPOConfig) -> None:
     """ConfigError naming the key of what a run of a vision-language actor cannot do yet (nothing for a text one)."""
     arr = cfg.actor_rollout_ref
@@ -35,15 +46,9 @@ def validate_vision_language(cfg: PPOConfig) -> None:
     what = f"actor_rollout_ref.model.path={model_path} is a vision-language model"
     not_yet = "is not supported on a vision-language model yet"
     refusals = [
-        (
-            "backend.name",
-            cfg.backend.name == "megatron",
-            "the megatron backend does not take one: use fsdp or deepspeed",
-        ),
-        ("actor_rollout_ref.rollout.name", arr.rollout.name != "hf", "only rollout=hf generates from images yet"),
+        ("backend.name", cfg.backend.name == "megatron", NO_MEGATRON),
+        ("actor_rollout_ref.rollout.name", arr.rollout.name != "hf", HF_ROLLOUT_ONLY),
         ("critic.enable", cfg.use_critic, f"a critic {not_yet}"),
         ("reward_model.enable", cfg.reward_model.enable, f"a reward model {not_yet}"),
     ]
-    for key, refused, why in refusals:
-        if refused:
-            raise ConfigError(f"{key}: {what}: {why}")
+    refuse(what, refusals)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from backends.rollout.base import SamplingConfig
+from backends.vision import vision_keys
 from scaletrain.algos.advantage import estimator_traits
 from scaletrain.protocol import DataProto, object_column
 from scaletrain.trainer.rollout.dynamic_sampling import Scored, collect_groups
@@ -36,14 +37,13 @@ if TYPE_CHECKING:
     from scaletrain.workers.roles import ActorRolloutRefRole, RolloutRole
 
 GEN_KEYS = ["input_ids", "attention_mask", "position_ids"]  # what the engines read of a prompt batch
-GEN_NON_TENSOR_KEYS = ["multi_modal_inputs"]  # and a vision-language model's images (when the data has them)
 
 
 def pop_gen_batch(batch: DataProto) -> DataProto:
     """What the rollout engine reads of ``batch``'s prompts, taken out of it (the engine's output brings each
     field back, repeated per response)."""
-    vision = [k for k in GEN_NON_TENSOR_KEYS if k in batch.non_tensor_batch]
-    return batch.pop(batch_keys=GEN_KEYS, non_tensor_batch_keys=vision)
+    # and a vision-language model's images, when the data has them
+    return batch.pop(batch_keys=GEN_KEYS, non_tensor_batch_keys=vision_keys(batch.non_tensor_batch))
 
 
 def build_agent_manager(cfg: PPOConfig, rollout: ActorRolloutRefRole | RolloutRole, tokenizer, processor=None):

@@ -84,14 +84,13 @@ def throughput_metrics(
 def count_params(path: str) -> int:
     """Parameters of the HF causal LM (or vision-language model) at ``path`` (built on the meta device: no memory,
     no weights read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig
 
-    from backends.vision import is_vision_language
+    from backends.vision import causal_lm_class
 
     config = AutoConfig.from_pretrained(path)
-    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = auto.from_config(config)
+        model = causal_lm_class(config).from_config(config)
     return sum(p.numel() for p in model.parameters())
 
 
