@@ -32,9 +32,11 @@ from torch import nn
 from backends.config import ATTN_IMPLEMENTATIONS, ModelConfig
 from backends.lora import lora_enabled, wrap_lora
 from backends.vision import (
+    MULTI_MODAL_INPUTS,
     causal_lm_class,
     check_image_tokens,
     freeze_vision_tower,
+    head_model_class,
     hf_config,
     idle_vision_tower,
     is_vision_language,
@@ -99,25 +101,21 @@ def build_model(model_config: ModelConfig) -> nn.Module:
 
     causal_lm -> AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language model (a config with a
     vision tower: backends/vision.py); value -> AutoModelForTokenClassification (num_labels=1, a value per token);
-    reward -> AutoModelForSequenceClassification (num_labels=1). A value/reward model may start from a causal-LM
+    reward -> AutoModelForSequenceClassification (num_labels=1); a vision-language value / reward model is its
+    backbone under the same heads (``head_model_class``). A value/reward model may start from a causal-LM
     checkpoint: its head is then freshly initialised (seed the RNG identically on every rank first).
     ``attn_implementation`` (or verl's ``override_config["attn_implementation"]``) picks the attention kernel
     (default: transformers' choice, sdpa); see ``attention_kwargs``. With ``lora_rank > 0`` the model comes back
     wrapped by PEFT, only its adapters trainable (backends/lora.py); with ``freeze_vision_tower`` a VLM's vision
     tower is frozen (backends/vision.py).
     """
-    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
-
     config = build_hf_config(model_config)
-    classes = {
-        "causal_lm": causal_lm_class(config),
-        "value": AutoModelForTokenClassification,
-        "reward": AutoModelForSequenceClassification,
-    }
-    if model_config.kind not in classes:
-        raise ValueError(f"unknown model kind '{model_config.kind}'; known: {sorted(classes)}")
+    if model_config.kind not in KIND_OUTPUTS:
+        raise ValueError(f"unknown model kind '{model_config.kind}'; known: {sorted(KIND_OUTPUTS)}")
+    kind = model_config.kind
+    model_class = causal_lm_class(config) if kind == "causal_lm" else head_model_class(config, kind)
     kwargs = attention_kwargs(model_config)
-    model = classes[model_config.kind].from_pretrained(
+    model = model_class.from_pretrained(
         model_config.path,
         config=config,
         dtype=torch_dtype(model_config.dtype),
@@ -199,22 +197,25 @@ def forward_micro_batch(
     if unknown:
         raise ValueError(f"a {kind} model cannot produce {unknown}; it gives {list(allowed)}")
     input_ids, attention_mask = micro["input_ids"], micro["attention_mask"]
-    position_ids = micro["position_ids"]
     b, T = input_ids.shape
     R = micro["responses"].shape[1] if "responses" in micro else 0
     resp_valid = attention_mask[:, T - R :].bool()  # (b, R): response tokens that exist
 
-    if kind == "reward":
-        return {"scores": _reward_scores(model, input_ids, attention_mask, position_ids, remove_padding)}
-
     config = hf_config(model)
     vl = is_vision_language(config)
+    if vision and not vl:
+        raise ValueError(
+            f"the batch carries images ({MULTI_MODAL_INPUTS}) but this {kind} model is a text model "
+            f"({type(model).__name__}), which would read their placeholder tokens as text: use a vision-language model"
+        )
     if vl:  # the model's own tokens (response_mask, where given) never hold a vision token; a tool turn's may
         model_tokens = resp_valid & micro["response_mask"].bool() if "response_mask" in micro else resp_valid
         refuse_vision_tokens_in_responses(config, micro["responses"] if R else None, model_tokens)
         check_image_tokens(config, input_ids, vision or {})
     # every rank runs the vision tower once per micro-batch, images or not (backends/vision.py)
     with idle_vision_tower(model, input_ids.device) if vl and not vision else contextlib.nullcontext():
+        if kind == "reward":
+            return {"scores": _reward_scores(model, micro, remove_padding, (vision or {}) if vl else None)}
         logits = _response_logits(model, micro, kind, remove_padding, (vision or {}) if vl else None)
 
     if kind == "value":
@@ -236,6 +237,24 @@ def forward_micro_batch(
     return result
 
 
+def _model_inputs(
+    model: nn.Module, micro: dict[str, torch.Tensor], remove_padding: bool, vision: dict[str, torch.Tensor] | None
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """The model's inputs for the padded or the packed forward (then also the packed index, see ``pack``);
+    ``vision`` (None: a text model) adds a vision-language model's inputs and 3-D positions."""
+    input_ids, attention_mask, position_ids = micro["input_ids"], micro["attention_mask"], micro["position_ids"]
+    if not remove_padding:
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        if vision is not None:
+            inputs |= vision_forward_kwargs(model, input_ids, attention_mask, vision)
+        return inputs, None
+    ids, pos, packed_index = pack(input_ids, attention_mask, position_ids)
+    inputs = {"input_ids": ids, "position_ids": pos}
+    if vision is not None:
+        inputs |= vision_forward_kwargs(model, input_ids, attention_mask, vision, packed_text_positions=pos)
+    return inputs, packed_index
+
+
 def _response_logits(
     model: nn.Module,
     micro: dict[str, torch.Tensor],
@@ -244,49 +263,41 @@ def _response_logits(
     vision: dict[str, torch.Tensor] | None,
 ) -> torch.Tensor:
     """(n_valid, V) logits (causal_lm) or (n_valid, 1) head outputs (value) at the positions predicting the valid
-    response tokens, from the padded or the packed forward; ``vision`` (None: a text model) adds a
-    vision-language model's inputs and 3-D positions."""
-    input_ids, attention_mask, position_ids = micro["input_ids"], micro["attention_mask"], micro["position_ids"]
-    T = input_ids.shape[1]
+    response tokens, from the padded or the packed forward."""
+    T = micro["input_ids"].shape[1]
     R = micro["responses"].shape[1] if "responses" in micro else 0
-    resp_valid = attention_mask[:, T - R :].bool()
-    if remove_padding:
-        ids, pos, packed_index = pack(input_ids, attention_mask, position_ids)
+    resp_valid = micro["attention_mask"][:, T - R :].bool()
+    inputs, packed_index = _model_inputs(model, micro, remove_padding, vision)
+    if packed_index is not None:
         # response token (i, T-R+j) is predicted at packed position of token (i, T-R+j-1)
         predict_at = packed_index[:, T - R - 1 : T - 1][resp_valid]  # (n_valid,)
-        inputs = {"input_ids": ids, "position_ids": pos}
-        if vision is not None:
-            inputs |= vision_forward_kwargs(model, input_ids, attention_mask, vision, packed_text_positions=pos)
         if kind == "causal_lm":
             return model(**inputs, use_cache=False, logits_to_keep=predict_at).logits[0]
         return model(**inputs, use_cache=False).logits[0, predict_at]
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-    if vision is not None:
-        inputs |= vision_forward_kwargs(model, input_ids, attention_mask, vision)
     if kind == "causal_lm":
         return model(**inputs, use_cache=False, logits_to_keep=R + 1).logits[:, :-1][resp_valid]
     return model(**inputs, use_cache=False).logits[:, T - R - 1 : T - 1][resp_valid]
 
 
-def _reward_scores(model, input_ids, attention_mask, position_ids, remove_padding) -> torch.Tensor:
+def _reward_scores(
+    model: nn.Module, micro: dict[str, torch.Tensor], remove_padding: bool, vision: dict[str, torch.Tensor] | None
+) -> torch.Tensor:
     """Score head output at each row's last valid token. The HF sequence classifier pools at the last token that
     is not ``pad_token_id`` (wrong when pad == eos, and meaningless when packed), so the per-token head output is
     captured with a forward hook and pooled here from the attention mask."""
     captured = []
-    handle = model.score.register_forward_hook(lambda mod, args, out: captured.append(out))
+    inputs, packed_index = _model_inputs(model, micro, remove_padding, vision)
+    score: nn.Module = model.score  # pyright: ignore[reportAssignmentType]
+    handle = score.register_forward_hook(lambda mod, args, out: captured.append(out))
     try:
-        if remove_padding:
-            ids, pos, packed_index = pack(input_ids, attention_mask, position_ids)
-            model(input_ids=ids, position_ids=pos, use_cache=False)
-        else:
-            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        model(**inputs, use_cache=False)
     finally:
         handle.remove()
     token_scores = captured[0][..., 0].float()  # (b, T) or (1, total)
-    T = input_ids.shape[1]
-    last = T - 1 - attention_mask.flip(-1).long().argmax(-1)  # column of each row's last valid token
+    input_ids, attention_mask = micro["input_ids"], micro["attention_mask"]
+    last = input_ids.shape[1] - 1 - attention_mask.flip(-1).long().argmax(-1)  # column of each row's last token
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    if remove_padding:
+    if packed_index is not None:
         return token_scores[0, packed_index[rows, last]]
     return token_scores[rows, last]
 

@@ -22,6 +22,7 @@ prepended, (4, 1, total): transformers finds the rows' boundaries from that firs
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -59,6 +60,44 @@ def causal_lm_class(config: Any) -> Any:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
+@functools.cache
+def _classifier(config_class: type, kind: str) -> type:
+    from transformers import AutoModel, AutoModelForImageTextToText
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+    from transformers.modeling_layers import GenericForSequenceClassification, GenericForTokenClassification
+
+    # the backbone (e.g. Qwen2_5_VLModel: the vision tower and the language model, no head)
+    backbone: type = AutoModel._model_mapping[config_class]  # pyright: ignore[reportAssignmentType]
+    pretrained = next(c for c in backbone.__mro__ if c.__name__.endswith("PreTrainedModel") and c is not backbone)
+    generic, suffix = {
+        "value": (GenericForTokenClassification, "ForTokenClassification"),
+        "reward": (GenericForSequenceClassification, "ForSequenceClassification"),
+    }[kind]
+    name = backbone.__name__.removesuffix("Model") + suffix
+    # the checkpoint keys are the generating model's (model.*, visual.*): load and save them as that class does
+    generating: type = AutoModelForImageTextToText._model_mapping[config_class]  # pyright: ignore[reportAssignmentType]
+    conversions = get_checkpoint_conversion_mapping(generating.__name__) or []
+    register_checkpoint_conversion_mapping(name, conversions, overwrite=True)
+    return type(name, (generic, pretrained), {"__module__": __name__})
+
+
+def head_model_class(config: Any, kind: str) -> Any:
+    """The transformers class of a ``kind`` model ("value": a value per token, "reward": a score per sequence)
+    with ``config``: AutoModelForTokenClassification / AutoModelForSequenceClassification for a text model; for a
+    vision-language model (transformers ships no classifier of the Qwen2-VL family) its backbone (the vision tower
+    and the language model, ``model.*``, the keys of its generating checkpoint) under transformers' generic
+    token / sequence classification head (``score``), named like the auto classes would name it
+    (Qwen2_5_VLForTokenClassification): the critic and the reward model read the images as the actor does."""
+    if not is_vision_language(config):
+        from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+        return {"value": AutoModelForTokenClassification, "reward": AutoModelForSequenceClassification}[kind]
+    return _classifier(type(config), kind)
 
 
 def vision_keys(non_tensor_batch: dict[str, Any]) -> list[str]:

@@ -8,8 +8,9 @@ dropped: the RM's template writes its own turn markers), rendered with the RM to
 tokenized by it. Rows are right-padded, position ids 0, 1, ... A row longer than ``max_length`` keeps its last
 ``max_length`` tokens: the score is read at the last token, so the end of the response must survive.
 
-Without it the RM reads the policy's ``input_ids`` / ``attention_mask`` / ``position_ids`` directly; the trainer
-checks before Ray that both tokenizers have the same vocabulary (scaletrain/trainer/rollout/rm_reward.py).
+Without it the RM reads the policy's ``input_ids`` / ``attention_mask`` / ``position_ids`` directly (and a
+vision-language rollout's images, ``multi_modal_inputs``); the trainer checks before Ray that both tokenizers have
+the same vocabulary (scaletrain/trainer/rollout/rm_reward.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from backends.vision import vision_keys
 from scaletrain.protocol import DataProto
 
 logger = logging.getLogger(__name__)
@@ -27,8 +29,9 @@ POLICY_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 def policy_inputs(data: DataProto) -> DataProto:
-    """The policy's model inputs alone (no meta_info: the RM engine batches by its own settings)."""
-    return DataProto.from_dict({k: data.tensors[k] for k in POLICY_INPUTS})
+    """The policy's model inputs alone, a vision-language rollout's images with them (no meta_info: the RM engine
+    batches by its own settings)."""
+    return data.select(POLICY_INPUTS, non_tensor_batch_keys=vision_keys(data.non_tensor_batch), meta_info_keys=[])
 
 
 def rm_texts(data: DataProto, src_tokenizer: Any, rm_tokenizer: Any) -> list[str]:

@@ -296,8 +296,8 @@ def check_empty_batch_refused(ctx):
 
 
 def check_vision_language(ctx):
-    """The tiny Qwen2.5-VL under ZeRO-3: forward (padded, packed) and one step equal plain transformers
-    (tests/backends/vlm_checks.py)."""
+    """The tiny Qwen2.5-VL under ZeRO-3: forward (padded, packed) and one step equal plain transformers, and so
+    do its values and scores under a value and a reward head (tests/backends/vlm_checks.py)."""
     from tests.backends.vlm_checks import check_vlm_engine
 
     check_vlm_engine(ctx, "deepspeed")

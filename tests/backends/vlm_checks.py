@@ -5,7 +5,8 @@ batch with images (tests/backends/vlm_batch.py), each rank holding half of the r
   plain transformers (fp32, 1e-4);
 - one train step equals a single-process step on the whole batch (plain HF model, torch AdamW, the same token-mean
   loss): loss, gradient norm and every weight, the vision tower's included (which the step must change);
-- with ``freeze_vision_tower`` a step changes no vision-tower weight and trains the language model.
+- with ``freeze_vision_tower`` a step changes no vision-tower weight and trains the language model;
+- a VLM critic's values and a VLM reward model's scores, padded and packed, equal each row's own forward.
 """
 
 from __future__ import annotations
@@ -55,6 +56,23 @@ def check_vlm_engine(ctx, backend: str, **engine_settings) -> None:
     assert vision and any(not torch.equal(before[n], after[n]) for n in vision), "the vision tower did not train"
     settings = EngineConfig(micro_batch_size_per_gpu=2, **engine_settings)
     check_frozen_vision_tower(Engine, model_dir, share, optim, settings)
+    check_vlm_heads(Engine, ctx.inputs, share, settings, backend)
+
+
+def check_vlm_heads(Engine, inputs: str, share, settings, backend: str) -> None:
+    """A VLM critic's values and a VLM reward model's scores, padded and packed, equal each row's own forward."""
+    from backends.config import ModelConfig
+    from backends.hf_model import build_model
+    from tests.backends.vlm_batch import reference_head_outputs
+
+    for kind, name in (("value", "values"), ("reward", "scores")):
+        path = os.path.join(inputs, f"vlm_{kind}")
+        with torch.no_grad():
+            expected = reference_head_outputs(build_model(ModelConfig(path=path, kind=kind, dtype="float32")), share)
+        for packed in (False, True):
+            engine = Engine(ModelConfig(path=path, kind=kind, use_remove_padding=packed), None, settings)
+            out = engine.forward(share, (name,)).batch[name]
+            assert_close(out, expected[name], f"{backend} {kind} packed={packed}", tol=TOL)
 
 
 def check_frozen_vision_tower(Engine, model_dir: str, share, optim, settings) -> None:

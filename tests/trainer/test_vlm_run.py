@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from scaletrain.models.processor import load_processor
+from tests.backends.vlm_batch import save_vlm_head_model
 from tests.trainer.runs import metrics, run_in_process
 
 
@@ -40,8 +41,12 @@ VLM_RUN = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, frozen, agent_loops", [("fsdp", False, True), ("deepspeed", True, False)])
-def test_two_grpo_steps_of_a_vlm_from_images(ray_cluster, visual, tmp_path, backend, frozen, agent_loops):
+@pytest.mark.parametrize(
+    "backend, frozen, agent_loops, critic_and_rm", [("fsdp", False, True, False), ("deepspeed", True, False, True)]
+)
+def test_two_steps_of_a_vlm_from_images(ray_cluster, visual, tmp_path, backend, frozen, agent_loops, critic_and_rm):
+    """GRPO through the agent loops on fsdp; on deepspeed GAE with a VLM critic (from the actor's checkpoint) and a
+    VLM reward model (tests/backends/vlm_batch.py's), both reading the rollouts' images."""
     from transformers import AutoModelForImageTextToText
 
     # a random model scores 0 on the task: a hash of the response gives the samples of one prompt other rewards,
@@ -54,11 +59,19 @@ def test_two_grpo_steps_of_a_vlm_from_images(ray_cluster, visual, tmp_path, back
     if agent_loops:  # and rows of several lengths: token-balanced ranks, micro-batches by token budget
         overrides += ["trainer.balance_batch=true", "actor_rollout_ref.actor.use_dynamic_bsz=true"]
         overrides.append("actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160")
+    if critic_and_rm:
+        rm = save_vlm_head_model(visual["model"], tmp_path / "rm", "reward")
+        overrides += ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=2", "critic.optim.lr=1e-3"]
+        overrides += ["reward_model.enable=true", f"reward_model.model.path={rm}"]
     result = run_in_process(visual, tmp_path / "run", 2, overrides)
     logged = metrics(result.run_dir)
     for step in (1, 2):
         assert "critic/score/mean" in logged[step] and torch.isfinite(torch.tensor(logged[step]["actor/pg_loss"]))
     assert logged[1]["critic/advantages/max"] > 0
+    if critic_and_rm:  # the critic trained and valued the rows; the reward model scored them (differently)
+        assert all(torch.isfinite(torch.tensor(logged[s]["critic/vf_loss"])) for s in (1, 2))
+        assert logged[1]["critic/values/max"] != logged[1]["critic/values/min"]
+        assert logged[1]["reward_model/score/max"] > logged[1]["reward_model/score/min"]
     assert ("agent/generate_requests" in logged[1]) == agent_loops  # the rollout path this run took
     assert any(k.startswith("val-core/scaletrain/visual/count/") for k in logged[2])  # validated on the images
     # the exported checkpoint loads as a VLM, its vision tower trained (or left as it was, frozen)
@@ -195,14 +208,23 @@ def test_sft_of_a_vlm_on_the_tasks_rl_parquet(ray_cluster, visual, tmp_path):
     [
         (["backend.name=megatron"], "backend.name"),
         (["actor_rollout_ref.rollout.name=vllm"], "actor_rollout_ref.rollout.name"),
-        (["algorithm.adv_estimator=gae"], "critic.enable"),
+        (["algorithm.adv_estimator=gae", "critic.model.path=TEXT"], "critic.model.path"),
+        (["reward_model.enable=true", "reward_model.model.path=TEXT"], "reward_model.model.path"),
+        (
+            ["reward_model.enable=true", "reward_model.model.path=RM", "reward_model.model.input_tokenizer=VLM"],
+            "reward_model.model.input_tokenizer",
+        ),
     ],
 )
 def test_what_a_vlm_run_cannot_do_yet_is_refused_naming_the_key(visual, tmp_path, overrides, key):
+    from scaletrain.data import build_embedded_default
     from scaletrain.utils.typed_config import ConfigError
     from tests.trainer.config.test_ppo_config import checked
     from tests.trainer.runs import ppo_overrides
 
+    text, vlm = build_embedded_default()["model"], visual["model"]
+    paths = {"TEXT": text, "VLM": vlm, "RM": save_vlm_head_model(vlm, tmp_path / "rm", "reward")}
+    overrides = [o.split("=")[0] + "=" + paths.get(o.split("=")[1], o.split("=")[1]) for o in overrides]
     args = ppo_overrides(visual, tmp_path / "run", 2, [*VLM_RUN, *overrides])
     with pytest.raises(ConfigError, match=rf"^{key}: actor_rollout_ref.model.path=.* is a vision-language model"):
         checked(*args)

@@ -1,7 +1,8 @@
 """Config checks of a run whose actor is a vision-language model (layer 4): what such a run can do today is
-trained and rolled out with images on fsdp or deepspeed with the HF rollout engine, the agent loops, LoRA and the
-asynchronous schedules included; every other combination is refused before Ray starts, naming the key
-(docs/multimodal.md says what is next)."""
+trained and rolled out with images on fsdp or deepspeed with the HF rollout engine, the agent loops, LoRA, the
+asynchronous schedules, a critic and a reward model included (both vision-language models: they read the images as
+the actor does); every other combination is refused before Ray starts, naming the key (docs/multimodal.md says
+what is next)."""
 
 from __future__ import annotations
 
@@ -44,11 +45,27 @@ def validate_vision_language(cfg: PPOConfig) -> None:
             )
         return
     what = f"actor_rollout_ref.model.path={model_path} is a vision-language model"
-    not_yet = "is not supported on a vision-language model yet"
+    critic_path = cfg.critic.model.path or model_path
+    rm = cfg.reward_model
+    reads_text = "which would read the images' placeholder tokens as text: use a vision-language model"
     refusals = [
         ("backend.name", cfg.backend.name == "megatron", NO_MEGATRON),
         ("actor_rollout_ref.rollout.name", arr.rollout.name != "hf", HF_ROLLOUT_ONLY),
-        ("critic.enable", cfg.use_critic, f"a critic {not_yet}"),
-        ("reward_model.enable", cfg.reward_model.enable, f"a reward model {not_yet}"),
+        (
+            "critic.model.path",
+            cfg.use_critic and not is_vision_language_dir(critic_path),
+            f"the critic ({critic_path}) is a text model, {reads_text}",
+        ),
+        (
+            "reward_model.model.path",
+            rm.enable and rm.model.path is not None and not is_vision_language_dir(rm.model.path),
+            f"the reward model ({rm.model.path}) is a text model, {reads_text}",
+        ),
+        (
+            "reward_model.model.input_tokenizer",
+            rm.enable and rm.model.input_tokenizer is not None,
+            "re-tokenizing the rollouts for the reward model would drop their images: leave it null (the reward "
+            "model reads the policy's tokens and images)",
+        ),
     ]
     refuse(what, refusals)
