@@ -68,6 +68,7 @@ setup(
         "rich>=13",
         "matplotlib>=3.7",
         "math-verify>=0.9",
+        "httpx>=0.24",  # the generative judge's client (scaletrain/reward/judge.py)
     ],
     extras_require=extras,
 )

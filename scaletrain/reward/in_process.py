@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from scaletrain.reward.async_scorer import AsyncScorer, is_async_scorer
 from scaletrain.reward.sandbox import ERROR, OK, TIMEOUT, Outcome, ScoringPool, UnpicklableScorer
 from scaletrain.utils.secrets import redact_text
 
@@ -118,9 +119,14 @@ def scoring_runner(
     timeout_s: float | None,
     mp_context: str | None,
     start_timeout_s: float,
-) -> ScoringPool | InProcessScorer:
-    """A ScoringPool for ``fn``; an InProcessScorer (with a warning) when the pool refuses ``fn`` because it cannot
-    be pickled (the pool pickles it once, at construction)."""
+    on_close: Callable[[], Any] | None = None,
+) -> ScoringPool | InProcessScorer | AsyncScorer:
+    """A ScoringPool for ``fn``; an AsyncScorer for an ``async def`` one (its calls wait on a service: they run
+    concurrently on an event loop; ``on_close``: a coroutine function run there when it closes); an
+    InProcessScorer (with a warning) when the pool refuses ``fn`` because it cannot be pickled (the pool pickles it
+    once, at construction)."""
+    if is_async_scorer(fn):
+        return AsyncScorer(fn, timeout_s, on_close)
     try:
         return ScoringPool(fn, num_workers, timeout_s, mp_context, start_timeout_s)
     except UnpicklableScorer as e:

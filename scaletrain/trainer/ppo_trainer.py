@@ -21,6 +21,7 @@ from scaletrain.algos import build_kl_controller
 from scaletrain.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, create_colocated_worker_cls
 from scaletrain.data import StatefulDataLoader
 from scaletrain.reward import build_reward_manager
+from scaletrain.reward.judge import Judge
 from scaletrain.trainer.config.plan import RunPlan
 from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.trainer.config.worker_configs import ppo_worker_configs
@@ -46,6 +47,7 @@ from scaletrain.trainer.step.metrics import (
     timing_metrics,
 )
 from scaletrain.trainer.step.overlong import mask_overlong_responses
+from scaletrain.trainer.step.reward_health import RewardHealthWatch
 from scaletrain.trainer.step.rollout_correction import old_log_probs
 from scaletrain.trainer.step.val_metrics import validation_metrics
 from scaletrain.utils.typed_config import to_dict
@@ -84,8 +86,10 @@ class RayPPOTrainer:
                 "max_resp_len": cfg.data.max_response_length,  # DAPO's overlong buffer
                 "reward_fn_key": cfg.data.reward_fn_key,
             },
+            judge=Judge(cfg.reward.judge) if cfg.reward.judge.enabled else None,
             **rm.reward_kwargs,
         )
+        self.reward_health = RewardHealthWatch(cfg.reward.health)
         self.reward_guard = RewardGuard(
             rm.max_error_rate, rm.max_error_steps, self.reward_fn.scorer_repr, lambda: self.reward_fn.last_error
         )
@@ -230,6 +234,7 @@ class RayPPOTrainer:
                 return None
             self.global_step += 1
             batch, reward, metrics = scored.batch, scored.reward, dict(scored.metrics)
+            metrics.update(self.reward_health.check(self.global_step, batch))  # may stop before training on it
             if cfg.trainer.rollout_data_dir:
                 with timer("dump_rollouts", timings):
                     dump_batch(cfg.trainer.rollout_data_dir, self.global_step, batch, reward, self.tokenizer)

@@ -40,6 +40,7 @@ import torch
 
 from scaletrain.protocol import DataProto
 from scaletrain.reward.in_process import scoring_runner
+from scaletrain.reward.judge import Judge, bind_judge
 from scaletrain.reward.managers.abstract import AbstractRewardManager
 from scaletrain.reward.sandbox import ERROR, OK, TIMEOUT, Outcome
 from scaletrain.reward.scorers.arithmetic import ENDED_WITH_EOS_KEY
@@ -130,6 +131,8 @@ class RewardManager(AbstractRewardManager):
         start_timeout_s: seconds a worker may take to start.
         step_timeout_s: seconds one call of the manager may spend scoring (None: no bound); samples not scored
             by then get 0 and count as timeouts.
+        judge: a generative judge (reward/judge.py) bound to the async ``compute_score`` as ``judge`` (and/or
+            verl's ``reward_router_address``); its counters join the metrics (``judge/*``).
     """
 
     def __init__(
@@ -145,17 +148,22 @@ class RewardManager(AbstractRewardManager):
         mp_context: str | None = None,
         start_timeout_s: float = 120.0,
         step_timeout_s: float | None = None,
+        judge: Judge | None = None,
     ):
         self.tokenizer = tokenizer
         self.compute_score = compute_score if compute_score is not None else self.default_scorer()
+        self.judge = judge
+        if judge is not None:  # an async function awaiting the judge: scored concurrently (AsyncScorer)
+            self.compute_score = bind_judge(self.compute_score, judge)
         self.num_examine = num_examine
         self.reward_fn_key = reward_fn_key
         eos = getattr(tokenizer, "eos_token_id", None) if eos_token_id is None else eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple, set)) else [eos]) - {None}
         if not self.eos_token_ids:
             logger.warning("reward manager: no EOS token id known; every response counts as not ended with EOS")
+        on_close = judge.aclose if judge is not None else None
         self.pool = scoring_runner(
-            self.compute_score, num_processes, compute_score_timeout, mp_context, start_timeout_s
+            self.compute_score, num_processes, compute_score_timeout, mp_context, start_timeout_s, on_close
         )
         self.step_timeout_s = step_timeout_s
         self.last_error: str | None = None  # the most recent failure's traceback (or timeout reason)
@@ -202,6 +210,8 @@ class RewardManager(AbstractRewardManager):
             "reward/seconds": time.perf_counter() - start,
         }
         metrics.update(self.extra_metrics(rows, extra_info))
+        if self.judge is not None:
+            metrics.update(self.judge.metrics())
         return {"reward_tensor": reward_tensor, "reward_extra_info": extra_info, "metrics": metrics}
 
     # -------------------------------------------------------------------------------------- steps (hooks)

@@ -34,6 +34,7 @@ def check_config(cfg: PPOConfig) -> PPOConfig:
     from scaletrain.trainer.rollout.dynamic_sampling import validate_filter_groups
     from scaletrain.trainer.rollout.rm_reward import validate_reward_model
     from scaletrain.trainer.run.ray_cluster import check_ray_kwargs
+    from scaletrain.trainer.step.reward_health import validate_reward_health
     from scaletrain.trainer.step.rollout_correction import validate_rollout_correction
 
     validate_vision_language(cfg)  # first: before the backends' checks read the model's config as a text model's
@@ -51,6 +52,8 @@ def check_config(cfg: PPOConfig) -> PPOConfig:
     cfg.actor_rollout_ref.rollout.val_sampling()  # raises ConfigError naming a bad val_kwargs key
     _validate_paths(cfg)
     validate_reward_model(cfg)  # after _validate_engine_settings: the RM shares the resolved layout
+    validate_reward_health(cfg.reward.health)
+    _validate_judge(cfg)
     check_ray_kwargs(cfg.ray_kwargs)
     return cfg
 
@@ -277,3 +280,31 @@ def _validate_engine_settings(cfg: PPOConfig, world: int) -> None:
                 f"one process per device and the {cfg.backend.name} backend's parallel state, so they need the same "
                 "layout"
             )
+
+
+def _validate_judge(cfg: PPOConfig) -> None:
+    """``reward.judge.*``: good settings, a reward function of the user's to call the judge, and a reward manager
+    that scores with it (the scaletrain managers bind it; the multi manager's components are called synchronously;
+    a reward-loop or verl-interface manager takes no judge)."""
+    from scaletrain.reward import MultiRewardManager, RewardManager
+    from scaletrain.reward.judge import check_judge_settings
+    from scaletrain.reward.managers.reward_loop import reward_manager_class
+
+    judge = cfg.reward.judge
+    if not judge.enabled:
+        return
+    try:
+        check_judge_settings(judge)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not cfg.custom_reward_function.path:
+        raise ConfigError(
+            "reward.judge.base_url needs custom_reward_function.path: an async def compute_score(..., judge) that "
+            "builds the judge's prompt and reads its verdict"
+        )
+    manager = reward_manager_class(cfg.reward_model.reward_manager)
+    if not issubclass(manager, RewardManager) or issubclass(manager, MultiRewardManager):
+        raise ConfigError(
+            f"reward_model.reward_manager={cfg.reward_model.reward_manager} does not score with reward.judge: use "
+            "naive, prime, batch or dapo"
+        )

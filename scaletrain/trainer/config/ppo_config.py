@@ -15,6 +15,7 @@ from typing import Any
 
 from backends.config import BackendSettings
 from scaletrain.algos.advantage import estimator_traits
+from scaletrain.reward.judge import JudgeSettings
 from scaletrain.trainer.config.common_sections import DataSettings, RunSettings
 from scaletrain.utils.typed_config import build
 from scaletrain.workers.config import ActorRolloutRefConfig, CriticConfig, RewardModelConfig
@@ -180,6 +181,38 @@ class AsyncTrainingConfig:
 
 
 @dataclass
+class RewardHealthConfig:
+    """``reward.health``: alarms on the reward signal (scaletrain/trainer/step/reward_health.py). Every step logs
+    the ``reward_health/*`` signals; one beyond its threshold (null: logged, never an alarm) in ``patience``
+    consecutive steps is an alarm, and ``action`` is taken before that step trains."""
+
+    max_zero_variance_groups: float | None = 0.95  # share of groups (>= 2 samples of a prompt) whose samples all
+    # got the same reward: their group-relative advantages are 0, the step learns nothing from them
+    max_format_only: float | None = 0.5  # share of samples rewarded (score > 0) for their format with a wrong
+    # answer (read where the scorer reports both components, e.g. the multi manager's format + correctness)
+    max_length_corr: float | None = None  # |Pearson correlation| of the reward and the response length
+    max_judge_rule_disagreement: float | None = None  # share of samples on which the reward model's verdict and
+    # the rule's differ (each: above its own batch mean), with reward_model.enable and custom_reward_function.path
+    patience: int = 10  # consecutive steps beyond a threshold that make an alarm
+    action: str = "warn"  # warn (a warning naming the signal and the steps, repeated every patience steps it
+    # lasts) | stop (the run stops before training on that step's rewards; checkpoints kept)
+    format_component: str = "format"  # the reward's per-sample extra info holding the format score
+    answer_components: list[str] = field(default_factory=lambda: ["acc", "correctness"])  # the first of these
+    # the extra info holds is the answer's correctness (> 0: right)
+
+
+@dataclass
+class RewardSection:
+    """``reward``: verl's newer reward section. Its verl keys (num_workers, reward_manager.name,
+    reward_model.enable / model_path, custom_reward_function) are renamed to reward_model.* /
+    custom_reward_function (scaletrain/trainer/config/verl_keys.py); ``health`` and ``judge`` are this project's."""
+
+    health: RewardHealthConfig = field(default_factory=RewardHealthConfig)
+    judge: JudgeSettings = field(default_factory=JudgeSettings)  # a generative judge behind an OpenAI-compatible
+    # endpoint, awaited by an async custom_reward_function (scaletrain/reward/judge.py)
+
+
+@dataclass
 class RayInitConfig:
     """verl's ``ray_kwargs.ray_init``: arguments of ``ray.init`` (scaletrain/trainer/run/ray_cluster.py)."""
 
@@ -212,6 +245,7 @@ class PPOConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     custom_reward_function: CustomRewardFunction = field(default_factory=CustomRewardFunction)
+    reward: RewardSection = field(default_factory=RewardSection)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     trainer: TrainerSection = field(default_factory=TrainerSection)

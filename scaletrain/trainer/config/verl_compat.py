@@ -60,7 +60,7 @@ def translate_overrides(overrides: list[str], known: set[str], mappings: frozens
             selectors[key] = _selected_backend(key, value)
             if key not in known:  # verl's model_engine group, the ref's strategy: read, then dropped
                 continue
-        elif key.startswith("reward."):
+        elif key.startswith("reward.") and key not in known:  # reward.health.* is this project's
             raise ConfigError(f"{key}={value}: not supported by scaletrain; verl's reward.* keys taken here: {_REWARD}")
         if key == "backend":
             backend = value

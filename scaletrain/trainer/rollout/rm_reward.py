@@ -12,7 +12,9 @@ RM's score (``rm_scores``, one value per row at its last valid response token) t
   configured reward in effect, and a function returning 0 gives the RM's score alone.
 
 Metrics: ``reward_model/score/{mean,max,min}`` (per row); each row's RM score also goes into the reward extra info
-as ``rm_score`` (so rollout dumps show it next to the final ``score``).
+as ``rm_score`` (so rollout dumps show it next to the final ``score``), and, when added to the rule reward, the
+rule's as ``rule_score`` (the reward-health signal ``judge_rule_disagreement`` compares them:
+scaletrain/trainer/step/reward_health.py).
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def combine_rewards(rm_scores: torch.Tensor, rule: dict[str, Any] | None) -> dic
             "reward_extra_info": {"rm_score": per_row.tolist()},
             "metrics": metrics,
         }
-    extra = {**rule.get("reward_extra_info", {}), "rm_score": per_row.tolist()}
+    rule_score = rule["reward_tensor"].sum(-1).tolist()  # each component logged: the judge-vs-rule health signal
+    extra = {**rule.get("reward_extra_info", {}), "rm_score": per_row.tolist(), "rule_score": rule_score}
     return {
         "reward_tensor": rule["reward_tensor"] + rm_scores.to(rule["reward_tensor"].dtype),
         "reward_extra_info": extra,

@@ -57,13 +57,20 @@ def data_metrics(batch: DataProto) -> dict[str, float]:
     return metrics
 
 
+def reward_groups(batch: DataProto) -> dict[str, list[float]]:
+    """Each group's (prompt's, by ``uid``) sample scores; {} without a ``uid`` column."""
+    if "uid" not in batch.non_tensor_batch:
+        return {}
+    groups: dict[str, list[float]] = {}
+    for uid, score in zip(batch.non_tensor_batch["uid"], batch.tensors["token_level_scores"].sum(-1).tolist()):
+        groups.setdefault(uid, []).append(score)
+    return groups
+
+
 def mixed_group_share(batch: DataProto) -> float:
     """Share of prompts whose samples got different scores: the groups GRPO can learn from."""
-    scores = batch.tensors["token_level_scores"].sum(-1)
-    groups: dict[str, set] = {}
-    for uid, score in zip(batch.non_tensor_batch["uid"], scores.tolist()):
-        groups.setdefault(uid, set()).add(round(score, 6))
-    return sum(len(s) > 1 for s in groups.values()) / max(1, len(groups))
+    groups = reward_groups(batch).values()
+    return sum(len({round(s, 6) for s in g}) > 1 for g in groups) / max(1, len(groups))
 
 
 def throughput_metrics(

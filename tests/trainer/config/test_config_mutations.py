@@ -65,6 +65,10 @@ DRIVER_READ = {
     *(f"ray_kwargs.ray_init.{k}" for k in ("namespace", "runtime_env", "include_dashboard", "dashboard_host")),
     "ray_kwargs.ray_init.dashboard_port",
     "ray_kwargs.timeline_json_file",
+    *(f"reward.health.{k}" for k in ("max_zero_variance_groups", "max_format_only", "max_length_corr", "patience")),
+    *(f"reward.health.{k}" for k in ("max_judge_rule_disagreement", "format_component", "answer_components")),
+    *(f"reward.judge.{k}" for k in ("model", "api_key_env", "max_concurrent", "max_rpm", "timeout_s")),
+    *(f"reward.judge.{k}" for k in ("max_retries", "backoff_s")),  # the driver's reward manager holds the judge
 }
 
 

@@ -100,7 +100,7 @@ def test_rm_score_replaces_or_adds_to_the_rule_reward():
     }
     both = combine_rewards(rm, rule)
     assert torch.equal(both["reward_tensor"], torch.tensor([[0.0, 1.5, 0.0], [0.0, 0.0, -1.5]]))
-    assert both["reward_extra_info"] == {"score": [1.0, 0.0], "rm_score": [0.5, -1.5]}
+    assert both["reward_extra_info"] == {"score": [1.0, 0.0], "rm_score": [0.5, -1.5], "rule_score": [1.0, 0.0]}
     assert both["metrics"]["reward/score_mean"] == 0.5 and both["metrics"]["reward_model/score/max"] == 0.5
 
 
