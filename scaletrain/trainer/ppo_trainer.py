@@ -148,7 +148,8 @@ class RayPPOTrainer:
             reward_model = RewardModelRole(groups["rm"])
             reward_model.init_model()
             rule_fn = self.reward_fn if cfg.custom_reward_function.path else None  # None: the RM's score alone
-            train_reward_fn = RewardWithRM(reward_model, rule_fn)
+            weights = (cfg.reward.rule_weight, cfg.reward.reward_model_weight)
+            train_reward_fn = RewardWithRM(reward_model, rule_fn, weights)
         agents = None  # the batched generate; the agent loops for multi_turn.enable / rollout.mode=async
         if cfg.actor_rollout_ref.rollout.use_agent_loop:
             agents = build_agent_manager(cfg, self.rollout, self.tokenizer, self.processor)

@@ -1,16 +1,21 @@
 """A generative judge behind an OpenAI-compatible endpoint (scaletrain/reward/judge.py), against a real server process
 on the loopback address (tests/reward/judge_server.py, the stand-in for a remote service): the reply, the API key
 sent and never shown, retries of an overloaded server, a slow one bounded by the timeout, garbage and a dead server
-failing clearly, the concurrency and rate limits as the server saw them; and a reward manager scoring through an
-async reward function that awaits the judge (concurrently, its failures counted)."""
+failing clearly, the concurrency and rate limits as the server saw them; a reward manager scoring through an
+async reward function that awaits the judge (concurrently, its failures counted); CLI runs rewarded by the judge;
+and the client against vLLM's own OpenAI-compatible server (``vllm serve``) behind an API key."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -193,3 +198,63 @@ def test_a_run_rewarded_by_a_remote_judge_and_one_whose_judge_dies(ray_cluster, 
         RewardFailureError, match=r"(?s)failed on more than 50% of the samples.*the judge at .* failed \(2 tries\)"
     ):
         run_in_process(task, tmp_path / "dead", 2, [*overrides, *guard])
+
+
+@pytest.mark.slow
+def test_the_judge_against_vllm_serve(task, tmp_path, monkeypatch):
+    """vLLM's own OpenAI-compatible server (``vllm serve``, a real one) with the embedded default's model behind an
+    API key: the served model is found at /models, concurrent chats get text back, and a wrong key fails naming
+    HTTP 401 without showing either key."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    # ``vllm serve``'s server module (the ``vllm`` script asks for the package "vllm"; installed here as vllm-cpu)
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", task["model"], "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--enforce-eager"]
+    argv += ["--served-model-name", "judge", "--api-key", SECRET]
+    log = tmp_path / "vllm_serve.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        wait_until_serving(url, process, log)
+        monkeypatch.setenv("JUDGE_KEY", SECRET)
+        judge = Judge(settings(url, api_key_env="JUDGE_KEY", timeout_s=60.0))
+
+        async def four():
+            try:
+                question = [{"role": "user", "content": "1+1="}]
+                return await asyncio.gather(*(judge.chat(question, max_tokens=4, temperature=0.0) for _ in range(4)))
+            finally:
+                await judge.aclose()
+
+        replies = asyncio.run(four())
+        assert all(isinstance(r, str) for r in replies) and len(set(replies)) == 1  # greedy: one reply
+        assert judge._model == "judge" and judge.metrics()["judge/failures"] == 0
+        monkeypatch.setenv("JUDGE_KEY", "sk-wrong-key")
+        with pytest.raises(JudgeError, match=r"HTTP 401") as info:
+            ask(Judge(settings(url, api_key_env="JUDGE_KEY", model="judge", max_retries=0)), "1", "1")
+        assert SECRET not in str(info.value) and "sk-wrong-key" not in str(info.value)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+def wait_until_serving(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 300.0) -> None:
+    """Until ``url``/models answers (401 counts: the server is up); fails with the log's end if it exits first."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if process.poll() is not None:
+            pytest.fail(f"vllm serve exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(url + "/models", timeout=2)
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            time.sleep(1.0)
+    pytest.fail(f"vllm serve did not answer within {timeout_s:g}s:\n{log.read_text()[-3000:]}")

@@ -208,6 +208,9 @@ class RewardSection:
     custom_reward_function (scaletrain/trainer/config/verl_keys.py); ``health`` and ``judge`` are this project's."""
 
     health: RewardHealthConfig = field(default_factory=RewardHealthConfig)
+    rule_weight: float = 1.0  # with reward_model.enable and custom_reward_function.path: the rule (or judge)
+    # reward's weight in the sum with the reward model's score (each component logged unweighted: rule_score, rm_score)
+    reward_model_weight: float = 1.0  # the reward model's score's weight (alone or in that sum)
     judge: JudgeSettings = field(default_factory=JudgeSettings)  # a generative judge behind an OpenAI-compatible
     # endpoint, awaited by an async custom_reward_function (scaletrain/reward/judge.py)
 

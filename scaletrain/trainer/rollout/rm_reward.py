@@ -11,6 +11,8 @@ RM's score (``rm_scores``, one value per row at its last valid response token) t
   user's function silently here (its newer reward loop calls only that function); adding both keeps each
   configured reward in effect, and a function returning 0 gives the RM's score alone.
 
+Each component is multiplied by its weight first (``reward.rule_weight``, ``reward.reward_model_weight``).
+
 Metrics: ``reward_model/score/{mean,max,min}`` (per row); each row's RM score also goes into the reward extra info
 as ``rm_score`` (so rollout dumps show it next to the final ``score``), and, when added to the rule reward, the
 rule's as ``rule_score`` (the reward-health signal ``judge_rule_disagreement`` compares them:
@@ -33,21 +35,26 @@ if TYPE_CHECKING:  # the reward-model checks here run before Ray, without the wo
 
 class RewardWithRM:
     """Called like a reward manager (``reward(batch, return_dict=True)``): the reward model's score, alone or added
-    to ``rule_fn``'s (None: the RM's score replaces the rule reward). Adds ``rm_scores`` to the batch."""
+    to ``rule_fn``'s (None: the RM's score replaces the rule reward), each times its weight
+    (``reward.reward_model_weight``, ``reward.rule_weight``). Adds ``rm_scores`` to the batch."""
 
-    def __init__(self, reward_model: RewardModelRole, rule_fn) -> None:
-        self.reward_model, self.rule_fn = reward_model, rule_fn
+    def __init__(self, reward_model: RewardModelRole, rule_fn, weights: tuple[float, float] = (1.0, 1.0)) -> None:
+        self.reward_model, self.rule_fn, self.weights = reward_model, rule_fn, weights
 
     def __call__(self, batch: DataProto, return_dict: bool = False):
         batch.union(self.reward_model.compute_rm_score(batch))
         rule = self.rule_fn(batch, return_dict=True) if self.rule_fn is not None else None
-        reward = combine_rewards(batch.tensors["rm_scores"], rule)
+        reward = combine_rewards(batch.tensors["rm_scores"], rule, self.weights)
         return reward if return_dict else reward["reward_tensor"]
 
 
-def combine_rewards(rm_scores: torch.Tensor, rule: dict[str, Any] | None) -> dict[str, Any]:
-    """``rm_scores`` (B, R) alone (``rule`` None) or added to the rule reward; both sit on each row's last valid
-    response token."""
+def combine_rewards(
+    rm_scores: torch.Tensor, rule: dict[str, Any] | None, weights: tuple[float, float] = (1.0, 1.0)
+) -> dict[str, Any]:
+    """``rm_scores`` (B, R) alone (``rule`` None) or added to the rule reward, each times its weight (``weights``:
+    the rule's, the reward model's); both sit on each row's last valid response token. The extra info keeps each
+    component unweighted (``rule_score``, ``rm_score``)."""
+    rule_weight, rm_weight = weights
     per_row = rm_scores.sum(-1)
     metrics = {
         "reward_model/score/mean": per_row.mean().item(),
@@ -56,14 +63,14 @@ def combine_rewards(rm_scores: torch.Tensor, rule: dict[str, Any] | None) -> dic
     }
     if rule is None:
         return {
-            "reward_tensor": rm_scores.clone(),
+            "reward_tensor": rm_scores * rm_weight,
             "reward_extra_info": {"rm_score": per_row.tolist()},
             "metrics": metrics,
         }
     rule_score = rule["reward_tensor"].sum(-1).tolist()  # each component logged: the judge-vs-rule health signal
     extra = {**rule.get("reward_extra_info", {}), "rm_score": per_row.tolist(), "rule_score": rule_score}
     return {
-        "reward_tensor": rule["reward_tensor"] + rm_scores.to(rule["reward_tensor"].dtype),
+        "reward_tensor": rule["reward_tensor"] * rule_weight + rm_scores.to(rule["reward_tensor"].dtype) * rm_weight,
         "reward_extra_info": extra,
         "metrics": {**rule["metrics"], **metrics},
     }

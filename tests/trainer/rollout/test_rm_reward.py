@@ -102,6 +102,11 @@ def test_rm_score_replaces_or_adds_to_the_rule_reward():
     assert torch.equal(both["reward_tensor"], torch.tensor([[0.0, 1.5, 0.0], [0.0, 0.0, -1.5]]))
     assert both["reward_extra_info"] == {"score": [1.0, 0.0], "rm_score": [0.5, -1.5], "rule_score": [1.0, 0.0]}
     assert both["metrics"]["reward/score_mean"] == 0.5 and both["metrics"]["reward_model/score/max"] == 0.5
+    weighted = combine_rewards(rm, rule, (0.5, 2.0))  # each component times its weight, logged unweighted
+    assert torch.equal(weighted["reward_tensor"], torch.tensor([[0.0, 1.5, 0.0], [0.0, 0.0, -3.0]]))
+    assert weighted["reward_extra_info"]["rule_score"] == [1.0, 0.0]
+    assert weighted["reward_extra_info"]["rm_score"] == [0.5, -1.5]
+    assert torch.equal(combine_rewards(rm, None, (0.5, 2.0))["reward_tensor"], rm * 2.0)
 
 
 def test_retokenized_inputs_render_the_rm_chat_template():
