@@ -16,6 +16,7 @@ from scaletrain.reward.loader import DEFAULT_FN_NAME, DEFAULT_LOAD_TIMEOUT_S, lo
 from scaletrain.reward.managers import RewardManager
 from scaletrain.reward.managers.external import ExternalRewardManager
 from scaletrain.reward.managers.reward_loop import RewardLoopAdapter, RewardManagerBase, reward_manager_class
+from scaletrain.reward.sandbox_fusion import SandboxFusion
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ def build_reward_manager(
     load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
     offered: Mapping[str, Any] | None = None,
     judge: Judge | None = None,
+    sandbox: SandboxFusion | None = None,
     **manager_kwargs: Any,
 ) -> RewardManager | ExternalRewardManager:
     """``custom_reward_function``: ``{path, name (default compute_score), reward_kwargs (optional, bound to
@@ -37,8 +39,9 @@ def build_reward_manager(
     may not take: those it does not take are logged). The manager is built with keywords, as verl's trainer
     builds it; one that implements only verl's interface is wrapped in ExternalRewardManager. A reward-loop
     manager (verl 0.9's per-sample interface, reward_loop.py) is built from ``(config, tokenizer, compute_score)``
-    with ``manager_kwargs`` as its ``config.reward.reward_kwargs``. ``judge`` (reward/judge.py) goes to a scaletrain
-    manager, bound to its async compute_score; another manager takes none (ValueError)."""
+    with ``manager_kwargs`` as its ``config.reward.reward_kwargs``. ``judge`` (reward/judge.py) and ``sandbox``
+    (reward/sandbox_fusion.py) go to a scaletrain manager, bound to its compute_score; another manager takes
+    neither (ValueError)."""
     compute_score = None
     if custom_reward_function and custom_reward_function.get("path"):
         compute_score = load_custom_reward_fn(
@@ -48,10 +51,12 @@ def build_reward_manager(
         if reward_kwargs:
             compute_score = functools.partial(compute_score, **dict(reward_kwargs))
     manager_cls = reward_manager_class(reward_manager)
-    if judge is not None:
-        if not issubclass(manager_cls, RewardManager):
-            raise ValueError(f"reward manager '{reward_manager}' does not score with a judge (reward.judge)")
-        manager_kwargs["judge"] = judge
+    for key, service in (("judge", judge), ("sandbox", sandbox)):
+        if service is not None:
+            if not issubclass(manager_cls, RewardManager):
+                what = f"a remote service ({service!r})"
+                raise ValueError(f"reward manager '{reward_manager}' does not score with {what}")
+            manager_kwargs[key] = service
     if issubclass(manager_cls, RewardManagerBase):
         config = OmegaConf.create({"reward": {"reward_kwargs": dict(manager_kwargs)}})
         loop_manager = manager_cls(config=config, tokenizer=tokenizer, compute_score=compute_score)

@@ -22,6 +22,7 @@ from scaletrain.controller import RayClassWithInitArgs, RayResourcePool, RayWork
 from scaletrain.data import StatefulDataLoader
 from scaletrain.reward import build_reward_manager
 from scaletrain.reward.judge import Judge
+from scaletrain.reward.sandbox_fusion import SandboxFusion
 from scaletrain.trainer.config.plan import RunPlan
 from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.trainer.config.worker_configs import ppo_worker_configs
@@ -87,6 +88,7 @@ class RayPPOTrainer:
                 "reward_fn_key": cfg.data.reward_fn_key,
             },
             judge=Judge(cfg.reward.judge) if cfg.reward.judge.enabled else None,
+            sandbox=SandboxFusion(cfg.reward.sandbox_fusion) if cfg.reward.sandbox_fusion.enabled else None,
             **rm.reward_kwargs,
         )
         self.reward_health = RewardHealthWatch(cfg.reward.health)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from scaletrain.agent import BaseTool, ToolAgentLoop, ToolResponse
-from scaletrain.agent.tools import code_runner
+from scaletrain.agent.tools import code_runner, python_process
 from scaletrain.agent.tools.calculator import CalculatorTool, evaluate
 from scaletrain.agent.tools.code_runner import CodeRunnerTool, pids_cgroup_parent
 from tests.agent.helpers import SET_NAME, ScriptedServer, config, make_agent_tokenizer, pids_named
@@ -191,7 +191,7 @@ def test_a_cancelled_run_kills_its_child(monkeypatch, cgroup, unsandboxed):
 
 
 def _has_cap_sys_admin() -> bool:
-    caps = [line for line in code_runner._read("/proc/self/status").splitlines() if line.startswith("CapEff:")]
+    caps = [line for line in code_runner.read_text("/proc/self/status").splitlines() if line.startswith("CapEff:")]
     return bool(caps) and bool(int(caps[0].split()[1], 16) & (1 << 21))
 
 
@@ -214,7 +214,7 @@ def test_unsandboxed_the_child_gets_a_network_namespace_and_the_prelude(no_sandb
 
 
 def test_missing_network_isolation_is_reported_or_refused(monkeypatch, caplog, no_sandbox):
-    monkeypatch.setattr(code_runner, "UNSHARE_ATTEMPTS", (0x1,))  # an invalid flag: every unshare fails
+    monkeypatch.setattr(python_process, "UNSHARE_ATTEMPTS", (0x1,))  # an invalid flag: every unshare fails
     monkeypatch.setattr(code_runner, "_WARNED", set())
     caplog.set_level(logging.WARNING, logger="scaletrain.agent.tools.code_runner")
     tool = CodeRunnerTool({"allow_unsandboxed": True})

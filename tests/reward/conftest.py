@@ -16,6 +16,7 @@ HERE = Path(__file__).parent
 TEST_SCORERS = HERE / "reward_fns_for_tests.py"  # loaded by path, as a user's custom reward file would be
 
 _CHARS = list("0123456789+-*=#.,$ {}\\_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_CHARS += list("`\n()[]:;'\"<>/%!?|&^~@")  # code (the sandbox_fusion tests' responses)
 
 
 @pytest.fixture(scope="session")

@@ -43,6 +43,7 @@ from scaletrain.reward.in_process import scoring_runner
 from scaletrain.reward.judge import Judge, bind_judge
 from scaletrain.reward.managers.abstract import AbstractRewardManager
 from scaletrain.reward.sandbox import ERROR, OK, TIMEOUT, Outcome
+from scaletrain.reward.sandbox_fusion import SandboxFusion, bind_sandbox
 from scaletrain.reward.scorers.arithmetic import ENDED_WITH_EOS_KEY
 from scaletrain.reward.scorers.default import default_compute_score
 from scaletrain.utils.registry import Registry
@@ -133,6 +134,8 @@ class RewardManager(AbstractRewardManager):
             by then get 0 and count as timeouts.
         judge: a generative judge (reward/judge.py) bound to the async ``compute_score`` as ``judge`` (and/or
             verl's ``reward_router_address``); its counters join the metrics (``judge/*``).
+        sandbox: a code sandbox service (reward/sandbox_fusion.py): the default scorer runs verl's code data
+            sources through it, a user's function gets it bound (``bind_sandbox``); counters ``sandbox_fusion/*``.
     """
 
     def __init__(
@@ -149,10 +152,13 @@ class RewardManager(AbstractRewardManager):
         start_timeout_s: float = 120.0,
         step_timeout_s: float | None = None,
         judge: Judge | None = None,
+        sandbox: SandboxFusion | None = None,
     ):
         self.tokenizer = tokenizer
         self.compute_score = compute_score if compute_score is not None else self.default_scorer()
-        self.judge = judge
+        self.judge, self.sandbox = judge, sandbox
+        if sandbox is not None:
+            self.compute_score = bind_sandbox(self.compute_score, sandbox, compute_score is None)
         if judge is not None:  # an async function awaiting the judge: scored concurrently (AsyncScorer)
             self.compute_score = bind_judge(self.compute_score, judge)
         self.num_examine = num_examine
@@ -161,9 +167,8 @@ class RewardManager(AbstractRewardManager):
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple, set)) else [eos]) - {None}
         if not self.eos_token_ids:
             logger.warning("reward manager: no EOS token id known; every response counts as not ended with EOS")
-        on_close = judge.aclose if judge is not None else None
         self.pool = scoring_runner(
-            self.compute_score, num_processes, compute_score_timeout, mp_context, start_timeout_s, on_close
+            self.compute_score, num_processes, compute_score_timeout, mp_context, start_timeout_s, self._close_services
         )
         self.step_timeout_s = step_timeout_s
         self.last_error: str | None = None  # the most recent failure's traceback (or timeout reason)
@@ -177,6 +182,12 @@ class RewardManager(AbstractRewardManager):
 
     def default_scorer(self) -> Callable[..., Any]:
         return default_compute_score
+
+    async def _close_services(self) -> None:
+        """Run on the scoring loop when it stops: the services' connections belong to it."""
+        for service in (self.judge, self.sandbox):
+            if service is not None:
+                await service.aclose()
 
     # ---------------------------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
@@ -210,8 +221,9 @@ class RewardManager(AbstractRewardManager):
             "reward/seconds": time.perf_counter() - start,
         }
         metrics.update(self.extra_metrics(rows, extra_info))
-        if self.judge is not None:
-            metrics.update(self.judge.metrics())
+        for service in (self.judge, self.sandbox):
+            if service is not None:
+                metrics.update(service.metrics())
         return {"reward_tensor": reward_tensor, "reward_extra_info": extra_info, "metrics": metrics}
 
     # -------------------------------------------------------------------------------------- steps (hooks)

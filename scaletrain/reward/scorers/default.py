@@ -23,6 +23,8 @@ def _arithmetic(solution_str: str, ground_truth: Any, extra_info: dict | None) -
     return arithmetic.compute_score(solution_str, ground_truth, extra_info)
 
 
+# verl's code data sources: scored by running the code (scaletrain/reward/sandbox_fusion.py, reward.sandbox_fusion)
+CODE_DATA_SOURCES = ("codecontests", "apps", "codeforces", "taco")
 SCORERS_BY_DATA_SOURCE: dict[str, Callable[[str, Any, dict | None], float]] = {
     "openai/gsm8k": _gsm8k,
     **{source: _math for source in math.DATA_SOURCES},
@@ -45,14 +47,20 @@ def default_compute_score(
     memory_limit_mb: int | None = None,
     **kwargs: Any,
 ) -> float | dict:
-    """verl's signature: the last three (and ``kwargs``) serve verl's code-execution data sources, which have
-    no scorer here (such a data source is refused below, naming it), so they are accepted and unused."""
+    """verl's signature: the last three (and ``kwargs``) serve verl's code-execution data sources, which score
+    through ``reward.sandbox_fusion`` (scaletrain/reward/sandbox_fusion.py, asynchronously): here they are
+    accepted and unused, and such a data source is refused naming that key."""
     scorer = SCORERS_BY_DATA_SOURCE.get(data_source) if isinstance(data_source, str) else None
     if scorer is not None:
         return scorer(solution_str, ground_truth, extra_info)
     for prefix, family_scorer in SCORERS_BY_PREFIX.items():
         if isinstance(data_source, str) and data_source.startswith(prefix):
             return family_scorer(data_source, solution_str, ground_truth, extra_info)
+    if data_source in CODE_DATA_SOURCES:
+        raise NotImplementedError(
+            f"data_source {data_source!r} is scored by running the code: set reward.sandbox_fusion.url (a "
+            "SandboxFusion service, or `python -m scaletrain.reward.sandbox_server`)"
+        )
     raise NotImplementedError(
         f"default_compute_score has no scorer for data_source {data_source!r} (known: "
         f"{sorted(SCORERS_BY_DATA_SOURCE)}, or any starting with {sorted(SCORERS_BY_PREFIX)}); set "

@@ -54,6 +54,7 @@ def check_config(cfg: PPOConfig) -> PPOConfig:
     validate_reward_model(cfg)  # after _validate_engine_settings: the RM shares the resolved layout
     validate_reward_health(cfg.reward.health)
     _validate_judge(cfg)
+    _validate_sandbox_fusion(cfg)
     check_ray_kwargs(cfg.ray_kwargs)
     return cfg
 
@@ -284,11 +285,8 @@ def _validate_engine_settings(cfg: PPOConfig, world: int) -> None:
 
 def _validate_judge(cfg: PPOConfig) -> None:
     """``reward.judge.*``: good settings, a reward function of the user's to call the judge, and a reward manager
-    that scores with it (the scaletrain managers bind it; the multi manager's components are called synchronously;
-    a reward-loop or verl-interface manager takes no judge)."""
-    from scaletrain.reward import MultiRewardManager, RewardManager
+    that scores with it."""
     from scaletrain.reward.judge import check_judge_settings
-    from scaletrain.reward.managers.reward_loop import reward_manager_class
 
     judge = cfg.reward.judge
     if not judge.enabled:
@@ -302,9 +300,31 @@ def _validate_judge(cfg: PPOConfig) -> None:
             "reward.judge.base_url needs custom_reward_function.path: an async def compute_score(..., judge) that "
             "builds the judge's prompt and reads its verdict"
         )
+    _service_manager(cfg, "reward.judge")
+
+
+def _validate_sandbox_fusion(cfg: PPOConfig) -> None:
+    """``reward.sandbox_fusion.*``: good settings and a reward manager that scores with the sandbox."""
+    from scaletrain.reward.sandbox_fusion import check_sandbox_fusion_settings
+
+    if not cfg.reward.sandbox_fusion.enabled:
+        return
+    try:
+        check_sandbox_fusion_settings(cfg.reward.sandbox_fusion)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _service_manager(cfg, "reward.sandbox_fusion")
+
+
+def _service_manager(cfg: PPOConfig, section: str) -> None:
+    """A remote reward service needs a reward manager that binds it: the scaletrain managers do; the multi
+    manager's components are called synchronously; a reward-loop or verl-interface manager takes no service."""
+    from scaletrain.reward import MultiRewardManager, RewardManager
+    from scaletrain.reward.managers.reward_loop import reward_manager_class
+
     manager = reward_manager_class(cfg.reward_model.reward_manager)
     if not issubclass(manager, RewardManager) or issubclass(manager, MultiRewardManager):
         raise ConfigError(
-            f"reward_model.reward_manager={cfg.reward_model.reward_manager} does not score with reward.judge: use "
+            f"reward_model.reward_manager={cfg.reward_model.reward_manager} does not score with {section}: use "
             "naive, prime, batch or dapo"
         )

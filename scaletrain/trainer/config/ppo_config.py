@@ -16,6 +16,7 @@ from typing import Any
 from backends.config import BackendSettings
 from scaletrain.algos.advantage import estimator_traits
 from scaletrain.reward.judge import JudgeSettings
+from scaletrain.reward.sandbox_fusion import SandboxFusionSettings
 from scaletrain.trainer.config.common_sections import DataSettings, RunSettings
 from scaletrain.utils.typed_config import build
 from scaletrain.workers.config import ActorRolloutRefConfig, CriticConfig, RewardModelConfig
@@ -205,7 +206,8 @@ class RewardHealthConfig:
 class RewardSection:
     """``reward``: verl's newer reward section. Its verl keys (num_workers, reward_manager.name,
     reward_model.enable / model_path, custom_reward_function) are renamed to reward_model.* /
-    custom_reward_function (scaletrain/trainer/config/verl_keys.py); ``health`` and ``judge`` are this project's."""
+    custom_reward_function (scaletrain/trainer/config/verl_keys.py); ``sandbox_fusion`` is verl's (with the client's
+    limits added); ``health`` and ``judge`` are this project's."""
 
     health: RewardHealthConfig = field(default_factory=RewardHealthConfig)
     rule_weight: float = 1.0  # with reward_model.enable and custom_reward_function.path: the rule (or judge)
@@ -213,6 +215,8 @@ class RewardSection:
     reward_model_weight: float = 1.0  # the reward model's score's weight (alone or in that sum)
     judge: JudgeSettings = field(default_factory=JudgeSettings)  # a generative judge behind an OpenAI-compatible
     # endpoint, awaited by an async custom_reward_function (scaletrain/reward/judge.py)
+    sandbox_fusion: SandboxFusionSettings = field(default_factory=SandboxFusionSettings)  # a code sandbox service
+    # (scaletrain/reward/sandbox_fusion.py)
 
 
 @dataclass

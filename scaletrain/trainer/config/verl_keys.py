@@ -115,9 +115,6 @@ UNSUPPORTED = {
         "register the manager class with @register_reward_manager(name) in an imported module and set "
         "reward_model.reward_manager=name"
     ),
-    "reward.sandbox_fusion": Unsupported(
-        "the sandbox-fusion service is not supported; model-written code runs in the code_runner tool's sandbox"
-    ),
 }
 
 
@@ -168,6 +165,8 @@ RENAMED_PREFIXES = {
     "ray_init.timeline_json_file": "ray_kwargs.timeline_json_file",
     "ray_init.": "ray_kwargs.ray_init.",
     "reward.custom_reward_function.": "custom_reward_function.",
+    "sandbox_fusion.": "reward.sandbox_fusion.",  # verl's legacy top-level section
+    "reward_model.sandbox_fusion.": "reward.sandbox_fusion.",  # verl's older place for it
     "critic.fsdp.": "critic.model.fsdp_config.",
 }
 

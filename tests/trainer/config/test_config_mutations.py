@@ -69,6 +69,8 @@ DRIVER_READ = {
     *(f"reward.health.{k}" for k in ("max_judge_rule_disagreement", "format_component", "answer_components")),
     *(f"reward.judge.{k}" for k in ("model", "api_key_env", "max_concurrent", "max_rpm", "timeout_s")),
     *(f"reward.judge.{k}" for k in ("max_retries", "backoff_s")),
+    *(f"reward.sandbox_fusion.{k}" for k in ("max_concurrent", "memory_limit_mb", "run_timeout_s", "timeout_s")),
+    *(f"reward.sandbox_fusion.{k}" for k in ("max_retries", "backoff_s")),
     "reward.rule_weight",  # the driver sums the rewards
     "reward.reward_model_weight",  # the driver's reward manager holds the judge
 }
