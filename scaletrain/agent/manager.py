@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -87,13 +88,20 @@ class AgentLoopManager:
 
     # --------------------------------------------------------------------------------------------- run
     def generate_sequences(
-        self, prompts: DataProto, sampling: dict[str, Any], n: int = 1, tag: str = "traj"
+        self,
+        prompts: DataProto,
+        sampling: dict[str, Any],
+        n: int = 1,
+        tag: str = "traj",
+        on_trajectory: Callable[[int, DataProto], None] | None = None,
     ) -> DataProto:
-        """``sampling``: temperature / top_p / top_k / seed (seed: per-trajectory seeds derive from it)."""
+        """``sampling``: temperature / top_p / top_k / seed (seed: per-trajectory seeds derive from it);
+        ``on_trajectory(sample, row)``: called as each trajectory finishes with its index in the output and its
+        row of it (the streaming reward loop scores it then: scaletrain/trainer/rollout/reward_loop.py)."""
         rows = self._rows(prompts, n, tag)
         self.server_manager.reset_stats()
         start = time.perf_counter()
-        outputs = asyncio.run(self._run_all(rows, sampling))
+        outputs = asyncio.run(self._run_all(rows, sampling, on_trajectory))
         out = self._assemble(outputs)
         versions = self.server_manager.pop_versions([row["request_id"] for row in rows])
         if all(v is not None for v in versions):  # split placement: the oldest weights in each trajectory
@@ -114,24 +122,31 @@ class AgentLoopManager:
                 rows.append({**row, "agent_name": str(name), "request_id": f"{tag}-{i}-{j}", "sample": i * n + j})
         return rows
 
-    async def _run_all(self, rows: list[dict[str, Any]], sampling: dict[str, Any]) -> list[AgentLoopOutput]:
+    async def _run_all(
+        self, rows: list[dict[str, Any]], sampling: dict[str, Any], on_trajectory: Callable | None = None
+    ) -> list[AgentLoopOutput]:
         try:
             for row in rows:  # every trajectory is live from the start: the batcher waits for all of them
                 self.server_manager.acquire(row["request_id"])
-            return await asyncio.gather(*(self._run_one(row, sampling) for row in rows))
+            return await asyncio.gather(*(self._run_one(row, sampling, on_trajectory) for row in rows))
         finally:
             for row in rows:
                 self.server_manager.release(row["request_id"])
             await self.server_manager.close()
 
-    async def _run_one(self, row: dict[str, Any], sampling: dict[str, Any]) -> AgentLoopOutput:
+    async def _run_one(
+        self, row: dict[str, Any], sampling: dict[str, Any], on_trajectory: Callable | None = None
+    ) -> AgentLoopOutput:
         params = dict(sampling)
         if params.get("seed") is not None:
             params["seed"] = derive_seed(int(params["seed"]), row["sample"])
         try:
-            return await self._loop(row["agent_name"]).run(params, **row)
+            output = await self._loop(row["agent_name"]).run(params, **row)
         finally:
             self.server_manager.release(row["request_id"])
+        if on_trajectory is not None:
+            on_trajectory(row["sample"], self._assemble([output]))
+        return output
 
     # ---------------------------------------------------------------------------------------- assemble
     def _assemble(self, outputs: list[AgentLoopOutput]) -> DataProto:

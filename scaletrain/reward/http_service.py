@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse
 
 RETRIED_STATUS = {429, 500, 502, 503, 504}
 
@@ -32,6 +34,23 @@ class RetrySettings:
     timeout_s: float = 60.0  # seconds one request may take (a sandbox's: the program's run included)
     max_retries: int = 3  # retries after a timeout, a connection error, HTTP 429 or 5xx
     backoff_s: float = 0.5  # the first retry's delay, doubled for each further one
+
+
+def check_service_settings(
+    section: str, url_key: str, url_example: str, settings: RetrySettings, positive: Mapping[str, float]
+) -> None:
+    """A service's config section before anything starts: ValueError naming the key of a bad value (its URL
+    ``<section>.<url_key>``, the ``positive`` numbers, the retry settings)."""
+    url = getattr(settings, url_key)
+    parsed = urlparse(url or "")
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ValueError(f"{section}.{url_key} must be an http(s) URL ({url_example}): {url!r}")
+    for key, value in {**positive, "timeout_s": settings.timeout_s}.items():
+        if not value > 0:
+            raise ValueError(f"{section}.{key} must be positive, got {value}")
+    for key, value in {"max_retries": settings.max_retries, "backoff_s": settings.backoff_s}.items():
+        if value < 0:
+            raise ValueError(f"{section}.{key} must be >= 0, got {value}")
 
 
 class TokenBucket:
@@ -69,6 +88,8 @@ class ServiceClient:
     ) -> None:
         self.name, self.url, self.config_key, self.error_cls = name, url.rstrip("/"), config_key, error_cls
         self.settings, self.max_concurrent, self.max_rpm = settings, max_concurrent, max_rpm
+        if api_key_env and api_key_env not in os.environ:  # e.g. a reward worker on a node started without it
+            raise ValueError(f"{config_key}.api_key_env: the environment variable {api_key_env} is not set here")
         self._key = os.environ.get(api_key_env) if api_key_env else None
         self._client: Any = None
         self._slots: asyncio.Semaphore | None = None

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from scaletrain.reward.http_service import RetrySettings, ServiceClient, ServiceError
+from scaletrain.reward.http_service import RetrySettings, ServiceClient, ServiceError, check_service_settings
 
 
 @dataclass
@@ -54,20 +54,12 @@ class JudgeSettings(RetrySettings):
 def check_judge_settings(settings: JudgeSettings) -> None:
     """``reward.judge.*`` before anything starts: ValueError naming the key of a bad value (the API key's
     variable must be set; its value is never shown)."""
-    url = urlparse(settings.base_url or "")
-    if url.scheme not in ("http", "https") or not url.netloc:
-        raise ValueError(f"reward.judge.base_url must be an http(s) URL (http://HOST:PORT/v1): {settings.base_url!r}")
-    if settings.api_key_env and settings.api_key_env not in os.environ:
-        raise ValueError(f"reward.judge.api_key_env: the environment variable {settings.api_key_env} is not set")
-    positive = {"max_concurrent": settings.max_concurrent, "timeout_s": settings.timeout_s}
+    positive: dict[str, float] = {"max_concurrent": settings.max_concurrent}
     if settings.max_rpm is not None:
         positive["max_rpm"] = settings.max_rpm
-    for key, value in positive.items():
-        if value <= 0:
-            raise ValueError(f"reward.judge.{key} must be positive, got {value}")
-    for key in ("max_retries", "backoff_s"):
-        if getattr(settings, key) < 0:
-            raise ValueError(f"reward.judge.{key} must be >= 0, got {getattr(settings, key)}")
+    check_service_settings("reward.judge", "base_url", "http://HOST:PORT/v1", settings, positive)
+    if settings.api_key_env and settings.api_key_env not in os.environ:
+        raise ValueError(f"reward.judge.api_key_env: the environment variable {settings.api_key_env} is not set")
 
 
 class JudgeError(ServiceError):

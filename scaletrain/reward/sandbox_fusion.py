@@ -24,9 +24,8 @@ import json
 import re
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
 
-from scaletrain.reward.http_service import RetrySettings, ServiceClient, ServiceError
+from scaletrain.reward.http_service import RetrySettings, ServiceClient, ServiceError, check_service_settings
 
 FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 RUN_STATUSES = {"Success", "Failed", "SandboxError"}
@@ -48,16 +47,8 @@ class SandboxFusionSettings(RetrySettings):
 
 def check_sandbox_fusion_settings(settings: SandboxFusionSettings) -> None:
     """``reward.sandbox_fusion.*`` before anything starts: ValueError naming the key of a bad value."""
-    url = urlparse(settings.url or "")
-    if url.scheme not in ("http", "https") or not url.netloc:
-        what = "an http(s) URL (http://HOST:PORT/run_code)"
-        raise ValueError(f"reward.sandbox_fusion.url must be {what}: {settings.url!r}")
-    for key in ("max_concurrent", "memory_limit_mb", "run_timeout_s", "timeout_s"):
-        if not getattr(settings, key) > 0:
-            raise ValueError(f"reward.sandbox_fusion.{key} must be positive, got {getattr(settings, key)}")
-    for key in ("max_retries", "backoff_s"):
-        if getattr(settings, key) < 0:
-            raise ValueError(f"reward.sandbox_fusion.{key} must be >= 0, got {getattr(settings, key)}")
+    positive = {key: getattr(settings, key) for key in ("max_concurrent", "memory_limit_mb", "run_timeout_s")}
+    check_service_settings("reward.sandbox_fusion", "url", "http://HOST:PORT/run_code", settings, positive)
 
 
 class SandboxFusionError(ServiceError):

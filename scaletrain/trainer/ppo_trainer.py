@@ -20,15 +20,13 @@ from backends.rollout.layout import eos_token_ids
 from scaletrain.algos import build_kl_controller
 from scaletrain.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, create_colocated_worker_cls
 from scaletrain.data import StatefulDataLoader
-from scaletrain.reward import build_reward_manager
-from scaletrain.reward.judge import Judge
-from scaletrain.reward.sandbox_fusion import SandboxFusion
 from scaletrain.trainer.config.plan import RunPlan
 from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.trainer.config.worker_configs import ppo_worker_configs
 from scaletrain.trainer.rollout.fully_async import FullyAsyncRollouts
 from scaletrain.trainer.rollout.producer import RolloutProducer, build_agent_manager
 from scaletrain.trainer.rollout.reward_guard import RewardGuard
+from scaletrain.trainer.rollout.reward_loop import RewardLoop, build_rule_reward
 from scaletrain.trainer.rollout.rm_reward import RewardWithRM
 from scaletrain.trainer.rollout.schedules import OneStepOffRollouts, SyncRollouts
 from scaletrain.trainer.rollout.split_placement import spawn_rollout_pool
@@ -51,7 +49,6 @@ from scaletrain.trainer.step.overlong import mask_overlong_responses
 from scaletrain.trainer.step.reward_health import RewardHealthWatch
 from scaletrain.trainer.step.rollout_correction import old_log_probs
 from scaletrain.trainer.step.val_metrics import validation_metrics
-from scaletrain.utils.typed_config import to_dict
 from scaletrain.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 from scaletrain.workers.roles import ActorRolloutRefRole, CriticRole, RewardModelRole
 
@@ -75,22 +72,8 @@ class RayPPOTrainer:
             horizon=cfg.algorithm.kl_ctrl.horizon,
         )
         rm = cfg.reward_model
-        self.reward_fn = build_reward_manager(
-            tokenizer,
-            rm.reward_manager,
-            to_dict(cfg.custom_reward_function),
-            load_timeout_s=rm.load_timeout_s,
-            offered={  # to a manager that takes them (one written for verl may not)
-                "compute_score_timeout": rm.timeout_s,
-                "num_processes": rm.num_processes,
-                "step_timeout_s": rm.step_timeout_s,
-                "max_resp_len": cfg.data.max_response_length,  # DAPO's overlong buffer
-                "reward_fn_key": cfg.data.reward_fn_key,
-            },
-            judge=Judge(cfg.reward.judge) if cfg.reward.judge.enabled else None,
-            sandbox=SandboxFusion(cfg.reward.sandbox_fusion) if cfg.reward.sandbox_fusion.enabled else None,
-            **rm.reward_kwargs,
-        )
+        # the rule reward: scored on the driver, or by reward.num_workers Ray actors (rollout/reward_loop.py)
+        self.reward_fn = RewardLoop(cfg, tokenizer) if cfg.reward.num_workers else build_rule_reward(cfg, tokenizer)
         self.reward_health = RewardHealthWatch(cfg.reward.health)
         self.reward_guard = RewardGuard(
             rm.max_error_rate, rm.max_error_steps, self.reward_fn.scorer_repr, lambda: self.reward_fn.last_error
@@ -146,6 +129,7 @@ class RayPPOTrainer:
         self.rollout = split_rollout or self.actor  # what generates: the split pool, or the actor's own engines
         self.weight_sync = WeightSync(self.actor, split_rollout)
         train_reward_fn = self.reward_fn  # the rollouts' reward: with the RM's score when there is one
+        rule_counts = rm_cfg is None or bool(cfg.custom_reward_function.path)
         if rm_cfg is not None:
             reward_model = RewardModelRole(groups["rm"])
             reward_model.init_model()
@@ -155,8 +139,10 @@ class RayPPOTrainer:
         agents = None  # the batched generate; the agent loops for multi_turn.enable / rollout.mode=async
         if cfg.actor_rollout_ref.rollout.use_agent_loop:
             agents = build_agent_manager(cfg, self.rollout, self.tokenizer, self.processor)
+        # the agent loops' trajectories scored as each finishes: by the reward loop, when the rule reward counts
+        stream = self.reward_fn.open_stream if isinstance(self.reward_fn, RewardLoop) and rule_counts else None
         self.producer = RolloutProducer(
-            cfg, self.rollout, self.weight_sync, self.reward_fn, train_reward_fn, self.reward_guard, agents
+            cfg, self.rollout, self.weight_sync, self.reward_fn, train_reward_fn, self.reward_guard, agents, stream
         )
         self.actor_params = count_params(actor_cfg[1].model.checkpoint)
         self.peak_flops = device_peak_flops(self.device)

@@ -157,6 +157,31 @@ def test_a_manager_scores_through_the_judge_concurrently_and_counts_its_failures
     assert "the judge at" in (manager.last_error or "")
 
 
+def test_the_multi_manager_binds_the_judge_to_its_components_that_take_it(server, tokenizer, make_batch, tmp_path):
+    """A judge-calling correctness (the custom_reward_function) and a judge-calling component from a file, beside a
+    rule component: each sample's components add up with their weights, the samples scored concurrently."""
+    from scaletrain.reward import build_reward_manager
+
+    path = tmp_path / "judged.py"
+    path.write_text(JUDGED)
+    rows = [{"prompt": "1+1=", "response": r, "ground_truth": "2"} for r in ("2", "3", "2", "5")]
+    scorers = [
+        {"name": "correctness", "weight": 0.5},
+        {"path": str(path), "weight": 0.25, "label": "second_opinion"},
+        {"name": "length", "weight": 0.25, "kwargs": {"target_chars": 1}},
+    ]
+    judge = Judge(settings(server.url, model="judge-model"))
+    with build_reward_manager(tokenizer, "multi", {"path": str(path)}, judge=judge, scorers=scorers) as manager:
+        out = manager(make_batch(rows), return_dict=True)
+    info = out["reward_extra_info"]
+    assert info["correctness"] == info["second_opinion"] == [1.0, 0.0, 1.0, 0.0]
+    assert info["score"] == [0.75 * right + 0.25 * length for right, length in zip(info["correctness"], info["length"])]
+    assert out["metrics"]["judge/requests"] == 8 and out["metrics"]["reward/errors"] == 0
+    assert server.control()["max_in_flight"] > 1  # samples at once (each judge call held 0.2 s)
+    with pytest.raises(ValueError, match=r"no multi component takes one of \['judge', 'reward_router_address'\]"):
+        build_reward_manager(tokenizer, "multi", judge=judge, scorers=[{"name": "format", "weight": 1.0}])
+
+
 def test_a_judge_needs_an_async_function_taking_it(server, tokenizer, tmp_path):
     from scaletrain.reward import build_reward_manager
 
@@ -172,15 +197,15 @@ def test_a_judge_needs_an_async_function_taking_it(server, tokenizer, tmp_path):
 
 @pytest.mark.slow
 def test_a_run_rewarded_by_a_remote_judge_and_one_whose_judge_dies(ray_cluster, task, server, tmp_path, monkeypatch):
-    """The embedded default, 2 steps, its reward the judge's verdict (an async custom_reward_function awaiting it);
+    """The embedded default, 2 steps, its reward the judge's verdict (the remote-judge recipe's async
+    custom_reward_function, launch/recipes/arithmetic_judge.py, awaiting it);
     the API key reaches the server and no file of the run; then the judge dies: the samples fail, counted, and
     the reward guard stops the run naming the judge instead of training on zeros."""
     from scaletrain.trainer.rollout.reward_guard import RewardFailureError
     from tests.trainer.runs import metrics, run_in_process
 
     monkeypatch.setenv("JUDGE_KEY", SECRET)
-    path = tmp_path / "judged.py"
-    path.write_text(JUDGED)
+    path = ROOT / "launch" / "recipes" / "arithmetic_judge.py"  # the remote-judge recipe's reward function
     judge = [f"reward.judge.base_url={server.url}", "reward.judge.api_key_env=JUDGE_KEY", "reward.judge.max_retries=1"]
     overrides = [f"custom_reward_function.path={path}", *judge, "trainer.save_freq=-1", "trainer.test_freq=-1"]
     result = run_in_process(task, tmp_path / "run", 2, overrides)
@@ -193,6 +218,9 @@ def test_a_run_rewarded_by_a_remote_judge_and_one_whose_judge_dies(ray_cluster, 
         if file.is_file() and file.stat().st_size < 10_000_000:
             assert SECRET.encode() not in file.read_bytes(), file
     server.control(mode="die")
+    asking = tmp_path / "judged.py"  # asks about every sample (the recipe's skips those cut off before EOS)
+    asking.write_text(JUDGED)
+    overrides[0] = f"custom_reward_function.path={asking}"
     guard = ["reward_model.max_error_steps=1", "reward.judge.backoff_s=0.01"]
     with pytest.raises(
         RewardFailureError, match=r"(?s)failed on more than 50% of the samples.*the judge at .* failed \(2 tries\)"

@@ -157,10 +157,7 @@ class RewardManager(AbstractRewardManager):
         self.tokenizer = tokenizer
         self.compute_score = compute_score if compute_score is not None else self.default_scorer()
         self.judge, self.sandbox = judge, sandbox
-        if sandbox is not None:
-            self.compute_score = bind_sandbox(self.compute_score, sandbox, compute_score is None)
-        if judge is not None:  # an async function awaiting the judge: scored concurrently (AsyncScorer)
-            self.compute_score = bind_judge(self.compute_score, judge)
+        self.compute_score = self.bind_services(self.compute_score, compute_score is None)
         self.num_examine = num_examine
         self.reward_fn_key = reward_fn_key
         eos = getattr(tokenizer, "eos_token_id", None) if eos_token_id is None else eos_token_id
@@ -182,6 +179,15 @@ class RewardManager(AbstractRewardManager):
 
     def default_scorer(self) -> Callable[..., Any]:
         return default_compute_score
+
+    def bind_services(self, fn: Callable[..., Any], is_default: bool) -> Callable[..., Any]:
+        """The scorer with the remote services bound (``is_default``: the manager's default scorer). An async
+        function awaiting one is scored concurrently (AsyncScorer)."""
+        if self.sandbox is not None:
+            fn = bind_sandbox(fn, self.sandbox, is_default)
+        if self.judge is not None:
+            fn = bind_judge(fn, self.judge)
+        return fn
 
     async def _close_services(self) -> None:
         """Run on the scoring loop when it stops: the services' connections belong to it."""

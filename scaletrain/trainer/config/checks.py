@@ -55,6 +55,7 @@ def check_config(cfg: PPOConfig) -> PPOConfig:
     validate_reward_health(cfg.reward.health)
     _validate_judge(cfg)
     _validate_sandbox_fusion(cfg)
+    _validate_reward_workers(cfg)
     check_ray_kwargs(cfg.ray_kwargs)
     return cfg
 
@@ -317,14 +318,34 @@ def _validate_sandbox_fusion(cfg: PPOConfig) -> None:
 
 
 def _service_manager(cfg: PPOConfig, section: str) -> None:
-    """A remote reward service needs a reward manager that binds it: the scaletrain managers do; the multi
-    manager's components are called synchronously; a reward-loop or verl-interface manager takes no service."""
+    """A remote reward service needs a reward manager that binds it: the scaletrain managers do (the multi manager
+    binds the judge to the components that take it, and offers them no sandbox); a reward-loop or verl-interface
+    manager takes no service."""
     from scaletrain.reward import MultiRewardManager, RewardManager
     from scaletrain.reward.managers.reward_loop import reward_manager_class
 
     manager = reward_manager_class(cfg.reward_model.reward_manager)
-    if not issubclass(manager, RewardManager) or issubclass(manager, MultiRewardManager):
+    multi = issubclass(manager, MultiRewardManager)
+    if not issubclass(manager, RewardManager) or (multi and section == "reward.sandbox_fusion"):
+        use = "naive, prime, batch, dapo" + (" or multi" if section == "reward.judge" else "")
         raise ConfigError(
-            f"reward_model.reward_manager={cfg.reward_model.reward_manager} does not score with {section}: use "
-            "naive, prime, batch or dapo"
+            f"reward_model.reward_manager={cfg.reward_model.reward_manager} does not score with {section}: use {use}"
+        )
+
+
+def _validate_reward_workers(cfg: PPOConfig) -> None:
+    """``reward.num_workers``: not negative; above 0, a reward manager that scores each sample on its own (a batch
+    is split among the workers, a streamed trajectory scored alone: rollout/reward_loop.py)."""
+    from scaletrain.reward import BatchRewardManager, RewardManager
+    from scaletrain.reward.managers.reward_loop import RewardManagerBase, reward_manager_class
+
+    workers = cfg.reward.num_workers
+    if workers < 0:
+        raise ConfigError(f"reward.num_workers must be >= 0 (0: the driver scores), got {workers}")
+    manager = reward_manager_class(cfg.reward_model.reward_manager)
+    per_sample = issubclass(manager, (RewardManager, RewardManagerBase)) and not issubclass(manager, BatchRewardManager)
+    if workers and not per_sample:
+        raise ConfigError(
+            f"reward.num_workers={workers} splits each batch among reward workers, and reward_model.reward_manager="
+            f"{cfg.reward_model.reward_manager} scores a whole batch at once: set reward.num_workers=0"
         )

@@ -204,12 +204,16 @@ class RewardHealthConfig:
 
 @dataclass
 class RewardSection:
-    """``reward``: verl's newer reward section. Its verl keys (num_workers, reward_manager.name,
-    reward_model.enable / model_path, custom_reward_function) are renamed to reward_model.* /
-    custom_reward_function (scaletrain/trainer/config/verl_keys.py); ``sandbox_fusion`` is verl's (with the client's
-    limits added); ``health`` and ``judge`` are this project's."""
+    """``reward``: verl's newer reward section. Its verl keys reward_manager.name, reward_model.enable / model_path
+    and custom_reward_function are renamed to reward_model.* / custom_reward_function
+    (scaletrain/trainer/config/verl_keys.py); ``num_workers`` and ``sandbox_fusion`` are verl's (the client's limits
+    added); ``stream``, ``health`` and ``judge`` are this project's."""
 
     health: RewardHealthConfig = field(default_factory=RewardHealthConfig)
+    num_workers: int = 0  # Ray actors (1 CPU each) scoring the rule reward off the driver, a batch split among them
+    # (scaletrain/trainer/rollout/reward_loop.py); 0: the driver scores (in reward_model.num_processes processes)
+    stream: bool = True  # with num_workers and the agent loops: each trajectory is scored as soon as it finishes,
+    # overlapping the generation still going on
     rule_weight: float = 1.0  # with reward_model.enable and custom_reward_function.path: the rule (or judge)
     # reward's weight in the sum with the reward model's score (each component logged unweighted: rule_score, rm_score)
     reward_model_weight: float = 1.0  # the reward model's score's weight (alone or in that sum)

@@ -93,10 +93,6 @@ UNSUPPORTED = {
         "generative reward models (a rollout for the reward model) are not "
         "supported; use a discriminative reward_model.model.path"
     ),
-    "reward_model.num_workers": Unsupported(
-        "reward computation runs in reward_model.num_processes worker processes "
-        "(the reward loop of verl is not implemented)"
-    ),
     # verl's newer top-level reward section
     "reward.reward_model.rollout.prompt_length": Unsupported(
         "the reward model runs on the training backend: reward_model.max_length bounds its input (prompt + response)"
@@ -144,7 +140,7 @@ RENAMED = {
     "actor_rollout_ref.actor.grad_clip": "actor_rollout_ref.actor.optim.grad_clip",
     "critic.grad_clip": "critic.optim.grad_clip",
     "actor_rollout_ref.rollout.multi_turn.tool_config_path": "actor_rollout_ref.rollout.multi_turn.tools_config_file",
-    "reward.num_workers": "reward_model.num_processes",
+    "reward_model.num_workers": "reward.num_workers",
     "reward.reward_manager.name": "reward_model.reward_manager",
     "reward.reward_model.enable": "reward_model.enable",
     "reward.reward_model.model_path": "reward_model.model.path",

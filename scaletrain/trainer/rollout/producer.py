@@ -78,27 +78,39 @@ class RolloutProducer:
         train_reward_fn,
         reward_guard: RewardGuard,
         agent_manager=None,
+        open_reward_stream: Callable[[DataProto, int], Callable[[int, DataProto], None] | None] | None = None,
     ) -> None:
         """``reward_fn``: the rule reward (validation's); ``train_reward_fn``: the rollouts' (with the reward
-        model's score when there is one); ``agent_manager``: build_agent_manager's, or None (batched generate)."""
+        model's score when there is one); ``agent_manager``: build_agent_manager's, or None (batched generate);
+        ``open_reward_stream``: the reward loop's (reward_loop.py: the agent loops' trajectories scored as each
+        finishes), or None."""
         self.cfg, self.sampling_cfg = cfg, cfg.actor_rollout_ref.rollout
         self.rollout, self.weight_sync, self.agent_manager = rollout, weight_sync, agent_manager
         self.reward_fn, self.train_reward_fn, self.reward_guard = reward_fn, train_reward_fn, reward_guard
+        self.open_reward_stream = open_reward_stream if agent_manager is not None else None
         self.reward_lock = threading.Lock()  # the rollout thread and validation both score
         self.agent_lock = threading.Lock()  # one batcher (AsyncServerManager) serves one event loop at a time
 
     def generate(
-        self, batch: DataProto, gen_batch: DataProto, sampling: SamplingConfig, tag: str
+        self,
+        batch: DataProto,
+        gen_batch: DataProto,
+        sampling: SamplingConfig,
+        tag: str,
+        on_trajectory: Callable[[int, DataProto], None] | None = None,
     ) -> tuple[DataProto, dict[str, float]]:
         """``sampling.n`` responses per prompt of ``gen_batch`` (the ids; ``batch``: the prompts' other fields, which
-        the agent loops read): one batched generate, or the agent loops; returns (rows, rollout metrics)."""
+        the agent loops read): one batched generate, or the agent loops (``on_trajectory``: called with each
+        finished one); returns (rows, rollout metrics)."""
         if self.agent_manager is None:
             return self.rollout.generate(gen_batch, sampling), {}
         # the rows' fields and their images (pop_gen_batch took those into gen_batch)
         rows = DataProto.from_dict(non_tensors={**batch.non_tensor_batch, **gen_batch.non_tensor_batch})
         params = {k: getattr(sampling, k) for k in ("temperature", "top_p", "top_k", "seed")}  # n: per call
         with self.agent_lock:  # one event loop at a time drives the batcher (the rollout thread, validation)
-            out = self.agent_manager.generate_sequences(rows, params, n=sampling.n, tag=tag)
+            out = self.agent_manager.generate_sequences(
+                rows, params, n=sampling.n, tag=tag, on_trajectory=on_trajectory
+            )
         return out, out.meta_info.pop("metrics", {})
 
     def scored(self, batch: DataProto, step: int, gen_index: int, timings: dict[str, float]) -> Scored:
@@ -110,8 +122,9 @@ class RolloutProducer:
         batch.non_tensor_batch["uid"] = np.array([f"{step}{suffix}-{i}" for i in range(len(batch))], dtype=object)
         gen_batch = pop_gen_batch(batch)
         sampling = self.sampling_cfg.train_sampling(seed=derive_seed(cfg.trainer.seed, step, gen_index))
+        stream = self.open_reward_stream(batch, sampling.n) if self.open_reward_stream is not None else None
         with timer("gen", timings):
-            gen_out, metrics = self.generate(batch, gen_batch, sampling, tag=f"step{step}{suffix}")
+            gen_out, metrics = self.generate(batch, gen_batch, sampling, f"step{step}{suffix}", stream)
         version = gen_out.meta_info.pop("weight_version", self.weight_sync.version)
         baseline = None
         if estimator_traits(cfg.algorithm.adv_estimator).greedy_baseline:

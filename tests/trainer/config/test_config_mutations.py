@@ -71,6 +71,8 @@ DRIVER_READ = {
     *(f"reward.judge.{k}" for k in ("max_retries", "backoff_s")),
     *(f"reward.sandbox_fusion.{k}" for k in ("max_concurrent", "memory_limit_mb", "run_timeout_s", "timeout_s")),
     *(f"reward.sandbox_fusion.{k}" for k in ("max_retries", "backoff_s")),
+    "reward.num_workers",
+    "reward.stream",
     "reward.rule_weight",  # the driver sums the rewards
     "reward.reward_model_weight",  # the driver's reward manager holds the judge
 }

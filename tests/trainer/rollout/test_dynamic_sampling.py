@@ -207,7 +207,7 @@ def test_greedy_baseline_generates_greedily_one_per_prompt_and_scores_it():
 class RecordingManager:
     """The agent loops as the producer calls them: records each call's sampling and n."""
 
-    def generate_sequences(self, rows, sampling, n, tag):
+    def generate_sequences(self, rows, sampling, n, tag, on_trajectory=None):
         self.call = (sampling, n)
         return DataProto.from_dict({"x": torch.zeros(len(rows) * n, 1)})
 
