@@ -91,9 +91,9 @@ def build_components(
     if not entries:
         raise ValueError("multi reward manager needs scorers=[{name, weight}, ...]")
     judged: list[int] = []  # the entries whose scorer the judge is bound to
-    judged_score = judge is not None and compute_score is not None and takes_judge(compute_score)
-    if judge is not None and compute_score is not None and judged_score:
-        compute_score = bind_judge(compute_score, judge)
+    judged_score = False  # whether the configured compute_score (the correctness component's) calls the judge
+    if judge is not None and compute_score is not None and takes_judge(compute_score):
+        compute_score, judged_score = bind_judge(compute_score, judge), True
     components, labels = [], set()
     for i, entry in enumerate(entries):
         if not isinstance(entry, Mapping):

@@ -153,9 +153,10 @@ class RewardLoop:
         from ray.exceptions import RayActorError, RayTaskError
 
         start = time.perf_counter()
-        streamed = self._stream is not None and self._stream.matches(batch)
-        if self._stream is not None and streamed:
-            refs = [self._stream.sent[i][0] for i in range(len(batch))]
+        stream = self._stream
+        streamed = stream is not None and stream.matches(batch)
+        if stream is not None and streamed:
+            refs = [stream.sent[i][0] for i in range(len(batch))]
             self._stream = None
         else:
             size = math.ceil(len(batch) / len(self.workers)) if len(batch) else 1
