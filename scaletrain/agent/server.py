@@ -34,10 +34,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
 from scaletrain.utils.seeding import derive_seed
 
-if TYPE_CHECKING:  # agent loops run without the role workers (LocalEngineBackend)
+if TYPE_CHECKING:
     from typing_extensions import TypeIs
-
-    from scaletrain.workers.roles import ActorRolloutRefRole, RolloutRole
 
 logger = logging.getLogger(__name__)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
@@ -86,11 +84,18 @@ class LocalAsyncEngineBackend:
         return await asyncio.wrap_future(self.engines[rank].submit(request))
 
 
-class WorkerGroupBackend:
-    """The rollout worker group, through its typed role: ``generate_tokens`` with one request list per rollout DP
-    rank."""
+class TokenRole(Protocol):
+    """A typed role whose engines take token requests (the policy's rollout, a generative judge's engines)."""
 
-    def __init__(self, policy: ActorRolloutRefRole | RolloutRole) -> None:
+    def rollout_dp_size(self) -> int: ...
+
+    def generate_tokens(self, per_rank: list[list[TokenRequest]]) -> list[list[TokenOutput]]: ...
+
+
+class WorkerGroupBackend:
+    """A worker group's engines, through its typed role: ``generate_tokens`` with one request list per DP rank."""
+
+    def __init__(self, policy: TokenRole) -> None:
         self.policy = policy
         self.dp_size = policy.rollout_dp_size()
 

@@ -53,9 +53,16 @@ def run_ppo(raw: dict[str, Any], explicit: Iterable[str] = ()) -> RunResult:
         claim_run_dir(cfg)  # resumes only its own run; a fresh run moves an earlier one's outputs aside
         # before Ray starts, so that every worker process writes to it
         start_run_log(resolved(cfg.trainer.default_local_dir, "trainer.default_local_dir"))
-        with ray_cluster(cfg.ray_kwargs, cfg.world_size + cfg.reward.num_workers, cfg.trainer.device):
+        with ray_cluster(cfg.ray_kwargs, cluster_ranks(cfg), cfg.trainer.device):
             watch.take_back()  # from Ray's own SIGTERM handler, which ray.init installed
             return train(resolve_embedded_default(cfg), watch)  # may run the embedded SFT warm-up on this cluster
+
+
+def cluster_ranks(cfg: PPOConfig) -> int:
+    """The processes a private Ray cluster is sized for: the trainer's ranks, a judge's own pool, reward workers."""
+    rm = cfg.reward_model
+    judge_pool = rm.n_gpus_per_node * rm.nnodes if rm.enable and rm.enable_resource_pool else 0
+    return cfg.world_size + judge_pool + cfg.reward.num_workers
 
 
 def run(overrides: Sequence[str] = ()) -> RunResult:

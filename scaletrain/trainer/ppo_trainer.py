@@ -24,6 +24,7 @@ from scaletrain.trainer.config.plan import RunPlan
 from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.trainer.config.worker_configs import ppo_worker_configs
 from scaletrain.trainer.rollout.fully_async import FullyAsyncRollouts
+from scaletrain.trainer.rollout.judge_engines import judge_worker, spawn_judge_pool, start_judge_server
 from scaletrain.trainer.rollout.producer import RolloutProducer, build_agent_manager
 from scaletrain.trainer.rollout.reward_guard import RewardGuard
 from scaletrain.trainer.rollout.reward_loop import RewardLoop, build_rule_reward
@@ -50,7 +51,7 @@ from scaletrain.trainer.step.reward_health import RewardHealthWatch
 from scaletrain.trainer.step.rollout_correction import old_log_probs
 from scaletrain.trainer.step.val_metrics import validation_metrics
 from scaletrain.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
-from scaletrain.workers.roles import ActorRolloutRefRole, CriticRole, RewardModelRole
+from scaletrain.workers.roles import ActorRolloutRefRole, CriticRole, GenerativeRewardModelRole, RewardModelRole
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +73,16 @@ class RayPPOTrainer:
             horizon=cfg.algorithm.kl_ctrl.horizon,
         )
         rm = cfg.reward_model
+        # a generative judge's endpoint, whose address the reward function gets as the judge's (judge_engines.py)
+        self.judge_server = start_judge_server(cfg) if plan.generative_judge else None
+        judge_url = self.judge_server.url if self.judge_server else None
+        self.judge: GenerativeRewardModelRole | None = None  # its engines, once started
         # the rule reward: scored on the driver, or by reward.num_workers Ray actors (rollout/reward_loop.py)
-        self.reward_fn = RewardLoop(cfg, tokenizer) if cfg.reward.num_workers else build_rule_reward(cfg, tokenizer)
+        self.reward_fn = (
+            RewardLoop(cfg, tokenizer, judge_url)
+            if cfg.reward.num_workers
+            else build_rule_reward(cfg, tokenizer, judge_url)
+        )
         self.reward_health = RewardHealthWatch(cfg.reward.health)
         self.reward_guard = RewardGuard(
             rm.max_error_rate, rm.max_error_steps, self.reward_fn.scorer_repr, lambda: self.reward_fn.last_error
@@ -109,6 +118,8 @@ class RayPPOTrainer:
             roles["critic"] = RayClassWithInitArgs(CriticWorker, *critic_cfg)
         if rm_cfg is not None:  # the reward model: one more colocated role on the same processes
             roles["rm"] = RayClassWithInitArgs(RewardModelWorker, *rm_cfg)
+        if self.judge_server is not None and not cfg.reward_model.enable_resource_pool:
+            roles["rm"] = judge_worker(cfg)  # a generative judge's engines, colocated
         self.pool = RayResourcePool([tc.n_gpus_per_node] * tc.nnodes, use_gpu=self.device == "cuda")
         self.worker_groups.append(
             colocated := RayWorkerGroup(
@@ -128,14 +139,8 @@ class RayPPOTrainer:
         split_rollout = spawn_rollout_pool(cfg, self.plan, actor_cfg, self.actor, self.worker_groups) if split else None
         self.rollout = split_rollout or self.actor  # what generates: the split pool, or the actor's own engines
         self.weight_sync = WeightSync(self.actor, split_rollout)
-        train_reward_fn = self.reward_fn  # the rollouts' reward: with the RM's score when there is one
+        train_reward_fn = self._start_reward_model(groups)  # the rollouts' reward: with the RM's score if any
         rule_counts = rm_cfg is None or bool(cfg.custom_reward_function.path)
-        if rm_cfg is not None:
-            reward_model = RewardModelRole(groups["rm"])
-            reward_model.init_model()
-            rule_fn = self.reward_fn if cfg.custom_reward_function.path else None  # None: the RM's score alone
-            weights = (cfg.reward.rule_weight, cfg.reward.reward_model_weight)
-            train_reward_fn = RewardWithRM(reward_model, rule_fn, weights)
         agents = None  # the batched generate; the agent loops for multi_turn.enable / rollout.mode=async
         if cfg.actor_rollout_ref.rollout.use_agent_loop:
             agents = build_agent_manager(cfg, self.rollout, self.tokenizer, self.processor)
@@ -146,6 +151,25 @@ class RayPPOTrainer:
         )
         self.actor_params = count_params(actor_cfg[1].model.checkpoint)
         self.peak_flops = device_peak_flops(self.device)
+
+    def _start_reward_model(self, groups: dict):
+        """The reward model's engines started: a generative judge's behind the judge server (the rollouts' reward
+        is the reward function calling it), or a sequence classifier's, whose score the rollouts' reward adds
+        (returned)."""
+        cfg = self.cfg
+        if self.judge_server is not None:
+            if cfg.reward_model.enable_resource_pool:
+                self.judge = spawn_judge_pool(cfg, self.plan, self.worker_groups)
+            else:
+                self.judge = GenerativeRewardModelRole(groups["rm"])
+                self.judge.init_model()
+            self.judge_server.attach(self.judge)
+        if "rm" not in groups or self.judge is not None:
+            return self.reward_fn
+        reward_model = RewardModelRole(groups["rm"])
+        reward_model.init_model()
+        rule_fn = self.reward_fn if cfg.custom_reward_function.path else None  # None: the RM's score alone
+        return RewardWithRM(reward_model, rule_fn, (cfg.reward.rule_weight, cfg.reward.reward_model_weight))
 
     # ---------------------------------------------------------------------------------------------------- fit
     def fit(self, tracking: Tracking, watch: PreemptionWatch | None = None) -> dict[str, float]:
@@ -224,6 +248,9 @@ class RayPPOTrainer:
             self.global_step += 1
             batch, reward, metrics = scored.batch, scored.reward, dict(scored.metrics)
             metrics.update(self.reward_health.check(self.global_step, batch))  # may stop before training on it
+            if self.judge is not None and not cfg.reward_model.enable_resource_pool:
+                with timer("judge_sleep", timings):  # the colocated judge's engines asleep while the actor trains
+                    self.judge.release()
             if cfg.trainer.rollout_data_dir:
                 with timer("dump_rollouts", timings):
                     dump_batch(cfg.trainer.rollout_data_dir, self.global_step, batch, reward, self.tokenizer)
@@ -331,6 +358,8 @@ class RayPPOTrainer:
         """Frees all the run holds, on a cluster that may outlive it (a joined or shared one): the scoring
         processes, the worker actors and their placement groups."""
         self.reward_fn.close()
+        if self.judge_server is not None:
+            self.judge_server.close()
         for group in self.worker_groups:
             group.shutdown()
             assert group.resource_pool is not None  # a started group's (only role views have none)

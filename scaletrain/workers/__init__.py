@@ -13,12 +13,12 @@ from scaletrain.workers.config import (
     EngineSetup,
     PolicyLossConfig,
     RefConfig,
-    RewardModelConfig,
     RolloutWorkerConfig,
 )
 from scaletrain.workers.critic import CriticWorker
 from scaletrain.workers.dispatch import reduce_metrics
 from scaletrain.workers.reward_model import RewardModelWorker
+from scaletrain.workers.rm_config import RewardModelConfig
 
 __all__ = [
     "ActorConfig",

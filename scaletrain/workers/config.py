@@ -1,7 +1,7 @@
 """Typed settings of the role workers (layer 2), named as in verl so a verl user's keys port.
 
-The trainer's Hydra config (``actor_rollout_ref.*``, ``critic.*``, ``reward_model.*``) maps onto these
-dataclasses; the workers turn them into the engines' own settings (``backends.config``).
+The trainer's Hydra config (``actor_rollout_ref.*``, ``critic.*``; ``reward_model.*`` in rm_config.py) maps onto
+these dataclasses; the workers turn them into the engines' own settings (``backends.config``).
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from typing import Any, cast
 
 from backends.config import EngineConfig, MicroBatching, ModelConfig, OptimConfig
 from backends.rollout.base import RolloutEngineSettings, SamplingConfig
-from scaletrain.reward.loader import DEFAULT_LOAD_TIMEOUT_S
 from scaletrain.utils.typed_config import ConfigError
-from scaletrain.workers.model_sections import CriticModelConfig, FSDPConfig, PolicyModelConfig, RewardModelModelConfig
+from scaletrain.workers.model_sections import CriticModelConfig, FSDPConfig, PolicyModelConfig
 
 VAL_KWARGS = ("n", "temperature", "top_p", "top_k", "do_sample")  # actor_rollout_ref.rollout.val_kwargs
 
@@ -343,51 +342,4 @@ class CriticConfig(PPOUpdateSettings):
             micro_batch_size_per_gpu=self.ppo_micro_batch_size_per_gpu,
             use_dynamic_bsz=self.use_dynamic_bsz,
             max_token_len_per_gpu=self.ppo_max_token_len_per_gpu,
-        )
-
-
-@dataclass
-class RewardModelConfig:
-    """``reward_model.*``: verl's section for the reward model and the rule reward's scoring, which is also the
-    reward-model worker's config (the worker gets the derived rest as an ``EngineSetup``)."""
-
-    EXECUTION_ONLY = (
-        "micro_batch_size_per_gpu",
-        "use_dynamic_bsz",
-        "forward_max_token_len_per_gpu",
-        "timeout_s",
-        "load_timeout_s",
-        "num_processes",
-        "step_timeout_s",
-        "max_error_rate",
-        "max_error_steps",
-    )
-
-    enable: bool = False  # the RM's score replaces the rule reward (verl), or is added to
-    # custom_reward_function's score when that is set; see rm_reward.py
-    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
-    micro_batch_size_per_gpu: int = 8  # rows per RM forward on one device
-    max_length: int | None = None  # re-tokenized RM inputs keep their last max_length tokens; null: all
-    use_dynamic_bsz: bool = False  # micro-batches by tokens (forward_max_token_len_per_gpu) instead
-    forward_max_token_len_per_gpu: int = 16384  # valid tokens per RM micro-batch on one device, with use_dynamic_bsz
-    reward_manager: str = "naive"  # naive | prime | batch | dapo | multi
-    reward_kwargs: dict[str, Any] = field(default_factory=dict)  # more arguments of the reward manager (e.g.
-    # dapo's overlong_buffer_cfg, multi's scorers); names it does not take fail before Ray starts
-    timeout_s: float | None = 30.0  # seconds one scorer call may take (the sample scores 0, counted as a
-    # timeout; the manager's compute_score_timeout); null: no limit
-    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S  # seconds the reward file's top-level code may take to
-    # import (in a thread of its own: the driver fails naming the file, never freezes)
-    num_processes: int = 2  # worker processes that run the scorer, in parallel
-    step_timeout_s: float | None = 600.0  # seconds the scoring of one step may take; unscored samples get 0
-    # and count as timeouts; null: no bound
-    max_error_rate: float = 0.5  # more than this share of a step's samples failing (errors + timeouts) ...
-    max_error_steps: int = 3  # ... this many steps in a row stops the run, naming the scorer and its traceback
-
-    def engine_config(self, setup: EngineSetup) -> EngineConfig:
-        """The RM engine's settings: the setup's, with this section's micro-batching."""
-        return replace(
-            setup.engine,
-            micro_batch_size_per_gpu=self.micro_batch_size_per_gpu,
-            use_dynamic_bsz=self.use_dynamic_bsz,
-            max_token_len_per_gpu=self.forward_max_token_len_per_gpu,
         )

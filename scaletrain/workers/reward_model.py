@@ -19,8 +19,9 @@ import torch
 from backends.base import TrainEngine, get_backend
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
-from scaletrain.workers.config import EngineSetup, RewardModelConfig
+from scaletrain.workers.config import EngineSetup
 from scaletrain.workers.dispatch import ENGINE_PROTO, declare_engine_mesh
+from scaletrain.workers.rm_config import RewardModelConfig
 from scaletrain.workers.rm_inputs import policy_inputs, retokenized_inputs
 
 logger = logging.getLogger(__name__)

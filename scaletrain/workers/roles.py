@@ -23,6 +23,7 @@ from scaletrain.protocol import DataProto
 from scaletrain.workers.actor_rollout_ref import ActorRolloutRefWorker
 from scaletrain.workers.critic import CriticWorker
 from scaletrain.workers.dispatch import reduce_metrics
+from scaletrain.workers.generative_rm import GenerativeRewardModelWorker
 from scaletrain.workers.reward_model import RewardModelWorker
 from scaletrain.workers.sft import SFTWorker
 
@@ -206,6 +207,31 @@ class RewardModelRole:
     def compute_rm_score(self, batch: DataProto) -> DataProto:
         """``rm_scores`` (B, R): each row's score at its last valid response token."""
         return self.group.call(RewardModelWorker.compute_rm_score, batch)
+
+
+class GenerativeRewardModelRole:
+    """A generative judge's engines: token-level replies to the judge server's requests, asleep while training."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self.group = group
+
+    def init_model(self) -> None:
+        self.group.call(GenerativeRewardModelWorker.init_model)
+
+    def rollout_dp_size(self) -> int:
+        """How many judge engines ``generate_tokens`` takes a request list for."""
+        return self.group.mesh_dp_size(ROLLOUT_MESH)
+
+    def generate_tokens(self, per_rank: list[list[TokenRequest]]) -> list[list[TokenOutput]]:
+        """One request list per judge engine in, one output list out."""
+        return self.group.call(GenerativeRewardModelWorker.generate_tokens, per_rank)
+
+    def release(self) -> None:
+        """The engines asleep (colocated) while the actor trains; the next request wakes them."""
+        self.group.call(GenerativeRewardModelWorker.release)
+
+    def engine_states(self) -> list[str]:
+        return self.group.call(GenerativeRewardModelWorker.engine_state)
 
 
 class SFTRole:

@@ -32,6 +32,7 @@ def check_config(cfg: PPOConfig) -> PPOConfig:
     Changes nothing; returns ``cfg`` for chaining."""
     from scaletrain.trainer.config.role_checks import validate_roles
     from scaletrain.trainer.rollout.dynamic_sampling import validate_filter_groups
+    from scaletrain.trainer.rollout.reward_checks import validate_reward_services
     from scaletrain.trainer.rollout.rm_reward import validate_reward_model
     from scaletrain.trainer.run.ray_cluster import check_ray_kwargs
     from scaletrain.trainer.step.reward_health import validate_reward_health
@@ -53,8 +54,7 @@ def check_config(cfg: PPOConfig) -> PPOConfig:
     _validate_paths(cfg)
     validate_reward_model(cfg)  # after _validate_engine_settings: the RM shares the resolved layout
     validate_reward_health(cfg.reward.health)
-    _validate_judge(cfg)
-    _validate_sandbox_fusion(cfg)
+    validate_reward_services(cfg)
     _validate_reward_workers(cfg)
     check_ray_kwargs(cfg.ray_kwargs)
     return cfg
@@ -282,55 +282,6 @@ def _validate_engine_settings(cfg: PPOConfig, world: int) -> None:
                 f"one process per device and the {cfg.backend.name} backend's parallel state, so they need the same "
                 "layout"
             )
-
-
-def _validate_judge(cfg: PPOConfig) -> None:
-    """``reward.judge.*``: good settings, a reward function of the user's to call the judge, and a reward manager
-    that scores with it."""
-    from scaletrain.reward.judge import check_judge_settings
-
-    judge = cfg.reward.judge
-    if not judge.enabled:
-        return
-    try:
-        check_judge_settings(judge)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if not cfg.custom_reward_function.path:
-        raise ConfigError(
-            "reward.judge.base_url needs custom_reward_function.path: an async def compute_score(..., judge) that "
-            "builds the judge's prompt and reads its verdict"
-        )
-    _service_manager(cfg, "reward.judge")
-
-
-def _validate_sandbox_fusion(cfg: PPOConfig) -> None:
-    """``reward.sandbox_fusion.*``: good settings and a reward manager that scores with the sandbox."""
-    from scaletrain.reward.sandbox_fusion import check_sandbox_fusion_settings
-
-    if not cfg.reward.sandbox_fusion.enabled:
-        return
-    try:
-        check_sandbox_fusion_settings(cfg.reward.sandbox_fusion)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    _service_manager(cfg, "reward.sandbox_fusion")
-
-
-def _service_manager(cfg: PPOConfig, section: str) -> None:
-    """A remote reward service needs a reward manager that binds it: the scaletrain managers do (the multi manager
-    binds the judge to the components that take it, and offers them no sandbox); a reward-loop or verl-interface
-    manager takes no service."""
-    from scaletrain.reward import MultiRewardManager, RewardManager
-    from scaletrain.reward.managers.reward_loop import reward_manager_class
-
-    manager = reward_manager_class(cfg.reward_model.reward_manager)
-    multi = issubclass(manager, MultiRewardManager)
-    if not issubclass(manager, RewardManager) or (multi and section == "reward.sandbox_fusion"):
-        use = "naive, prime, batch, dapo" + (" or multi" if section == "reward.judge" else "")
-        raise ConfigError(
-            f"reward_model.reward_manager={cfg.reward_model.reward_manager} does not score with {section}: use {use}"
-        )
 
 
 def _validate_reward_workers(cfg: PPOConfig) -> None:

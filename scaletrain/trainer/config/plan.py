@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from scaletrain.trainer.config.lora_checks import lora_sync_fallback, reference_source
 from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.utils.typed_config import resolved
+from scaletrain.workers.rm_config import serves_judge
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class RunPlan:
     resume_step: int | None  # the first step the resumed run trains; None when starting fresh
     rollout_world_size: int = 0  # split placement: the rollout pool's ranks (0: colocated)
     rollout_batches: int = 0  # batches the rollout engines generate for training in all (the fully_async bound)
+    generative_judge: bool = False  # the reward model is a generative judge on engines of the run's own
 
 
 def plan_run(cfg: PPOConfig, train_rows: int, latest_checkpoint: str | None) -> RunPlan:
@@ -142,6 +144,7 @@ def plan_run(cfg: PPOConfig, train_rows: int, latest_checkpoint: str | None) -> 
         resume_step=resume_step,
         rollout_world_size=0 if cfg.actor_rollout_ref.hybrid_engine else rc.nnodes * rc.n_gpus_per_node,
         rollout_batches=rollout_batches,
+        generative_judge=serves_judge(cfg.reward_model),
     )
 
 

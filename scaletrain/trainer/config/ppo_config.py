@@ -19,7 +19,8 @@ from scaletrain.reward.judge import JudgeSettings
 from scaletrain.reward.sandbox_fusion import SandboxFusionSettings
 from scaletrain.trainer.config.common_sections import DataSettings, RunSettings
 from scaletrain.utils.typed_config import build
-from scaletrain.workers.config import ActorRolloutRefConfig, CriticConfig, RewardModelConfig
+from scaletrain.workers.config import ActorRolloutRefConfig, CriticConfig
+from scaletrain.workers.rm_config import RewardModelConfig
 
 
 @dataclass

@@ -10,23 +10,23 @@ from scaletrain.utils.typed_config import ConfigError
 
 def validate_rollout(rollout, world: int, device: str) -> None:
     rollout.check("actor_rollout_ref.rollout", None if device == "auto" else device)
-    _validate_rollout_tp(rollout, world)
+    validate_rollout_tp(rollout, world)
     _validate_multi_turn(rollout)
 
 
-def validate_rollout_model(rollout, model_path: str) -> None:
+def validate_rollout_model(rollout, model_path: str, key: str = "actor_rollout_ref.rollout") -> None:
     """What the rollout engine would refuse later, in a worker: lengths beyond the model's positions, a TP size
-    the attention heads do not split into."""
+    the attention heads do not split into. ``key``: the rollout section's (the policy's, or a judge's)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path).get_text_config()
-    key = "actor_rollout_ref.rollout"
     positions = getattr(config, "max_position_embeddings", None)
     total = rollout.prompt_length + rollout.response_length
     if positions is not None and total > positions:
+        source = " (data.max_prompt_length + max_response_length)" if key == "actor_rollout_ref.rollout" else ""
         raise ConfigError(
-            f"{key}.prompt_length + response_length = {total} (data.max_prompt_length + "
-            f"max_response_length) exceeds the model's max_position_embeddings ({positions})"
+            f"{key}.prompt_length + response_length = {total}{source} exceeds the model's max_position_embeddings "
+            f"({positions})"
         )
     tp, heads = rollout.tensor_model_parallel_size, config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
@@ -36,12 +36,12 @@ def validate_rollout_model(rollout, model_path: str) -> None:
         )
 
 
-def _validate_rollout_tp(rollout, world: int) -> None:
-    tp, key = rollout.tensor_model_parallel_size, "actor_rollout_ref.rollout.tensor_model_parallel_size"
+def validate_rollout_tp(rollout, world: int, section: str = "actor_rollout_ref.rollout") -> None:
+    tp, key = rollout.tensor_model_parallel_size, f"{section}.tensor_model_parallel_size"
     if tp < 1 or world % tp:
         raise ConfigError(f"{key} ({tp}) must divide the {world} ranks")
     if tp > 1 and rollout.name != "vllm":
-        raise ConfigError(f"{key}={tp}: only the vllm rollout engine shards over ranks (rollout.name={rollout.name})")
+        raise ConfigError(f"{key}={tp}: only the vllm rollout engine shards over ranks ({section}.name={rollout.name})")
 
 
 def _validate_multi_turn(rollout) -> None:

@@ -84,25 +84,7 @@ UNSUPPORTED = {
     ),
     "algorithm.use_pf_ppo": Unsupported("policy-filtration PPO is not implemented (remove the key)", FALSE),
     "algorithm.pf_ppo": Unsupported("policy-filtration PPO is not implemented (remove the key)"),
-    "reward_model.use_reward_loop": Unsupported(
-        "generative reward models are not supported; a discriminative one runs with reward_model.enable=true and "
-        "reward_model.model.path",
-        FALSE,
-    ),
-    "reward_model.rollout": Unsupported(
-        "generative reward models (a rollout for the reward model) are not "
-        "supported; use a discriminative reward_model.model.path"
-    ),
     # verl's newer top-level reward section
-    "reward.reward_model.rollout.prompt_length": Unsupported(
-        "the reward model runs on the training backend: reward_model.max_length bounds its input (prompt + response)"
-    ),
-    "reward.reward_model.rollout.response_length": Unsupported(
-        "the reward model runs on the training backend: reward_model.max_length bounds its input (prompt + response)"
-    ),
-    "reward.reward_model.enable_resource_pool": Unsupported(
-        "the reward model is colocated with the actor's ranks (no pool of its own; remove the key)", FALSE
-    ),
     "reward.reward_manager.source": Unsupported(
         "reward managers are registered by name (@register_reward_manager); set reward_model.reward_manager",
         ("register",),
@@ -126,10 +108,13 @@ IGNORED = {
         for role in ("actor", "ref")
         for key in ("use_mbridge", "vanilla_mbridge")
     },
-    "reward.reward_model.rollout": "the reward model runs on the training backend beside the actor, not on a "
-    "rollout server (its serving keys do not apply)",
-    "reward.reward_model.n_gpus_per_node": "the reward model is colocated with the actor's ranks",
-    "reward.reward_model.nnodes": "the reward model is colocated with the actor's ranks",
+    "reward_model.use_reward_loop": "rewards are scored by this project's reward loop either way (reward.num_workers "
+    "sets its workers, reward_model.rollout.name a generative judge's engine)",
+    **{
+        f"reward.reward_model.rollout.{key}": "a judge request carries its own sampling (the chat parameters its "
+        "reward function sends)"
+        for key in ("temperature", "top_p", "top_k", "do_sample", "n")
+    },
 }
 
 
@@ -144,6 +129,9 @@ RENAMED = {
     "reward.reward_manager.name": "reward_model.reward_manager",
     "reward.reward_model.enable": "reward_model.enable",
     "reward.reward_model.model_path": "reward_model.model.path",
+    "reward.reward_model.enable_resource_pool": "reward_model.enable_resource_pool",
+    "reward.reward_model.n_gpus_per_node": "reward_model.n_gpus_per_node",
+    "reward.reward_model.nnodes": "reward_model.nnodes",
 }
 
 # renamed with a change of unit: verl's name -> (this project's, factor)
@@ -163,6 +151,7 @@ RENAMED_PREFIXES = {
     "reward.custom_reward_function.": "custom_reward_function.",
     "sandbox_fusion.": "reward.sandbox_fusion.",  # verl's legacy top-level section
     "reward_model.sandbox_fusion.": "reward.sandbox_fusion.",  # verl's older place for it
+    "reward.reward_model.rollout.": "reward_model.rollout.",  # a generative judge's engine
     "critic.fsdp.": "critic.model.fsdp_config.",
 }
 

@@ -17,7 +17,8 @@ from scaletrain.algos.advantage import estimator_traits
 if TYPE_CHECKING:
     from scaletrain.trainer.config.plan import RunPlan
     from scaletrain.trainer.config.ppo_config import PPOConfig
-    from scaletrain.workers.config import ActorRolloutRefConfig, CriticConfig, EngineSetup, RewardModelConfig
+    from scaletrain.workers.config import ActorRolloutRefConfig, CriticConfig, EngineSetup
+    from scaletrain.workers.rm_config import RewardModelConfig
 
 
 def model_config(section: ModelSettings, path: str | None, kind: str = "causal_lm") -> ModelConfig:
@@ -43,7 +44,7 @@ def ppo_worker_configs(
     tuple[RewardModelConfig, EngineSetup] | None,
 ]:
     """Each role worker's arguments, its section and its setup: the actor/rollout/ref's, the critic's (None without
-    a critic) and the reward model's (None with it off)."""
+    a critic) and the sequence-classifier reward model's (None with it off or a generative judge)."""
     from scaletrain.trainer.step.rollout_correction import bypass_policy_loss, corrects_in_the_loss
     from scaletrain.workers.config import EngineSetup
 
@@ -60,7 +61,8 @@ def ppo_worker_configs(
     setup = EngineSetup(model=model, backend=cfg.backend.name, engine=engine)
     actor_cfg = (replace(arr, actor=actor), setup)
     critic_cfg = _critic_config(cfg, plan, engine) if plan.use_critic else None
-    return actor_cfg, critic_cfg, _reward_model_config(cfg, engine)
+    rm_cfg = None if plan.generative_judge else _reward_model_config(cfg, engine)  # a judge: judge_engines.py
+    return actor_cfg, critic_cfg, rm_cfg
 
 
 def _critic_config(cfg: PPOConfig, plan: RunPlan, engine: EngineConfig) -> tuple[CriticConfig, EngineSetup]:

@@ -24,6 +24,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,9 +44,11 @@ COUNTED = ("reward/errors", "reward/timeouts", "reward/worker_restarts")  # summ
 COUNTED_PREFIXES = ("judge/", "sandbox_fusion/")
 
 
-def build_rule_reward(cfg: PPOConfig, tokenizer: Any):
-    """The reward manager of ``cfg`` (the driver's, or each reward worker's)."""
+def build_rule_reward(cfg: PPOConfig, tokenizer: Any, judge_url: str | None = None):
+    """The reward manager of ``cfg`` (the driver's, or each reward worker's); ``judge_url``: the run's own judge
+    endpoint (a generative reward model, judge_engines.py), the judge's base_url in place of reward.judge.base_url."""
     rm = cfg.reward_model
+    judge = replace(cfg.reward.judge, base_url=judge_url) if judge_url else cfg.reward.judge
     return build_reward_manager(
         tokenizer,
         rm.reward_manager,
@@ -58,7 +61,7 @@ def build_rule_reward(cfg: PPOConfig, tokenizer: Any):
             "max_resp_len": cfg.data.max_response_length,  # DAPO's overlong buffer
             "reward_fn_key": cfg.data.reward_fn_key,
         },
-        judge=Judge(cfg.reward.judge) if cfg.reward.judge.enabled else None,
+        judge=Judge(judge) if judge.enabled else None,
         sandbox=SandboxFusion(cfg.reward.sandbox_fusion) if cfg.reward.sandbox_fusion.enabled else None,
         **rm.reward_kwargs,
     )
@@ -67,8 +70,8 @@ def build_rule_reward(cfg: PPOConfig, tokenizer: Any):
 class RewardWorker:
     """One reward worker (a Ray actor): the config's reward manager, scoring the rows it is sent."""
 
-    def __init__(self, cfg: PPOConfig, tokenizer: Any) -> None:
-        self.manager = build_rule_reward(cfg, tokenizer)
+    def __init__(self, cfg: PPOConfig, tokenizer: Any, judge_url: str | None = None) -> None:
+        self.manager = build_rule_reward(cfg, tokenizer, judge_url)
 
     def describe(self) -> str:
         return self.manager.scorer_repr
@@ -114,12 +117,12 @@ class RewardStream:
 class RewardLoop:
     """``reward.num_workers`` reward workers behind a reward manager's interface (module docstring)."""
 
-    def __init__(self, cfg: PPOConfig, tokenizer: Any) -> None:
+    def __init__(self, cfg: PPOConfig, tokenizer: Any, judge_url: str | None = None) -> None:
         import ray
         from ray.exceptions import GetTimeoutError
 
         worker = ray.remote(num_cpus=1)(RewardWorker)
-        self.workers = [worker.remote(cfg, tokenizer) for _ in range(cfg.reward.num_workers)]
+        self.workers = [worker.remote(cfg, tokenizer, judge_url) for _ in range(cfg.reward.num_workers)]
         self.streaming = cfg.reward.stream
         self.last_error: str | None = None
         self._turn = 0

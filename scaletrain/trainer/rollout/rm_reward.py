@@ -28,6 +28,7 @@ import torch
 
 from scaletrain.protocol import DataProto
 from scaletrain.utils.typed_config import ConfigError
+from scaletrain.workers.rm_config import serves_judge
 
 if TYPE_CHECKING:  # the reward-model checks here run before Ray, without the workers' imports
     from scaletrain.workers.roles import RewardModelRole
@@ -81,10 +82,13 @@ def validate_reward_model(cfg) -> None:
     """``reward_model.*`` before Ray: a sequence-classification checkpoint, positive batch keys, a tokenizer the RM
     can read the rollouts with (the policy's vocabulary, or re-tokenization), a model megatron maps."""
     rm = cfg.reward_model
-    if not rm.enable:
+    if not rm.enable or serves_judge(rm):  # a generative judge: reward_checks.py
         return
     if not rm.model.path:
-        raise ConfigError("reward_model.enable needs reward_model.model.path (an HF sequence-classification model)")
+        raise ConfigError(
+            "reward_model.enable needs reward_model.model.path (an HF sequence-classification model, or a causal LM "
+            "served as a judge with reward_model.rollout.name)"
+        )
     for key in ("micro_batch_size_per_gpu", "forward_max_token_len_per_gpu"):
         if getattr(rm, key) <= 0:
             raise ConfigError(f"reward_model.{key} must be positive, got {getattr(rm, key)}")
@@ -114,7 +118,7 @@ def _sequence_classifier_config(model):
         raise ConfigError(
             f"reward_model.model.path: {model.path} is a {kind}; the reward model must be a "
             "*ForSequenceClassification checkpoint (its head, 'score', is read at each sequence's "
-            "last token)"
+            "last token), or a generative judge served by a rollout engine: set reward_model.rollout.name=vllm | hf"
         )
     if getattr(hf_config, "num_labels", 1) != 1:
         raise ConfigError(

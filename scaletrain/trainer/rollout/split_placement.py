@@ -31,22 +31,34 @@ def spawn_rollout_pool(
     """The rollout pool's workers, their engines built (``rollout.load_format=dummy`` or a LoRA actor, whose adapter
     may start from ``lora_adapter_path``: the actor's weights pushed once, as version 0). The group goes into
     ``started`` (the trainer frees it at the end) as soon as it exists."""
-    rc, tc = cfg.actor_rollout_ref.rollout, cfg.trainer
-    pool = RayResourcePool([rc.n_gpus_per_node] * rc.nnodes, use_gpu=tc.device == "cuda", name_prefix="rollout")
+    rc = cfg.actor_rollout_ref.rollout
+    worker = RayClassWithInitArgs(ActorRolloutRefWorker, *actor_cfg, "rollout")
+    group = spawn_own_pool(cfg, plan, (rc.n_gpus_per_node, rc.nnodes), worker, "rollout", started)
+    rollout = RolloutRole(group)
+    rollout.init_model()
+    if rc.load_format == "dummy" or cfg.actor_rollout_ref.model.lora_rank > 0:  # the actor's weights: version 0
+        rollout.receive_weights(actor.export_weights(0))
+    return rollout
+
+
+def spawn_own_pool(
+    cfg: PPOConfig, plan: RunPlan, layout: tuple[int, int], worker: RayClassWithInitArgs, role: str, started: list
+) -> RayWorkerGroup:
+    """A worker group of ``role`` on a pool of its own (``layout``: ranks per node, nodes), put in ``started`` (the
+    trainer frees it at the end) as soon as it exists; the pool freed if the group cannot start."""
+    tc = cfg.trainer
+    per_node, nnodes = layout
+    pool = RayResourcePool([per_node] * nnodes, use_gpu=tc.device == "cuda", name_prefix=role)
     try:
         group = RayWorkerGroup(
             pool,
-            RayClassWithInitArgs(ActorRolloutRefWorker, *actor_cfg, "rollout"),
-            name_prefix="rollout",
-            call_timeout_s=tc.worker_call_timeout_s_by_role.get("rollout", tc.worker_call_timeout_s),
+            worker,
+            name_prefix=role,
+            call_timeout_s=tc.worker_call_timeout_s_by_role.get(role, tc.worker_call_timeout_s),
             stack_dump_dir=os.path.join(plan.run_dir, "stacks"),  # where a stuck call's stacks go
         )
     except BaseException:
         pool.release()
         raise
     started.append(group)
-    rollout = RolloutRole(group)
-    rollout.init_model()
-    if rc.load_format == "dummy" or cfg.actor_rollout_ref.model.lora_rank > 0:  # the actor's weights: version 0
-        rollout.receive_weights(actor.export_weights(0))
-    return rollout
+    return group

@@ -67,7 +67,7 @@ def test_yaml_defaults_build_and_validate():
         ),
         (
             ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "rollout=hf"],
-            "only the vllm rollout engine shards over ranks (rollout.name=hf)",
+            "only the vllm rollout engine shards over ranks (actor_rollout_ref.rollout.name=hf)",
         ),
         (
             ["actor_rollout_ref.actor.strategy=megatron"],

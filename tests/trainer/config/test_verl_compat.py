@@ -111,7 +111,6 @@ def test_translation(argv, expected):
         (["actor_rollout_ref.actor.strategy=jax"], "unknown strategy 'jax'"),
         (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "use backend=megatron with"),
         (["algorithm.pf_ppo.weight_pow=2.0"], "policy-filtration PPO is not implemented"),
-        (["reward_model.rollout.name=vllm"], "generative reward models"),
         (["reward.reward_kwargs.x=1"], "verl's reward.\\* keys taken here: .*reward.reward_manager.name"),
         (["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"], "rollout.weight_bucket_bytes"),
         (["model_engine=veomni"], "unknown strategy 'veomni'"),
