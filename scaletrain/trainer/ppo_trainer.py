@@ -20,6 +20,7 @@ from backends.rollout.layout import eos_token_ids
 from scaletrain.algos import build_kl_controller
 from scaletrain.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, create_colocated_worker_cls
 from scaletrain.data import StatefulDataLoader
+from scaletrain.reward.remote_rm import RemoteRewardModel
 from scaletrain.trainer.config.plan import RunPlan
 from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.trainer.config.worker_configs import ppo_worker_configs
@@ -28,7 +29,7 @@ from scaletrain.trainer.rollout.judge_engines import judge_worker, spawn_judge_p
 from scaletrain.trainer.rollout.producer import RolloutProducer, build_agent_manager
 from scaletrain.trainer.rollout.reward_guard import RewardGuard
 from scaletrain.trainer.rollout.reward_loop import RewardLoop, build_rule_reward
-from scaletrain.trainer.rollout.rm_reward import RewardWithRM
+from scaletrain.trainer.rollout.rm_reward import RemoteScores, RewardWithRM
 from scaletrain.trainer.rollout.schedules import OneStepOffRollouts, SyncRollouts
 from scaletrain.trainer.rollout.split_placement import spawn_rollout_pool
 from scaletrain.trainer.rollout.weight_sync import WeightSync
@@ -140,7 +141,8 @@ class RayPPOTrainer:
         self.rollout = split_rollout or self.actor  # what generates: the split pool, or the actor's own engines
         self.weight_sync = WeightSync(self.actor, split_rollout)
         train_reward_fn = self._start_reward_model(groups)  # the rollouts' reward: with the RM's score if any
-        rule_counts = rm_cfg is None or bool(cfg.custom_reward_function.path)
+        rm_scores = rm_cfg is not None or cfg.reward.remote_rm.enabled
+        rule_counts = not rm_scores or bool(cfg.custom_reward_function.path)
         agents = None  # the batched generate; the agent loops for multi_turn.enable / rollout.mode=async
         if cfg.actor_rollout_ref.rollout.use_agent_loop:
             agents = build_agent_manager(cfg, self.rollout, self.tokenizer, self.processor)
@@ -155,7 +157,7 @@ class RayPPOTrainer:
     def _start_reward_model(self, groups: dict):
         """The reward model's engines started: a generative judge's behind the judge server (the rollouts' reward
         is the reward function calling it), or a sequence classifier's, whose score the rollouts' reward adds
-        (returned)."""
+        (returned), as it adds a remote reward model's (``reward.remote_rm``)."""
         cfg = self.cfg
         if self.judge_server is not None:
             if cfg.reward_model.enable_resource_pool:
@@ -164,12 +166,15 @@ class RayPPOTrainer:
                 self.judge = GenerativeRewardModelRole(groups["rm"])
                 self.judge.init_model()
             self.judge_server.attach(self.judge)
+        rule_fn = self.reward_fn if cfg.custom_reward_function.path else None  # None: the RM's score alone
+        weights = (cfg.reward.rule_weight, cfg.reward.reward_model_weight)
+        if cfg.reward.remote_rm.enabled:  # a reward model served over HTTP
+            return RewardWithRM(RemoteScores(RemoteRewardModel(cfg.reward.remote_rm), self.tokenizer), rule_fn, weights)
         if "rm" not in groups or self.judge is not None:
             return self.reward_fn
         reward_model = RewardModelRole(groups["rm"])
         reward_model.init_model()
-        rule_fn = self.reward_fn if cfg.custom_reward_function.path else None  # None: the RM's score alone
-        return RewardWithRM(reward_model, rule_fn, (cfg.reward.rule_weight, cfg.reward.reward_model_weight))
+        return RewardWithRM(reward_model, rule_fn, weights)
 
     # ---------------------------------------------------------------------------------------------------- fit
     def fit(self, tracking: Tracking, watch: PreemptionWatch | None = None) -> dict[str, float]:

@@ -3,11 +3,14 @@ on the loopback address, run as its own process (``python -m tests.reward.judge_
 
 ``GET /v1/models`` lists ``judge-model``; ``POST /v1/chat/completions`` answers as the rule would: the last user
 message holds ``Expected: <answer>`` and ``Answer: <response>`` lines and the reply is ``yes`` when they are equal,
-else ``no``. ``POST /control`` ``{"mode": ...}`` changes how it answers from then on:
+else ``no``. ``POST /get_reward`` stands in for a remote reward model (OpenRLHF's protocol): ``{"query", "prompts",
+"labels"}`` in, ``{"rewards"}`` out, 1.0 where the response (the query after its prompt) equals the label, else
+0.0. ``POST /control`` ``{"mode": ...}`` changes how both answer from then on:
 
 - ``rule``: as above (the default); ``slow``: after ``delay_s`` seconds (default 30);
 - ``garbage``: HTTP 200 with an HTML page; ``flaky``: HTTP 503 for every request but each ``every``-th (default 3);
-- ``die``: the process exits at the next chat request, answering nothing.
+- ``die``: the process exits at the next chat request, answering nothing;
+- ``short``: ``/get_reward`` answers one reward whatever the number of samples.
 
 ``GET /control`` returns what it saw: ``requests``, ``max_in_flight``, the ``authorization`` headers received and
 the request times.
@@ -63,7 +66,7 @@ class Handler(BaseHTTPRequestHandler):
                 STATE.update(body)
             self._send(200, b"{}")
             return
-        if self.path != "/v1/chat/completions":
+        if self.path not in ("/v1/chat/completions", "/get_reward"):
             self._send(404, b"{}")
             return
         with LOCK:
@@ -91,6 +94,12 @@ class Handler(BaseHTTPRequestHandler):
             self._send(503, b'{"error": "overloaded"}')
             return
         time.sleep(float(body.get("hold_s", 0.0)))  # a test's way to keep requests in flight
+        if self.path == "/get_reward":
+            responses = [q[len(p) :].strip() for q, p in zip(body["query"], body["prompts"])]
+            rewards = [1.0 if r == str(label).strip() else 0.0 for r, label in zip(responses, body["labels"])]
+            rewards = rewards[:1] if mode == "short" else rewards
+            self._send(200, json.dumps({"rewards": rewards}).encode())
+            return
         reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": verdict(body["messages"])}}]}
         self._send(200, json.dumps({"id": f"c{n}", "object": "chat.completion", **reply}).encode())
 

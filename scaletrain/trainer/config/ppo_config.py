@@ -16,6 +16,7 @@ from typing import Any
 from backends.config import BackendSettings
 from scaletrain.algos.advantage import estimator_traits
 from scaletrain.reward.judge import JudgeSettings
+from scaletrain.reward.remote_rm import RemoteRMSettings
 from scaletrain.reward.sandbox_fusion import SandboxFusionSettings
 from scaletrain.trainer.config.common_sections import DataSettings, RunSettings
 from scaletrain.utils.typed_config import build
@@ -208,7 +209,7 @@ class RewardSection:
     """``reward``: verl's newer reward section. Its verl keys reward_manager.name, reward_model.enable / model_path
     and custom_reward_function are renamed to reward_model.* / custom_reward_function
     (scaletrain/trainer/config/verl_keys.py); ``num_workers`` and ``sandbox_fusion`` are verl's (the client's limits
-    added); ``stream``, ``health`` and ``judge`` are this project's."""
+    added); ``stream``, ``health``, ``judge`` and ``remote_rm`` are this project's."""
 
     health: RewardHealthConfig = field(default_factory=RewardHealthConfig)
     num_workers: int = 0  # Ray actors (1 CPU each) scoring the rule reward off the driver, a batch split among them
@@ -222,6 +223,8 @@ class RewardSection:
     # endpoint, awaited by an async custom_reward_function (scaletrain/reward/judge.py)
     sandbox_fusion: SandboxFusionSettings = field(default_factory=SandboxFusionSettings)  # a code sandbox service
     # (scaletrain/reward/sandbox_fusion.py)
+    remote_rm: RemoteRMSettings = field(default_factory=RemoteRMSettings)  # a discriminative reward model served
+    # over HTTP (OpenRLHF's remote RM protocol, scaletrain/reward/remote_rm.py), in reward_model.enable's place
 
 
 @dataclass

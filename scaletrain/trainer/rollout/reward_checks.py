@@ -1,8 +1,12 @@
 """Checks of the reward's services before Ray (layer 4's config): the remote judge (``reward.judge.*``), the code
-sandbox (``reward.sandbox_fusion.*``) and a generative judge on the run's own engines (``reward_model.rollout.*``,
-``enable_resource_pool``); each raises ConfigError naming the key."""
+sandbox (``reward.sandbox_fusion.*``), a generative judge on the run's own engines (``reward_model.rollout.*``,
+``enable_resource_pool``) and a reward model served over HTTP (``reward.remote_rm.*``); each raises ConfigError
+naming the key."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.trainer.config.rollout_checks import validate_rollout_model, validate_rollout_tp
@@ -16,6 +20,33 @@ def validate_reward_services(cfg: PPOConfig) -> None:
     _validate_judge(cfg)
     _validate_sandbox_fusion(cfg)
     _validate_generative_judge(cfg)
+    _validate_remote_rm(cfg)
+
+
+def _service_checked(settings: Any, check: Callable[[Any], None]) -> bool:
+    """Whether a service section (``settings.enabled``: its URL set) is in use, its settings checked by ``check``
+    (a ValueError naming the key becomes a ConfigError) when it is."""
+    if not settings.enabled:
+        return False
+    try:
+        check(settings)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return True
+
+
+def _validate_remote_rm(cfg: PPOConfig) -> None:
+    """``reward.remote_rm.*``: good settings, and no second reward model."""
+    from scaletrain.reward.remote_rm import check_remote_rm_settings
+
+    remote = cfg.reward.remote_rm
+    if not _service_checked(remote, check_remote_rm_settings):
+        return
+    if cfg.reward_model.enable:
+        raise ConfigError(
+            f"reward.remote_rm.url ({remote.url}) and reward_model.enable=true are two reward models: the reward "
+            "adds one model's score; remove one of them"
+        )
 
 
 def _validate_generative_judge(cfg: PPOConfig) -> None:
@@ -67,13 +98,8 @@ def _validate_judge(cfg: PPOConfig) -> None:
     that scores with it."""
     from scaletrain.reward.judge import check_judge_settings
 
-    judge = cfg.reward.judge
-    if not judge.enabled:
+    if not _service_checked(cfg.reward.judge, check_judge_settings):
         return
-    try:
-        check_judge_settings(judge)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     if not cfg.custom_reward_function.path:
         raise ConfigError(
             "reward.judge.base_url needs custom_reward_function.path: an async def compute_score(..., judge) that "
@@ -86,13 +112,8 @@ def _validate_sandbox_fusion(cfg: PPOConfig) -> None:
     """``reward.sandbox_fusion.*``: good settings and a reward manager that scores with the sandbox."""
     from scaletrain.reward.sandbox_fusion import check_sandbox_fusion_settings
 
-    if not cfg.reward.sandbox_fusion.enabled:
-        return
-    try:
-        check_sandbox_fusion_settings(cfg.reward.sandbox_fusion)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    _service_manager(cfg, "reward.sandbox_fusion")
+    if _service_checked(cfg.reward.sandbox_fusion, check_sandbox_fusion_settings):
+        _service_manager(cfg, "reward.sandbox_fusion")
 
 
 def _service_manager(cfg: PPOConfig, section: str) -> None:

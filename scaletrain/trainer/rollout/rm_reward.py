@@ -31,6 +31,7 @@ from scaletrain.utils.typed_config import ConfigError
 from scaletrain.workers.rm_config import serves_judge
 
 if TYPE_CHECKING:  # the reward-model checks here run before Ray, without the workers' imports
+    from scaletrain.reward.remote_rm import RemoteRewardModel
     from scaletrain.workers.roles import RewardModelRole
 
 
@@ -39,14 +40,48 @@ class RewardWithRM:
     to ``rule_fn``'s (None: the RM's score replaces the rule reward), each times its weight
     (``reward.reward_model_weight``, ``reward.rule_weight``). Adds ``rm_scores`` to the batch."""
 
-    def __init__(self, reward_model: RewardModelRole, rule_fn, weights: tuple[float, float] = (1.0, 1.0)) -> None:
+    def __init__(
+        self, reward_model: RewardModelRole | RemoteScores, rule_fn, weights: tuple[float, float] = (1.0, 1.0)
+    ) -> None:
         self.reward_model, self.rule_fn, self.weights = reward_model, rule_fn, weights
 
     def __call__(self, batch: DataProto, return_dict: bool = False):
         batch.union(self.reward_model.compute_rm_score(batch))
         rule = self.rule_fn(batch, return_dict=True) if self.rule_fn is not None else None
         reward = combine_rewards(batch.tensors["rm_scores"], rule, self.weights)
+        if isinstance(self.reward_model, RemoteScores):
+            reward["metrics"].update(self.reward_model.client.metrics())
         return reward if return_dict else reward["reward_tensor"]
+
+
+class RemoteScores:
+    """A reward model served over HTTP (``reward.remote_rm``, scaletrain/reward/remote_rm.py) in the reward-model
+    role's shape: ``compute_rm_score(batch)`` sends each row's decoded prompt, prompt + response and ground truth,
+    and places the reply's reward at the row's last valid response token (``rm_scores``)."""
+
+    def __init__(self, client: RemoteRewardModel, tokenizer: Any) -> None:
+        self.client, self.tokenizer = client, tokenizer
+
+    def compute_rm_score(self, batch: DataProto) -> DataProto:
+        from scaletrain.workers.reward_model import place_at_last_token
+
+        prompts, responses = batch.tensors["prompts"], batch.tensors["responses"]
+        mask = batch.tensors["attention_mask"]
+        response_mask = mask[:, -responses.shape[1] :]
+        prompt_texts = self._decode(prompts, mask[:, : prompts.shape[1]])
+        response_texts = self._decode(responses, response_mask)
+        rows = batch.non_tensor_batch.get("reward_model")
+        labels = (
+            [row.get("ground_truth") if isinstance(row, dict) else None for row in rows] if rows is not None else None
+        )
+        labels = labels or [None] * len(batch)
+        queries = [p + r for p, r in zip(prompt_texts, response_texts, strict=True)]
+        scores = torch.tensor(self.client.score(queries, prompt_texts, labels), dtype=torch.float32)
+        return DataProto.from_dict({"rm_scores": place_at_last_token(scores, response_mask)})
+
+    def _decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+        rows = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 
 def combine_rewards(
