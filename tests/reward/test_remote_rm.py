@@ -2,9 +2,12 @@
 against the stand-in service's ``/get_reward`` (tests/reward/judge_server.py, a real process on the loopback
 address): the batch scored in requests of ``batch_size`` with the API key sent, each score at its row's last
 response token; an overloaded service retried, and garbage, a reply of the wrong length or a dead service failing
-naming the URL; a CLI run whose reward adds the remote model's score to the rule's; the config's refusals."""
+naming the URL; a CLI run whose reward adds the remote model's score to the rule's; the config's refusals, and verl's
+``limited`` / ``remote`` manager names answered with the settings that do their job here."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -113,3 +116,14 @@ def test_bad_remote_rm_settings_are_refused_before_the_run(task, tmp_path, overr
 
     with pytest.raises(ConfigError, match=message):
         checked(*ppo_overrides(task, tmp_path / "run", 2, overrides))
+
+
+@pytest.mark.parametrize(
+    "name, instead", [("limited", "reward.judge.max_concurrent / max_rpm"), ("remote", "reward.num_workers=N")]
+)
+def test_verls_limited_and_remote_managers_name_the_setting_that_does_their_job(name, instead):
+    from scaletrain.trainer.main_ppo import run
+    from scaletrain.utils.typed_config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"unknown reward manager '{name}'.*{re.escape(instead)}"):
+        run([f"reward.reward_manager.name={name}"])

@@ -42,8 +42,16 @@ def reward_manager_class(name: str) -> type:
             return registry.get(name)
     raise ValueError(
         f"unknown reward manager '{name}'; registered: {', '.join(REWARD_MANAGERS.names())} (batch managers), "
-        f"{', '.join(REWARD_LOOP_MANAGERS.names())} (reward-loop managers)"
+        f"{', '.join(REWARD_LOOP_MANAGERS.names())} (reward-loop managers){VERL_MANAGERS.get(name, '')}"
     )
+
+
+# verl's managers whose job another setting does here
+VERL_MANAGERS = {
+    "limited": "; verl's rate-limited manager is the naive one here with its service's limits: "
+    "reward.judge.max_concurrent / max_rpm (or reward.sandbox_fusion.max_concurrent)",
+    "remote": "; verl's remote manager (scoring in Ray workers) is the naive one here with reward.num_workers=N",
+}
 
 
 def get_event_loop() -> asyncio.AbstractEventLoop:
