@@ -1,5 +1,5 @@
 """``ServiceClient``: JSON requests to a remote reward service (the judge: judge.py; the code sandbox:
-sandbox_fusion.py) with the limits a shared service needs.
+sandbox_fusion.py; a reward model: remote_rm.py) with the limits a shared service needs.
 
 Every request goes through a concurrency limit (``max_concurrent`` in flight) and, with ``max_rpm``, a token bucket
 of that many requests per minute (verl's ``limited`` reward manager's limits); each has a timeout (``timeout_s``)
@@ -29,8 +29,10 @@ class ServiceError(RuntimeError):
 
 @dataclass
 class RetrySettings:
-    """A service's request keys, shared by its config section (``reward.judge``, ``reward.sandbox_fusion``)."""
+    """A service's request keys, shared by its config section (``reward.judge``, ``reward.sandbox_fusion``,
+    ``reward.remote_rm``)."""
 
+    max_rpm: float | None = None  # requests per minute (a token bucket); null: unlimited
     timeout_s: float = 60.0  # seconds one request may take (a sandbox's: the program's run included)
     max_retries: int = 3  # retries after a timeout, a connection error, HTTP 429 or 5xx
     backoff_s: float = 0.5  # the first retry's delay, doubled for each further one
@@ -45,7 +47,8 @@ def check_service_settings(
     parsed = urlparse(url or "")
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise ValueError(f"{section}.{url_key} must be an http(s) URL ({url_example}): {url!r}")
-    for key, value in {**positive, "timeout_s": settings.timeout_s}.items():
+    rpm = {} if settings.max_rpm is None else {"max_rpm": settings.max_rpm}
+    for key, value in {**positive, **rpm, "timeout_s": settings.timeout_s}.items():
         if not value > 0:
             raise ValueError(f"{section}.{key} must be positive, got {value}")
     for key, value in {"max_retries": settings.max_retries, "backoff_s": settings.backoff_s}.items():
@@ -82,12 +85,11 @@ class ServiceClient:
         config_key: str,
         settings: RetrySettings,
         max_concurrent: int,
-        max_rpm: float | None = None,
         api_key_env: str | None = None,
         error_cls: type[ServiceError] = ServiceError,
     ) -> None:
         self.name, self.url, self.config_key, self.error_cls = name, url.rstrip("/"), config_key, error_cls
-        self.settings, self.max_concurrent, self.max_rpm = settings, max_concurrent, max_rpm
+        self.settings, self.max_concurrent, self.max_rpm = settings, max_concurrent, settings.max_rpm
         if api_key_env and api_key_env not in os.environ:  # e.g. a reward worker on a node started without it
             raise ValueError(f"{config_key}.api_key_env: the environment variable {api_key_env} is not set here")
         self._key = os.environ.get(api_key_env) if api_key_env else None

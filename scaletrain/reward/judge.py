@@ -39,7 +39,6 @@ class JudgeSettings(RetrySettings):
     api_key_env: str | None = None  # the environment variable holding the API key (sent as a Bearer token, never
     # logged); null: no key
     max_concurrent: int = 8  # requests in flight at once
-    max_rpm: float | None = None  # requests per minute (a token bucket); null: unlimited
 
     @property
     def enabled(self) -> bool:
@@ -55,8 +54,6 @@ def check_judge_settings(settings: JudgeSettings) -> None:
     """``reward.judge.*`` before anything starts: ValueError naming the key of a bad value (the API key's
     variable must be set; its value is never shown)."""
     positive: dict[str, float] = {"max_concurrent": settings.max_concurrent}
-    if settings.max_rpm is not None:
-        positive["max_rpm"] = settings.max_rpm
     check_service_settings("reward.judge", "base_url", "http://HOST:PORT/v1", settings, positive)
     if settings.api_key_env and settings.api_key_env not in os.environ:
         raise ValueError(f"reward.judge.api_key_env: the environment variable {settings.api_key_env} is not set")
@@ -75,7 +72,7 @@ class Judge:
             raise ValueError("reward.judge.base_url is not set")
         self.settings = settings
         s, url = settings, settings.base_url
-        args = ("the judge", url, "reward.judge", s, s.max_concurrent, s.max_rpm, s.api_key_env, JudgeError)
+        args = ("the judge", url, "reward.judge", s, s.max_concurrent, s.api_key_env, JudgeError)
         self.service = ServiceClient(*args)
         self.url = self.service.url
         self._model = settings.model

@@ -4,12 +4,12 @@ scoring service) scores the rollouts.
 
 Each request is ``POST <url>`` with ``{"query": [prompt + response, ...], "prompts": [prompt, ...], "labels":
 [ground truth, ...]}`` for up to ``batch_size`` samples; the reply is ``{"rewards": [one number per sample]}`` (or
-the bare list). Requests go through http_service.py's limits: ``max_concurrent`` in flight, each bounded by
-``timeout_s`` and retried ``max_retries`` times with backoff after a timeout, a connection error, HTTP 429 or 5xx.
-A reply that is not that many numbers, or a request failing after its retries, raises RemoteRMError naming the URL
-and what came back: the step fails and the run stops (its checkpoints kept), never a silent zero. The API key comes
-from the environment variable ``api_key_env`` names (a Bearer token, never logged). Counters:
-``remote_rm/{requests,retries,failures}`` per call.
+the bare list). Requests go through http_service.py's limits: ``max_concurrent`` in flight, a token bucket of
+``max_rpm`` requests per minute, each bounded by ``timeout_s`` and retried ``max_retries`` times with backoff after
+a timeout, a connection error, HTTP 429 or 5xx. A reply that is not that many numbers, or a request failing after
+its retries, raises RemoteRMError naming the URL and what came back: the step fails and the run stops (its
+checkpoints kept), never a silent zero. The API key comes from the environment variable ``api_key_env`` names (a
+Bearer token, never logged). Counters: ``remote_rm/{requests,retries,failures}`` per call.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class RemoteRewardModel:
         if settings.url is None:
             raise ValueError("reward.remote_rm.url is not set")
         self.settings = s = settings
-        args = ("the remote reward model", settings.url, "reward.remote_rm", s, s.max_concurrent, None, s.api_key_env)
+        args = ("the remote reward model", settings.url, "reward.remote_rm", s, s.max_concurrent, s.api_key_env)
         self.service = ServiceClient(*args, error_cls=RemoteRMError)
 
     def __repr__(self) -> str:  # no key

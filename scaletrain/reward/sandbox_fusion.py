@@ -3,11 +3,11 @@ of verl's code data sources (``codecontests``, ``apps``, ``codeforces``, ``taco`
 
 ``SandboxFusion.run(code, stdin)`` posts SandboxFusion's ``/run_code`` request to ``url`` (a SandboxFusion
 deployment, or ``python -m scaletrain.reward.sandbox_server``) with the limits of http_service.py (``max_concurrent``
-programs in flight, ``timeout_s`` per request, ``max_retries`` retries with backoff after timeouts, connection
-errors, 429 and 5xx). A reply that is not a run_code reply, or a ``SandboxError`` (the service could not run the
-program), raises SandboxFusionError: the reward manager counts the sample as an error (``reward/errors``) and the
-reward guard stops a run whose sandbox keeps failing. A program that fails, times out or prints the wrong answer
-is the model's doing: it scores 0 on that test, no error.
+programs in flight, ``max_rpm`` requests a minute, ``timeout_s`` per request, ``max_retries`` retries with backoff
+after timeouts, connection errors, 429 and 5xx). A reply that is not a run_code reply, or a ``SandboxError`` (the
+service could not run the program), raises SandboxFusionError: the reward manager counts the sample as an error
+(``reward/errors``) and the reward guard stops a run whose sandbox keeps failing. A program that fails, times out or
+prints the wrong answer is the model's doing: it scores 0 on that test, no error.
 
 ``score_code(sandbox, solution_str, ground_truth)``: the program is the response's last fenced code block (a
 response without one scores 0); ``ground_truth`` is the test cases (a dict or its JSON): ``{"inputs": [...],

@@ -68,6 +68,14 @@ def test_a_bad_or_dead_service_fails_naming_its_url(server, tokenizer, make_batc
     assert client.metrics()["remote_rm/failures"] == 1.0
 
 
+def test_the_rate_limit_as_the_service_saw_it(server, tokenizer, make_batch):
+    """max_rpm=60: a token bucket of one request a second (a burst of 1): 3 requests span at least 2 s."""
+    client = remote(server, batch_size=2, max_concurrent=3, max_rpm=60)
+    RemoteScores(client, tokenizer).compute_rm_score(make_batch(ROWS))
+    times = server.control()["times"]
+    assert len(times) == 3 and max(times) - min(times) >= 1.9, times
+
+
 def test_an_overloaded_service_is_retried(server, tokenizer, make_batch):
     server.control(mode="flaky", every=2)  # every other request is refused with 503
     client = remote(server, max_retries=2, batch_size=8)

@@ -28,7 +28,7 @@ from scaletrain.reward.sandbox_fusion import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_CONCURRENT, MAX_TIMEOUT_S = 2, 3
+MAX_CONCURRENT, MAX_TIMEOUT_S = 2, 8  # 8 s: a program started on a loaded 2-core machine still runs
 
 
 class SandboxServer:
@@ -99,7 +99,7 @@ def test_stdin_in_and_the_streams_and_exit_code_out(server):
 
 
 def test_a_program_cannot_take_more_time_or_memory_than_the_server_allows(server):
-    """The request asks for an hour and 100 GB: the server's limits bind (3 s, 2 GB)."""
+    """The request asks for an hour and 100 GB: the server's limits bind (8 s, 2 GB)."""
     body = {"code": "while True: pass", "language": "python", "run_timeout": 3600, "memory_limit_MB": 100_000}
     status, reply = server.post(json.dumps(body).encode())
     assert status == 200 and reply["status"] == "Failed"

@@ -70,9 +70,10 @@ DRIVER_READ = {
     *(f"reward.judge.{k}" for k in ("model", "api_key_env", "max_concurrent", "max_rpm", "timeout_s")),
     *(f"reward.judge.{k}" for k in ("max_retries", "backoff_s")),
     *(f"reward.sandbox_fusion.{k}" for k in ("max_concurrent", "memory_limit_mb", "run_timeout_s", "timeout_s")),
-    *(f"reward.sandbox_fusion.{k}" for k in ("max_retries", "backoff_s")),
+    *(f"reward.sandbox_fusion.{k}" for k in ("max_retries", "backoff_s", "max_rpm")),
     *(f"reward.remote_rm.{k}" for k in ("api_key_env", "max_concurrent", "batch_size", "timeout_s", "max_retries")),
     "reward.remote_rm.backoff_s",  # the driver's RemoteScores calls the service
+    "reward.remote_rm.max_rpm",
     "reward.num_workers",
     "reward.stream",
     "reward.rule_weight",  # the driver sums the rewards
