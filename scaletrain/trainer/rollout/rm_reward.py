@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from scaletrain.protocol import DataProto
+from scaletrain.trainer.run.generations import decode_valid
 from scaletrain.utils.typed_config import ConfigError
 from scaletrain.workers.rm_config import serves_judge
 
@@ -68,8 +69,8 @@ class RemoteScores:
         prompts, responses = batch.tensors["prompts"], batch.tensors["responses"]
         mask = batch.tensors["attention_mask"]
         response_mask = mask[:, -responses.shape[1] :]
-        prompt_texts = self._decode(prompts, mask[:, : prompts.shape[1]])
-        response_texts = self._decode(responses, response_mask)
+        prompt_texts = decode_valid(self.tokenizer, prompts, mask[:, : prompts.shape[1]])
+        response_texts = decode_valid(self.tokenizer, responses, response_mask)
         rows = batch.non_tensor_batch.get("reward_model")
         labels = (
             [row.get("ground_truth") if isinstance(row, dict) else None for row in rows] if rows is not None else None
@@ -78,10 +79,6 @@ class RemoteScores:
         queries = [p + r for p, r in zip(prompt_texts, response_texts, strict=True)]
         scores = torch.tensor(self.client.score(queries, prompt_texts, labels), dtype=torch.float32)
         return DataProto.from_dict({"rm_scores": place_at_last_token(scores, response_mask)})
-
-    def _decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
-        rows = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
-        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 
 def combine_rewards(

@@ -30,7 +30,7 @@ PICK_SEED = 42
 _RECORD_KEYS = ("input", "output", "gts", "score", "step", "data_source")
 
 
-def _decode(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+def decode_valid(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
     """The valid (mask 1) tokens of each row, decoded without special tokens."""
     return tokenizer.batch_decode([row[m.bool()].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
 
@@ -67,8 +67,8 @@ class ScoredSamples:
         if tokenizer is not None:
             prompt_len = batch.tensors["prompts"].shape[1]
             mask = batch.tensors["attention_mask"]
-            self.inputs += _decode(tokenizer, batch.tensors["prompts"], mask[:, :prompt_len])
-            self.outputs += _decode(tokenizer, batch.tensors["responses"], mask[:, prompt_len:])
+            self.inputs += decode_valid(tokenizer, batch.tensors["prompts"], mask[:, :prompt_len])
+            self.outputs += decode_valid(tokenizer, batch.tensors["responses"], mask[:, prompt_len:])
             self.gts += [(rm or {}).get("ground_truth") for rm in non_tensor.get("reward_model", [None] * n)]
 
     def columns(self) -> dict[str, list]:
