@@ -1,7 +1,8 @@
 """RayWorkerGroup: one Ray actor per bundle of a resource pool, driven as one SPMD group (layer 3).
 
 Rank r gets WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its environment
-(rank 0 picks the address), so the workers can form a torch.distributed group. Calls wait with ``ray.wait`` on
+(the address picked on rank 0's node by a small task before any worker starts, so all ranks start at once), so the
+workers can form a torch.distributed group. Calls wait with ``ray.wait`` on
 all workers at once: the first failing or dead worker fails the call immediately, even while its peers are still
 blocked (e.g. in a collective waiting for it); ``call_timeout_s`` bounds a call that never returns: on expiry every
 worker's Python stack is written under ``stack_dump_dir`` (stacks.py) and ``WorkerTimeoutError`` names the ranks
@@ -32,6 +33,7 @@ from scaletrain.controller.worker_group import (
     select_worker_args,
 )
 from scaletrain.protocol import DataProto
+from scaletrain.utils.net import rendezvous_address
 
 logger = logging.getLogger(__name__)
 _CALL_TIMEOUT = object()  # _wait's default: the group's call_timeout_s
@@ -155,7 +157,8 @@ class RayWorkerGroup(WorkerGroup):
     # ------------------------------------------------------------------------------------------------ start
     def _start_workers(self, pool: RayResourcePool, cls_with_init: RayClassWithInitArgs) -> None:
         world = pool.world_size
-        master: dict[str, str] = {}
+        addr, port = self._rendezvous_address(pool.get_placement_groups()[0])
+        master = {"MASTER_ADDR": addr, "MASTER_PORT": port}
         rank = 0
         for pg, local_size in zip(pool.get_placement_groups(), pool.local_sizes()):
             for local_rank in range(local_size):
@@ -171,10 +174,6 @@ class RayWorkerGroup(WorkerGroup):
                     **self.worker_env,
                 }
                 self._workers.append(cls_with_init.create(pg, local_rank, env, pool.actor_resources()))
-                if rank == 0:  # rank 0 picks the rendezvous address; the others are told it
-                    self._infos = [{"rank": 0}]
-                    addr, port = self._control_on(0, "get_master_address")
-                    master = {"MASTER_ADDR": addr, "MASTER_PORT": port}
                 rank += 1
         refs = [w.worker_info.remote() for w in self._workers]
         self._infos = self._wait("__init__", list(range(world)), refs, timeout_s=self.init_timeout_s)
@@ -186,9 +185,21 @@ class RayWorkerGroup(WorkerGroup):
             ", ".join(f"rank {i.get('rank')} {i.get('host')} ({i.get('ip')}) pid {i.get('pid')}" for i in self._infos),
         )
 
-    def _control_on(self, rank: int, name: str) -> Any:
-        ref = getattr(self._workers[rank], name).remote()
-        return self._wait("__init__", [rank], [ref], timeout_s=self.init_timeout_s)[0]
+    def _rendezvous_address(self, placement_group) -> tuple[str, str]:
+        """MASTER_ADDR and MASTER_PORT picked on the node of bundle 0 (rank 0's) by a task needing no resource: a
+        Ray worker that imports only scaletrain.utils.net, started (or reused) in about a second, where waiting for
+        rank 0 to start first would double the group's start (each rank imports torch and the model's libraries)."""
+        task = ray.remote(num_cpus=0)(rendezvous_address).options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=placement_group, placement_group_bundle_index=0
+            )
+        )
+        try:
+            return ray.get(task.remote(), timeout=self.init_timeout_s)
+        except GetTimeoutError:
+            raise WorkerTimeoutError(
+                self.name, [0], "rendezvous_address", float(self.init_timeout_s or 0), []
+            ) from None
 
     # ---------------------------------------------------------------------------------------------- execute
     @property

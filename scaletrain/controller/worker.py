@@ -2,9 +2,9 @@
 
 A worker knows its ``rank`` and ``world_size`` from the environment the group sets (WORLD_SIZE, RANK,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so it can form a torch.distributed group with its peers. Rank 0 picks the
-rendezvous address when none is given. Workers that run a model-parallel layout declare their place in a named
-mesh (``register_mesh``; ``set_megatron_mesh`` for verl-style workers) so mesh dispatch modes know where each data
-share goes and whose output to collect.
+rendezvous address when none is given (a worker made outside a group). Workers that run a model-parallel layout
+declare their place in a named mesh (``register_mesh``; ``set_megatron_mesh`` for verl-style workers) so mesh
+dispatch modes know where each data share goes and whose output to collect.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _node_ip() -> str:
 
 class Worker:
     # methods the group calls on every worker, in addition to the @register ones (colocation forwards them)
-    CONTROL_METHODS = ("get_mesh_place", "worker_info", "get_master_address")
+    CONTROL_METHODS = ("get_mesh_place", "worker_info")
 
     def __init__(self) -> None:
         self._rank = int(os.environ.get("RANK", "0"))
@@ -134,9 +134,6 @@ class Worker:
         return self._mesh_places.get(name)
 
     # ------------------------------------------------------------------------------------------------ control
-    def get_master_address(self) -> tuple[str, str]:
-        return os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-
     def worker_info(self) -> dict[str, Any]:
         return {
             "rank": self._rank,

@@ -1,5 +1,7 @@
-"""Networking helpers shared by every layer: a free TCP port for a torch.distributed rendezvous, and the
-environment of one rank of a process group launched on this machine (multi-rank tests and benchmarks)."""
+"""Networking helpers shared by every layer: a free TCP port for a torch.distributed rendezvous, the address of
+one on the calling Ray node, and the environment of one rank of a process group launched on this machine
+(multi-rank tests and benchmarks). Imports nothing heavy: a Ray task runs ``rendezvous_address`` before any
+worker of a group has imported torch."""
 
 from __future__ import annotations
 
@@ -47,6 +49,15 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+def rendezvous_address() -> tuple[str, str]:
+    """(this node's IP, a free port on it) for a process group's MASTER_ADDR and MASTER_PORT: a worker group runs it
+    as a small Ray task on the node of its rank 0 (controller/ray_worker_group.py), so every rank can be started at
+    once, told the address, instead of after rank 0 has started and picked it."""
+    import ray
+
+    return ray.util.get_node_ip_address(), str(free_port())
 
 
 def local_rank_env(rank: int, world: int, port: int, pythonpath: str) -> dict[str, str]:

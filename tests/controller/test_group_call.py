@@ -19,7 +19,7 @@ from scaletrain.controller import (
 )
 from scaletrain.controller.worker_group import WorkerError
 from scaletrain.protocol import DataProto
-from tests.controller.workers import ActorLike, CriticLike, EchoWorker, RequestWorker
+from tests.controller.workers import ActorLike, CriticLike, EchoWorker, MeetingWorker, RequestWorker, started_group
 
 
 def rows(n):
@@ -111,3 +111,10 @@ def test_submit_on_ray_runs_in_the_concurrency_group(ray_cluster):
         for worker in wg.workers:
             ray.kill(worker)
         pool.release()
+
+
+def test_a_groups_ranks_start_together_and_meet_at_the_address_they_were_given(ray_cluster, tmp_path):
+    # each constructor waits for every rank's: a group that started rank 0 alone first (to learn the rendezvous
+    # address from it) fails here after 60 s, naming the ranks that never started
+    with started_group(ray, 3, MeetingWorker, str(tmp_path), use_gpu=False) as group:
+        assert group.rank_sum() == [3, 3, 3]

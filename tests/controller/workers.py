@@ -210,6 +210,28 @@ class BrokenInit(Worker):
         return self.rank
 
 
+class MeetingWorker(Worker):
+    """Each rank's constructor leaves a mark in ``meeting_dir`` and waits (up to 60 s) for every rank's: it finishes
+    only when all ranks were started together; then the ranks form a gloo group at the address they were given."""
+
+    def __init__(self, meeting_dir: str):
+        super().__init__()
+        with open(os.path.join(meeting_dir, str(self.rank)), "w"):
+            pass
+        deadline = time.monotonic() + 60
+        while len(os.listdir(meeting_dir)) < self.world_size:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {self.rank}: only {sorted(os.listdir(meeting_dir))} started within 60 s")
+            time.sleep(0.05)
+        dist.init_process_group("gloo")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def rank_sum(self):
+        total = torch.tensor([self.rank])
+        dist.all_reduce(total)
+        return int(total)
+
+
 @contextlib.contextmanager
 def started_group(ray, workers: int, cls, *args, use_gpu=True, **group_kwargs):
     """A RayWorkerGroup of ``cls`` on a fresh pool; its actors and placement group are freed on exit."""
