@@ -12,6 +12,13 @@ shards), the config (``use_cache`` back on, ``architectures`` set), the generati
 tokenizer and processor files found next to the source model, so ``from_pretrained`` (transformers, vLLM) loads
 the directory directly. Everything goes to ``<path>.incomplete`` first and is renamed to ``path`` when complete, so
 ``path`` is never a half-written export and a failed export leaves the previous one in place.
+
+A resumable checkpoint describes itself (``write_checkpoint_meta``, rank 0, inside the engine's save, so the run's
+atomic publication covers it): ``scaletrain_checkpoint.json`` (the backend, its layout, the model's kind and
+architecture, the tied names, a LoRA adapter's config and scalings) and ``huggingface/`` (config, generation config,
+tokenizer files). ``CHECKPOINT_READERS`` holds each backend's offline reader: ``reader(path, meta, hf_names,
+bucket_bytes)`` yields buckets of (engine name, full tensor) from the files alone, in one process with no process
+group (``python -m scaletrain.model_merger``; ``hf_names``: the HF model's state dict names, in order).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from scaletrain.utils.durable import fsync_tree, replace_dir, restore_aside
+from scaletrain.utils.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +52,75 @@ TOKENIZER_FILES = (
     "processor_config.json",
     "video_preprocessor_config.json",
 )
+
+
+CHECKPOINT_META = "scaletrain_checkpoint.json"
+HF_META_DIR = "huggingface"
+META_FORMAT = 1
+CHECKPOINT_READERS = Registry(
+    "checkpoint reader",
+    lazy={
+        "fsdp": "backends.fsdp.checkpoint",
+        "deepspeed": "backends.deepspeed.checkpoint_reader",
+        "megatron": "backends.megatron.checkpoint_reader",
+    },
+)
+
+
+# -------------------------------------------------------------------------------------- a checkpoint's own meta
+def write_checkpoint_meta(engine, path: str, backend: str, layout: dict[str, int], tied_names=()) -> None:
+    """Rank 0's part of an engine's save: what an offline reader needs to turn the files into an HF model.
+    ``tied_names``: the names an HF export leaves out (a tied ``lm_head.weight``)."""
+    lora = getattr(engine, "lora", None)
+    meta = {
+        "format": META_FORMAT,
+        "backend": backend,
+        "layout": layout,
+        "kind": engine.model_config.kind,
+        "architecture": engine.architecture,
+        "dtype": engine.model_config.dtype,  # the parameters' (resolved: never "auto")
+        "model_path": engine.model_config.path,
+        "tied_names": sorted(tied_names),
+        "lora": None if lora is None else {"config": engine.adapter_config(), "scales": lora.scales},
+    }
+    hf_dir = os.path.join(path, HF_META_DIR)
+    os.makedirs(hf_dir, exist_ok=True)
+    write_hf_config(hf_dir, engine.hf_config, engine.architecture, engine.generation_config, engine.model_config.path)
+    with open(os.path.join(path, CHECKPOINT_META), "w") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+
+
+def read_checkpoint_meta(path: str) -> dict:
+    """The checkpoint's meta, checked; a clear error naming the file when it is missing or not ours."""
+    file = os.path.join(path, CHECKPOINT_META)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(
+            f"{file} not found: {path} is not an engine checkpoint of scaletrain (a run's "
+            "global_step_<N>/actor or /critic directory), or was written before checkpoints described themselves"
+        )
+    try:
+        with open(file) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{file}: unreadable checkpoint meta: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
+        raise ValueError(f"{file}: not a checkpoint meta of format {META_FORMAT}")
+    if not os.path.isfile(os.path.join(path, HF_META_DIR, "config.json")):
+        raise FileNotFoundError(f"{os.path.join(path, HF_META_DIR, 'config.json')} not found: the checkpoint is cut")
+    return meta
+
+
+def write_hf_config(dirpath: str, config, architecture: str, generation_config=None, tokenizer_dir=None) -> None:
+    """An HF directory's non-weight files: config (``use_cache`` back on, ``architectures`` set), the generation
+    config, and the tokenizer and processor files found in ``tokenizer_dir``."""
+    config = copy.deepcopy(config)
+    config.use_cache = True
+    config.architectures = [architecture]
+    config.save_pretrained(dirpath)
+    if generation_config is not None:
+        generation_config.save_pretrained(dirpath)
+    if tokenizer_dir is not None and os.path.isdir(tokenizer_dir):
+        copy_tokenizer_files(tokenizer_dir, dirpath)
 
 
 # ------------------------------------------------------------------------------------------------ the HF export
@@ -116,11 +193,8 @@ def write_hf_checkpoint(
 
     def fill(tmp: str) -> None:
         shard_names, weight_map, total_bytes = _write_shards(tmp, buckets)
-        _write_index_and_config(tmp, shard_names, weight_map, total_bytes, config, architecture)
-        if generation_config is not None:
-            generation_config.save_pretrained(tmp)
-        if tokenizer_dir is not None:
-            copy_tokenizer_files(tokenizer_dir, tmp)
+        _write_index(tmp, shard_names, weight_map, total_bytes)
+        write_hf_config(tmp, config, architecture, generation_config, tokenizer_dir)
         summary.update(shards=len(shard_names), bytes=total_bytes)
 
     publish_dir(path, fill, what="HF export")
@@ -176,7 +250,7 @@ def _write_shards(dirpath: str, buckets) -> tuple[list[str], dict[str, str], int
     return shard_names, weight_map, total_bytes
 
 
-def _write_index_and_config(dirpath, shard_names, weight_map, total_bytes, config, architecture: str) -> None:
+def _write_index(dirpath, shard_names, weight_map, total_bytes) -> None:
     # final names in the usual HF pattern
     n = len(shard_names)
     final = (
@@ -190,7 +264,3 @@ def _write_index_and_config(dirpath, shard_names, weight_map, total_bytes, confi
         index = {"metadata": {"total_size": total_bytes}, "weight_map": {k: final[v] for k, v in weight_map.items()}}
         with open(os.path.join(dirpath, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
-    config = copy.deepcopy(config)
-    config.use_cache = True
-    config.architectures = [architecture]
-    config.save_pretrained(dirpath)

@@ -250,6 +250,8 @@ class HFTrainEngine(TrainEngine):
             return
         buckets = self._full_tensor_buckets(shard_bytes, skip=(), adapter=True)
         collective_write(
-            lambda is_writer: write_adapter_dir(path, buckets, self.peft_config, is_writer, self.model_config.path),
+            lambda is_writer: write_adapter_dir(
+                path, buckets, self.adapter_config(), is_writer, self.model_config.path
+            ),
             what="the LoRA adapter export",
         )

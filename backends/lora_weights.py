@@ -111,21 +111,23 @@ def adapter_config_dict(peft_config) -> dict:
     return {k: sorted(v) if isinstance(v, set) else v for k, v in out.items()}
 
 
-def write_adapter_dir(path: str, buckets, peft_config, is_writer: bool, tokenizer_dir: str | None = None) -> None:
-    """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors`` + the source tokenizer)
-    that ``peft.PeftModel.from_pretrained(base, path)`` loads; written atomically by the writing rank. Every rank
-    draws every bucket first (the gathers behind them are collective; the adapter is small)."""
+def write_adapter_dir(path: str, buckets, config: dict, is_writer: bool, tokenizer_dir: str | None = None) -> None:
+    """A PEFT adapter directory (``adapter_config.json`` from ``config``, ``adapter_config_dict``'s form, +
+    ``adapter_model.safetensors`` + the source tokenizer) that ``peft.PeftModel.from_pretrained(base, path)`` loads;
+    written atomically by the writing rank. Every rank draws every bucket first (the gathers behind them are
+    collective; the adapter is small)."""
+    import json
+
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().to("cpu").contiguous() for bucket in buckets for k, v in bucket}
     if not is_writer:
         return
-    config = copy.deepcopy(peft_config)
-    config.inference_mode = True  # as PEFT saves it: loading for training passes is_trainable=True
 
     def fill(tmp: str) -> None:
         save_file(tensors, os.path.join(tmp, ADAPTER_FILE), metadata={"format": "pt"})
-        config.save_pretrained(tmp)
+        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, tmp)
 

@@ -6,7 +6,8 @@ with ``UnsafeCheckpointError`` naming the file and the object, before that objec
 
 - ``load_rank_file``: ``torch.load(weights_only=True)`` (tensors, containers, numbers, strings), plus plain NumPy
   arrays (checkpoints written before the RNG-state formats were unified hold them) and the classes the caller
-  allows (DeepSpeed's ZeRO stage enum and loss scaler: backends/deepspeed/engine.py);
+  allows (DeepSpeed's ZeRO stage enum and loss scaler: backends/deepspeed/engine.py); a cut file fails with
+  ``CorruptCheckpointError`` naming it;
 - ``check_torch_bytes``: the same check for a ``torch.save`` payload in memory (DCP's byte items);
 - ``load_pickle_allowing``: a plain pickle (DCP's ``.metadata``) with a restricted unpickler that resolves only the
   globals its caller allows (backends/fsdp/safe_dcp.py).
@@ -38,6 +39,10 @@ class UnsafeCheckpointError(RuntimeError):
     """A checkpoint file names an object outside the allow-list: it was not loaded, and nothing of it ran."""
 
 
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint file that is cut short or is not a torch file at all (a disk filled, a copy interrupted)."""
+
+
 def _refusal(where: str, what: str) -> UnsafeCheckpointError:
     return UnsafeCheckpointError(
         f"{where}: refusing to load {what}: checkpoints are loaded with torch.load(weights_only=True), which "
@@ -52,14 +57,18 @@ def _refused_object(error: Exception) -> str:
     return f"the object {found.group(1)}" if found else "Python objects"
 
 
-def load_rank_file(path: str, map_location=None, allowed: Iterable[Any] = ()):
+def load_rank_file(path: str, map_location=None, allowed: Iterable[Any] = (), mmap: bool = False):
     """``torch.load(path, weights_only=True)``, also accepting plain NumPy arrays and the ``allowed`` classes; a
-    file holding other Python objects is refused with an error naming the file and the object."""
+    file holding other Python objects is refused with an error naming the file and the object, a cut or corrupt
+    one with a ``CorruptCheckpointError`` naming the file. ``mmap``: tensors are mapped from the file, read when
+    used (an offline converter touching one layer at a time)."""
     try:
         with torch.serialization.safe_globals([*_NUMPY_ARRAY_GLOBALS, *allowed]):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise _refusal(str(path), _refused_object(e)) from e
+    except (RuntimeError, EOFError) as e:  # torch's zip reader on a cut file: "failed finding central directory"
+        raise CorruptCheckpointError(f"{path}: not a complete checkpoint file ({e})") from e
 
 
 def check_torch_bytes(stream: BinaryIO, where: str) -> None:

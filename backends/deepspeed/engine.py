@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from backends.base import register_backend
 from backends.config import EngineConfig, ModelConfig, OptimConfig
+from backends.hf_checkpoint import write_checkpoint_meta
 from backends.hf_engine import HFTrainEngine
 from backends.lora_weights import Item
 from backends.optim import build_lr_scheduler, build_optimizer
@@ -99,13 +100,18 @@ def deepspeed_config(optim_config: OptimConfig | None, engine_config: EngineConf
     return config
 
 
-def _load_deepspeed_file(path: str, map_location=None):
-    """DeepSpeed's checkpoint-engine ``load`` with ``weights_only=True``: its optimizer states hold a ZeRO stage
-    enum and a loss scaler (attributes set on an instance: no constructor or method of theirs runs)."""
+def deepspeed_checkpoint_classes() -> tuple:
+    """The DeepSpeed classes its optimizer states hold (a ZeRO stage enum and a loss scaler: attributes set on an
+    instance, no constructor or method of theirs runs), allowed in a weights-only load."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    return load_rank_file(path, map_location, allowed=(ZeroStageEnum, LossScaler, DynamicLossScaler))
+    return ZeroStageEnum, LossScaler, DynamicLossScaler
+
+
+def _load_deepspeed_file(path: str, map_location=None):
+    """DeepSpeed's checkpoint-engine ``load`` with ``weights_only=True``."""
+    return load_rank_file(path, map_location, allowed=deepspeed_checkpoint_classes())
 
 
 @register_backend("deepspeed")
@@ -170,6 +176,8 @@ class DeepSpeedEngine(HFTrainEngine):
     # -------------------------------------------------------------------------------------------- checkpoint
     def save(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
+        if dist.get_rank() == 0:
+            write_checkpoint_meta(self, path, "deepspeed", {"dp": dist.get_world_size()}, self.tied_names)
         if self.optim_config is None:  # DeepSpeed checkpoints need an optimizer: save this rank's partitions
             torch.save({k: v.detach().clone() for k, v in self._partitions().items()}, self._partitions_file(path))
         else:

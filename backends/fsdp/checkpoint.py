@@ -7,18 +7,23 @@ Layout under the checkpoint directory:
                           CUDA, Python, NumPy), so a resumed run draws the same random numbers; plain tensors,
                           lists and numbers only, loaded with ``torch.load(weights_only=True)``
 Loading runs nothing from the files: DCP's metadata and byte items are checked by allow-lists (safe_dcp.py).
-Resuming reproduces the run bit for bit on the same world size. A forward-only engine (no optimizer, no
-scheduler) saves and loads the model alone. A LoRA engine saves its trainable parameters alone (the adapters, a
-value head) and their optimizer state: the frozen base is the model path's, rebuilt by every run.
+Resuming reproduces the run bit for bit on the same world size. A forward-only engine (no optimizer, no scheduler)
+saves and loads the model alone. A LoRA engine saves its trainable parameters alone (the adapters, a value head)
+and their optimizer state: the frozen base is the model path's, rebuilt by every run. ``read_fsdp_checkpoint``
+reads the model's full tensors back in one process with no process group (DCP reshards the saved shards), a bucket
+at a time.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -27,8 +32,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from backends.fsdp.safe_dcp import safe_dcp_load
-from backends.safe_load import load_rank_file
+from backends.base import bucketed
+from backends.fsdp.safe_dcp import safe_dcp_load, safe_dcp_metadata
+from backends.hf_checkpoint import CHECKPOINT_READERS
+from backends.safe_load import CorruptCheckpointError, load_rank_file
 from scaletrain.utils.seeding import rng_state, set_rng_state
 
 
@@ -93,3 +100,47 @@ def load_checkpoint(path: str, model, optimizer, scheduler, trainable_only: bool
     set_rng_state(extra.pop("rng"))
     dist.barrier()
     return extra
+
+
+@CHECKPOINT_READERS.register("fsdp")
+def read_fsdp_checkpoint(
+    path: str, meta: dict, hf_names: list[str], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The model's tensors under the engine's names, full, in buckets of about ``bucket_bytes``: each bucket is one
+    ``dcp.load`` of just its tensors (in this process), so memory holds one bucket, never the whole model."""
+    dcp_dir = os.path.join(path, "dcp")
+    metadata = safe_dcp_metadata(dcp_dir)
+    _check_files(dcp_dir, metadata)
+    saved = metadata.state_dict_metadata
+    tensors = {
+        key.removeprefix("model."): (m.size, m.properties.dtype)
+        for key, m in saved.items()
+        if key.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
+
+    def empty(name: str) -> torch.Tensor:  # filled by the bucket's dcp.load
+        size, dtype = tensors[name]
+        return torch.empty(size, dtype=dtype)
+
+    items = ((name, size.numel() * dtype.itemsize, partial(empty, name)) for name, (size, dtype) in tensors.items())
+    for bucket in bucketed(items, bucket_bytes):
+        state = {"model": dict(bucket)}
+        safe_dcp_load(state, dcp_dir, no_dist=True)  # this process alone, in a process group or not
+        yield bucket
+
+
+def _check_files(dcp_dir: str, metadata) -> None:
+    """Every file the model's tensors are stored in is there and long enough: a missing or cut shard fails here,
+    naming the file, before anything is read."""
+    needed: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        if index.fqn.startswith("model."):
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(needed.items()):
+        file = os.path.join(dcp_dir, name)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"{file} not found: a shard of the checkpoint's model is missing")
+        if os.path.getsize(file) < end:
+            raise CorruptCheckpointError(
+                f"{file}: cut at {os.path.getsize(file)} bytes, its model tensors end at {end}"
+            )

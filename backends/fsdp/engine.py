@@ -33,6 +33,7 @@ from backends.config import EngineConfig, ModelConfig, OptimConfig
 from backends.dist import init_distributed
 from backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
 from backends.fsdp.gather import gather_full
+from backends.hf_checkpoint import write_checkpoint_meta
 from backends.hf_engine import HFTrainEngine
 from backends.hf_model import decoder_layers, torch_dtype
 from backends.lora_weights import Item
@@ -110,6 +111,8 @@ class FSDPEngine(HFTrainEngine):
 
     # -------------------------------------------------------------------------------------------- checkpoint
     def save(self, path: str) -> None:
+        if dist.get_rank() == 0:
+            write_checkpoint_meta(self, path, "fsdp", {"dp": dist.get_world_size()}, self.tied_names)
         with self._on_device(optimizer=True):
             extra = {"global_step": self.global_step}
             save_checkpoint(path, self.model, self.optimizer, self.scheduler, extra, trainable_only=self.has_adapter)

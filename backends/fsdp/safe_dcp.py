@@ -77,14 +77,20 @@ class _SafePlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, value)
 
 
-def safe_dcp_load(state: dict, checkpoint_dir: str) -> None:
-    """``dcp.load(state, checkpoint_id=checkpoint_dir)`` with the metadata and byte items checked (collective)."""
+def safe_dcp_metadata(checkpoint_dir: str) -> Metadata:
+    """The checkpoint's DCP metadata (what tensors it holds, their global shapes), read with the allow-list."""
+    return _SafeReader(checkpoint_dir).read_metadata()
+
+
+def safe_dcp_load(state: dict, checkpoint_dir: str, no_dist: bool = False) -> None:
+    """``dcp.load(state, checkpoint_id=checkpoint_dir)`` with the metadata and byte items checked (collective;
+    ``no_dist``: this process alone, even in a process group)."""
     reader = _SafeReader(checkpoint_dir)
     reader.read_metadata()  # first on its own: inside dcp.load, a refusal reaches us as an AssertionError's text
     planner = _SafePlanner(checkpoint_dir)
     try:
         # torch re-exports load without listing it in __all__
-        dcp.load(state, storage_reader=reader, planner=planner)  # pyright: ignore[reportPrivateImportUsage]
+        dcp.load(state, storage_reader=reader, planner=planner, no_dist=no_dist)  # pyright: ignore[reportPrivateImportUsage]
     except CheckpointException as e:  # DCP gathers every rank's failure: raise ours as such, on every rank
         for failure, _trace in e.failures.values():
             if isinstance(failure, UnsafeCheckpointError):

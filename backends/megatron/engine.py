@@ -14,7 +14,8 @@ returns the same; the controller keeps TP rank 0 of the last stage (``collects_o
 
 Weights are read from the HF checkpoint on every rank (each keeps its shards; backends/megatron/hf_mapping.py).
 Checkpoints: one ``rank{R}.pt`` per rank (parameters, inner optimizer state, step, RNG; tensors, lists and numbers
-only, loaded with ``torch.load(weights_only=True)``): exact resume with the same layout.
+only, loaded with ``torch.load(weights_only=True)``): exact resume with the same layout; the checkpoint's meta
+records each rank's (tp, pp, dp) place, so backends/megatron/checkpoint_reader.py reads it back offline.
 CPU: backends/megatron/cpu_shim.py is applied before megatron-core is first used.
 """
 
@@ -40,7 +41,7 @@ from backends.config import (
     resolve_precision,
 )
 from backends.dist import init_distributed, local_device
-from backends.hf_checkpoint import save_engine_hf
+from backends.hf_checkpoint import save_engine_hf, write_checkpoint_meta
 from backends.hf_model import build_model, check_outputs, torch_dtype
 from backends.megatron.export import export_groups, gather_hf_buckets
 from backends.megatron.hf_mapping import layout_from_hf
@@ -341,8 +342,11 @@ class MegatronEngine(TrainEngine):
         return gather_hf_buckets(self, bucket_bytes, skip=())
 
     def save_hf(self, path: str, shard_bytes: int = 1 << 30) -> None:
-        skip = ("lm_head.weight",) if self.layout.tie_embeddings and self.layout.kind == "causal_lm" else ()
-        save_engine_hf(self, path, gather_hf_buckets(self, shard_bytes, skip=skip))
+        save_engine_hf(self, path, gather_hf_buckets(self, shard_bytes, skip=self._tied_names()))
+
+    def _tied_names(self) -> tuple[str, ...]:
+        """What an HF export leaves out: a tied causal LM's ``lm_head.weight`` (the embedding's)."""
+        return ("lm_head.weight",) if self.layout.tie_embeddings and self.layout.kind == "causal_lm" else ()
 
     # -------------------------------------------------------------------------------------------- checkpoint
     def _state(self) -> dict:
@@ -362,6 +366,11 @@ class MegatronEngine(TrainEngine):
 
     def save(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
+        places: list = [None] * dist.get_world_size()  # each rank's (tp, pp, dp) place: the offline reader's map
+        dist.all_gather_object(places, (self.tp_rank, self.pp_rank, self.dp_rank))
+        if dist.get_rank() == 0:
+            layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.dp_size, "places": places}
+            write_checkpoint_meta(self, path, "megatron", layout, self._tied_names())
         torch.save(self._state(), os.path.join(path, f"rank{dist.get_rank()}.pt"))
         dist.barrier()
 

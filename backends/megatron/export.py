@@ -52,10 +52,13 @@ def export_groups(lo: Layout, hf_names: list[str]) -> list[ExportGroup]:
     return groups
 
 
+def module_name(name: str) -> str:
+    """The module's own name of mapped parameter ``name`` (the value head lives in the output layer's place)."""
+    return "output_layer." + name.split(".", 1)[1] if name.startswith("value_head.") else name
+
+
 def _param(engine, name: str) -> torch.Tensor:
-    if name.startswith("value_head."):
-        name = "output_layer." + name.split(".", 1)[1]
-    return engine.module.get_parameter(name).detach()
+    return engine.module.get_parameter(module_name(name)).detach()
 
 
 def _gather_group(engine, group: ExportGroup) -> dict[str, torch.Tensor]:

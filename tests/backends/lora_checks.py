@@ -31,6 +31,7 @@ CHECKS = (
     "export_adapter",
     "disabled_adapter_forward_is_base",
     "save_hf_adapter_and_merged",
+    "checkpoint_converts_to_adapter_and_merged",
     "adapter_path_remove_padding_forward_only",
     "value_model_trains_head",
     "resume_exact",
@@ -250,6 +251,10 @@ def _save_and_reload_checks(s: SimpleNamespace, results: dict) -> None:
                 assert_close(ref_outputs(merged, s.share)["log_probs"], trained, "merged model log_probs", TOL)
         dist.barrier()
 
+    @rank_check(results, "checkpoint_converts_to_adapter_and_merged")
+    def _():
+        assert_lora_converts(s.engine, s.share, os.path.join(s.work, "convert"), s.rank, s.model_dir)
+
     @rank_check(results, "adapter_path_remove_padding_forward_only")
     def _():
         frozen = s.E(
@@ -289,6 +294,41 @@ def _value_check(s: SimpleNamespace, results: dict) -> None:
         for k, v in weights.items():
             assert_close(v, unloaded[k], f"critic merged {k}", TOL)
         assert (weights["score.weight"] - head_before).abs().max() > s.optim.lr / 2, "the value head did not train"
+        assert_lora_converts(critic, s.share, os.path.join(s.work, "convert_critic"), s.rank, s.model_dir, "value")
+
+
+def assert_lora_converts(engine, share, work: str, rank: int, model_dir: str, kind: str = "causal_lm") -> None:
+    """The engine's checkpoint (its adapters alone) converted offline on rank 0 (scaletrain/model_merger): the
+    PEFT adapter directory loads on the base and gives the engine's outputs; ``merge_lora`` gives the engine's
+    merged export bit for bit (a value head kept), with the same outputs."""
+    import torch.distributed as dist
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from scaletrain.model_merger import merge
+    from tests.backends import reference
+
+    ckpt = os.path.join(work, "ckpt")
+    engine.save(ckpt)
+    weights = exported(engine)
+    key = "log_probs" if kind == "causal_lm" else "values"
+    own = engine.forward(share, (key,)).batch[key]
+    outputs = reference.ref_outputs if kind == "causal_lm" else reference.ref_values
+    if rank == 0:
+        merged = merge(ckpt, os.path.join(work, "merged"), merge_lora=True, shard_bytes=1 << 16)
+        model_class = AutoModelForCausalLM if kind == "causal_lm" else AutoModelForTokenClassification
+        model = model_class.from_pretrained(merged, dtype=torch.float32)
+        assert sorted(model.state_dict()) == sorted(weights)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, weights[k]), k
+        with torch.no_grad():
+            assert_close(outputs(model, share)[key], own, f"merged checkpoint's {key}", TOL)
+        adapter = merge(ckpt, os.path.join(work, "adapter"))
+        config = AutoConfig.from_pretrained(model_dir, num_labels=1, classifier_dropout=0.0)
+        base = model_class.from_pretrained(model_dir, config=config, dtype=torch.float32)
+        with torch.no_grad():
+            assert_close(outputs(PeftModel.from_pretrained(base, adapter), share)[key], own, f"adapter's {key}", TOL)
+    dist.barrier()
 
 
 def saved_model_tensors(ckpt: str) -> list[str]:

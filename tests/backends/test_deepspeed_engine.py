@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.backends.conversion import assert_converts
 from tests.backends.multirank import (
     assert_close,
     assert_empty_batch_refused,
@@ -36,6 +37,7 @@ CHECKS = (
     "resume_exact",
     "tampered_checkpoint_refused",
     "save_hf",
+    "convert",
     "nonfinite_grad_skips_step",
     "empty_batch_refused",
     "vision_language",
@@ -280,6 +282,11 @@ def check_save_hf(ctx):
         for k, v in loaded.state_dict().items():
             assert torch.equal(v, weights[k]), k
     dist.barrier()
+
+
+def check_convert(ctx):
+    """The checkpoint of the stepped engine converted offline (tests/backends/conversion.py)."""
+    assert_converts(stepped(ctx), base(ctx).share, os.path.join(ctx.work, "convert"), ctx.rank)
 
 
 def check_nonfinite_grad_skips_step(ctx):

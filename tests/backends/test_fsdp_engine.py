@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.backends.conversion import assert_converts
 from tests.backends.multirank import assert_close, assert_empty_batch_refused, assert_nonfinite_step_skipped
 from tests.backends.rank_group import RankGroup
 
@@ -37,6 +38,7 @@ CHECKS = (
     "resume_exact",
     "tampered_checkpoint_refused",
     "save_hf",
+    "convert",
     "vision_language",
 )
 TOL = 1e-5
@@ -322,6 +324,7 @@ def check_value_model(ctx):
     assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(norm), "value grad_norm")
     for k, v in exported(critic).items():
         assert_close(v, critic_ref.state_dict()[k], f"critic weight {k}")
+    assert_converts(critic, b.share, os.path.join(ctx.work, "convert_critic"), ctx.rank, kind="value")
 
 
 def check_reward_model(ctx):
@@ -442,6 +445,11 @@ def check_save_hf(ctx):
         assert AutoTokenizer.from_pretrained(hf_dir)("1+1").input_ids
         assert not any(f.startswith("model-") for f in os.listdir(hf_dir))  # one shard: model.safetensors
     dist.barrier()
+
+
+def check_convert(ctx):
+    """The checkpoint of the stepped engine converted offline (tests/backends/conversion.py)."""
+    assert_converts(stepped_engine(ctx), base(ctx).share, os.path.join(ctx.work, "convert"), ctx.rank)
 
 
 def check_vision_language(ctx):

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.backends.conversion import assert_converts
 from tests.backends.multirank import assert_close, assert_empty_batch_refused, assert_step_matches_reference
 from tests.backends.rank_group import RankGroup
 
@@ -48,6 +49,7 @@ CHECKS = {
         *(["resume_exact"] if layout in ("tp2_sp", "dp2_distopt", "tp2_pp2") else []),
         *(["tampered_checkpoint_refused"] if layout == "tp2_sp" else []),
         *(["save_hf"] if layout == "pp2" else []),
+        "convert",
     ]
     for layout in LAYOUTS
 }
@@ -397,6 +399,7 @@ def check_critic(ctx, layout):
     assert list(weights) == list(critic_ref.state_dict())
     for k, v in weights.items():
         assert_close(v, critic_ref.state_dict()[k], f"critic weight {k}")
+    assert_converts(critic, s.share, os.path.join(ctx.work, f"convert_critic_{layout}"), ctx.rank, kind="value")
 
 
 def check_exact_aggregation(ctx, layout):
@@ -470,3 +473,10 @@ def check_save_hf(ctx, layout):
         with torch.no_grad():
             assert_close(ref.ref_outputs(loaded, s.share)["log_probs"], out, "save_hf log_probs")
     dist.barrier()
+
+
+def check_convert(ctx, layout):
+    """The checkpoint of the stepped engine converted offline (tests/backends/conversion.py): each TP shard and PP
+    stage of DP rank 0 mapped back to the HF tensors."""
+    engine, s = stepped(ctx, layout), layout_state(ctx, layout)
+    assert_converts(engine, s.share, os.path.join(ctx.work, f"convert_{layout}"), ctx.rank)

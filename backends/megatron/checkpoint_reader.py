@@ -1,0 +1,65 @@
+"""Reading a Megatron engine checkpoint back as full HF tensors in one process (layer 1, the offline converter's
+megatron reader: ``python -m scaletrain.model_merger``).
+
+The checkpoint holds one ``rank{R}.pt`` per rank and, in its meta, each rank's (tp, pp, dp) place. The files of DP
+rank 0 (one per TP rank and PP stage) are memory-mapped; the HF state dict is walked in the export's groups (the
+embedding, each decoder layer, the final norm, the head: backends/megatron/export.py) and each group's TP shards
+are mapped to HF tensors (backends/megatron/hf_mapping.py), so memory holds one layer plus one bucket.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import torch
+
+from backends.base import bucketed
+from backends.hf_checkpoint import CHECKPOINT_READERS, HF_META_DIR
+from backends.megatron.export import export_groups, module_name
+from backends.megatron.hf_mapping import is_tensor_parallel, layout_from_hf, megatron_to_hf
+from backends.safe_load import load_rank_file
+
+
+def _stage_files(path: str, layout: dict) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+    """(tp rank, pp stage) -> that rank's parameters, from the DP-rank-0 file of each place (memory-mapped)."""
+    params = {}
+    for rank, (tp_rank, pp_rank, dp_rank) in enumerate(layout["places"]):
+        if dp_rank != 0:
+            continue
+        file = os.path.join(path, f"rank{rank}.pt")
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"{file} not found: the checkpoint's TP {tp_rank} / PP {pp_rank} shard is missing")
+        state = load_rank_file(file, map_location="cpu", mmap=True)
+        params[(tp_rank, pp_rank)] = state["params"]
+    return params
+
+
+@CHECKPOINT_READERS.register("megatron")
+def read_megatron_checkpoint(
+    path: str, meta: dict, hf_names: list[str], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The HF tensors (every name of the HF model, a tied head's included), one export group at a time."""
+    from transformers import AutoConfig
+
+    layout = meta["layout"]
+    config = AutoConfig.from_pretrained(os.path.join(path, HF_META_DIR))
+    lo = layout_from_hf(config, layout["tp"], layout["pp"], meta["kind"])
+    params = _stage_files(path, layout)
+
+    def shard(tp_rank: int, stage: int, name: str) -> torch.Tensor:
+        found = params[(tp_rank, stage)].get(module_name(name))
+        if found is None:
+            raise KeyError(f"{path}: rank file of TP {tp_rank} / PP {stage} has no parameter '{module_name(name)}'")
+        return found
+
+    def tensors():
+        for group in export_groups(lo, hf_names):
+            out = {}
+            for name in group.megatron:
+                ranks = range(lo.tp) if is_tensor_parallel(name) and lo.tp > 1 else range(1)
+                out.update(megatron_to_hf(name, [shard(t, group.stage, name) for t in ranks], lo, group.stage))
+            for name in group.hf:
+                yield name, out[name].numel() * out[name].element_size(), lambda t=out[name]: t.contiguous()
+
+    yield from bucketed(tensors(), bucket_bytes)
