@@ -154,11 +154,12 @@ class BackendTraits:
     offload: bool = True  # param_offload / optimizer_offload keep parameters / optimizer state in CPU memory
     lora: bool = True  # model.lora_rank > 0 trains LoRA adapters on a frozen base
     check: str | None = None  # "module:function" checking a role's engine settings (check_engine_settings)
+    reshards_on_resume: bool = False  # a checkpoint resumes on another data-parallel size (FSDP2: DCP reshards)
 
 
 # the built-ins' traits (their modules load lazily); register_backend records a new backend's
 BACKEND_TRAITS = {
-    "fsdp": BackendTraits(),
+    "fsdp": BackendTraits(reshards_on_resume=True),
     "deepspeed": BackendTraits(),
     "megatron": BackendTraits(offload=False, lora=False, check="backends.megatron.checks:check_engine_settings"),
 }
@@ -166,7 +167,8 @@ BACKEND_TRAITS = {
 
 def register_backend(name: str, *, traits: BackendTraits | None = None):
     """``@register_backend("fsdp")`` on a TrainEngine subclass whose __init__ takes
-    (model_config, optim_config, engine_config); ``traits``: what it supports (default: everything)."""
+    (model_config, optim_config, engine_config); ``traits``: what it supports (default: everything but resuming on
+    another layout)."""
     if traits is not None or name not in BACKEND_TRAITS:
         BACKEND_TRAITS[name] = traits or BackendTraits()
     return BACKENDS.register(name)

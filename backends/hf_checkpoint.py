@@ -110,6 +110,26 @@ def read_checkpoint_meta(path: str) -> dict:
     return meta
 
 
+def check_resumable(path: str, backend: str, layout: dict[str, int] | None = None) -> None:
+    """Before an engine loads checkpoint ``path``: it was written by this backend and, given ``layout``, with this
+    layout (a backend whose files are per rank); a clear error otherwise. A checkpoint without meta (older) passes."""
+    if not os.path.isfile(os.path.join(path, CHECKPOINT_META)):
+        return
+    meta = read_checkpoint_meta(path)
+    if meta["backend"] != backend:
+        raise ValueError(
+            f"{path} was written by the {meta['backend']} backend, this run's is {backend}: a checkpoint resumes on "
+            "the backend that wrote it (convert it with python -m scaletrain.model_merger to start from its weights)"
+        )
+    saved = {k: v for k, v in meta["layout"].items() if k != "places"}
+    if layout is not None and saved != layout:
+        raise ValueError(
+            f"{path} was written by {backend} with layout {saved}, this run's is {layout}: {backend} checkpoints "
+            "resume on their own layout (trainer.n_gpus_per_node x trainer.nnodes, the parallel sizes); the fsdp "
+            "backend resumes on another data-parallel size"
+        )
+
+
 def write_hf_config(dirpath: str, config, architecture: str, generation_config=None, tokenizer_dir=None) -> None:
     """An HF directory's non-weight files: config (``use_cache`` back on, ``architectures`` set), the generation
     config, and the tokenizer and processor files found in ``tokenizer_dir``."""

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from backends.base import register_backend
 from backends.config import EngineConfig, ModelConfig, OptimConfig
-from backends.hf_checkpoint import write_checkpoint_meta
+from backends.hf_checkpoint import check_resumable, write_checkpoint_meta
 from backends.hf_engine import HFTrainEngine
 from backends.lora_weights import Item
 from backends.optim import build_lr_scheduler, build_optimizer
@@ -189,6 +189,7 @@ class DeepSpeedEngine(HFTrainEngine):
         dist.barrier()
 
     def load(self, path: str) -> None:
+        check_resumable(path, "deepspeed", {"dp": dist.get_world_size()})  # ZeRO partitions are per rank
         extra_file = os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
         if not os.path.isfile(extra_file):
             raise FileNotFoundError(f"{extra_file} not found: was the checkpoint written with a different world size?")

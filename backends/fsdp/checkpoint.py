@@ -7,7 +7,8 @@ Layout under the checkpoint directory:
                           CUDA, Python, NumPy), so a resumed run draws the same random numbers; plain tensors,
                           lists and numbers only, loaded with ``torch.load(weights_only=True)``
 Loading runs nothing from the files: DCP's metadata and byte items are checked by allow-lists (safe_dcp.py).
-Resuming reproduces the run bit for bit on the same world size. A forward-only engine (no optimizer, no scheduler)
+Resuming reproduces the run bit for bit on the same world size; on another one DCP reshards the state (the
+checkpoint's meta says how many ranks wrote it). A forward-only engine (no optimizer, no scheduler)
 saves and loads the model alone. A LoRA engine saves its trainable parameters alone (the adapters, a value head)
 and their optimizer state: the frozen base is the model path's, rebuilt by every run. ``read_fsdp_checkpoint``
 reads the model's full tensors back in one process with no process group (DCP reshards the saved shards), a bucket
@@ -16,6 +17,7 @@ at a time.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from functools import partial
@@ -34,13 +36,22 @@ from torch.distributed.checkpoint.state_dict import (
 
 from backends.base import bucketed
 from backends.fsdp.safe_dcp import safe_dcp_load, safe_dcp_metadata
-from backends.hf_checkpoint import CHECKPOINT_READERS
+from backends.hf_checkpoint import CHECKPOINT_META, CHECKPOINT_READERS, check_resumable, read_checkpoint_meta
 from backends.safe_load import CorruptCheckpointError, load_rank_file
 from scaletrain.utils.seeding import rng_state, set_rng_state
 
+logger = logging.getLogger(__name__)
 
-def _extra_path(path: str) -> str:
-    return os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
+
+def _extra_path(path: str, rank: int | None = None) -> str:
+    return os.path.join(path, f"extra_rank{dist.get_rank() if rank is None else rank}.pt")
+
+
+def _saved_world(path: str) -> int:
+    """The number of ranks that wrote the checkpoint (its meta's; this run's for a checkpoint without one)."""
+    if not os.path.isfile(os.path.join(path, CHECKPOINT_META)):
+        return dist.get_world_size()
+    return int(read_checkpoint_meta(path)["layout"]["dp"])
 
 
 def _options(trainable_only: bool) -> StateDictOptions:
@@ -80,10 +91,16 @@ def save_checkpoint(path: str, model, optimizer, scheduler, extra: dict, trainab
 
 def load_checkpoint(path: str, model, optimizer, scheduler, trainable_only: bool = False) -> dict:
     """Collective: restores model, optimizer, scheduler and RNG in place; returns the rest of the extra state.
-    ``trainable_only``: as saved with it (the frozen parameters keep the values they were built with)."""
-    extra_file = _extra_path(path)
+    ``trainable_only``: as saved with it (the frozen parameters keep the values they were built with). On another
+    number of ranks than the checkpoint's, DCP reshards the model and optimizer state; the scheduler and step come
+    from rank 0's extra state (the same on every rank), and a rank the checkpoint did not have keeps its own RNG."""
+    check_resumable(path, "fsdp")
+    rank, saved_world = dist.get_rank(), _saved_world(path)
+    extra_file = _extra_path(path, rank if rank < saved_world else 0)
     if not os.path.isfile(extra_file):
-        raise FileNotFoundError(f"{extra_file} not found: was the checkpoint written with a different world size?")
+        raise FileNotFoundError(f"{extra_file} not found: the checkpoint of {saved_world} ranks is incomplete")
+    if saved_world != dist.get_world_size() and rank == 0:
+        logger.info("resuming %s, written by %d ranks, on %d", path, saved_world, dist.get_world_size())
     state = _sharded_state(model, optimizer, trainable_only)
     safe_dcp_load(state, os.path.join(path, "dcp"))  # no code runs from a tampered file: safe_dcp.py
     options = _options(trainable_only)
@@ -97,7 +114,9 @@ def load_checkpoint(path: str, model, optimizer, scheduler, trainable_only: bool
     scheduler_state = extra.pop("scheduler")
     if scheduler is not None and scheduler_state is not None:
         scheduler.load_state_dict(scheduler_state)
-    set_rng_state(extra.pop("rng"))
+    rng = extra.pop("rng")
+    if rank < saved_world:
+        set_rng_state(rng)
     dist.barrier()
     return extra
 

@@ -41,7 +41,7 @@ from backends.config import (
     resolve_precision,
 )
 from backends.dist import init_distributed, local_device
-from backends.hf_checkpoint import save_engine_hf, write_checkpoint_meta
+from backends.hf_checkpoint import check_resumable, save_engine_hf, write_checkpoint_meta
 from backends.hf_model import build_model, check_outputs, torch_dtype
 from backends.megatron.export import export_groups, gather_hf_buckets
 from backends.megatron.hf_mapping import layout_from_hf
@@ -375,6 +375,7 @@ class MegatronEngine(TrainEngine):
         dist.barrier()
 
     def load(self, path: str) -> None:
+        check_resumable(path, "megatron", {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.dp_size})
         state = load_rank_file(os.path.join(path, f"rank{dist.get_rank()}.pt"))  # weights_only: no pickled code
         with torch.no_grad():
             for name, p in self.module.named_parameters():

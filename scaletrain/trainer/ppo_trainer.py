@@ -33,7 +33,7 @@ from scaletrain.trainer.rollout.rm_reward import RemoteScores, RewardWithRM
 from scaletrain.trainer.rollout.schedules import OneStepOffRollouts, SyncRollouts
 from scaletrain.trainer.rollout.split_placement import spawn_rollout_pool
 from scaletrain.trainer.rollout.weight_sync import WeightSync
-from scaletrain.trainer.run.checkpoint import CheckpointManager
+from scaletrain.trainer.run.checkpoint import CheckpointManager, tree_bytes
 from scaletrain.trainer.run.generations import ScoredSamples, dump_batch, dump_jsonl, pick_samples
 from scaletrain.trainer.run.preemption import PreemptionWatch
 from scaletrain.trainer.run.tracking import Tracking
@@ -90,6 +90,7 @@ class RayPPOTrainer:
         )
         self.checkpoints = CheckpointManager(plan.run_dir, cfg.trainer.max_ckpt_to_keep)
         self.last_save_time = time.monotonic()  # trainer.save_freq_minutes counts from here, then from each save
+        self.save_metrics: dict[str, float] = {}  # the last save's seconds and bytes, for the next step's line
         self.global_step = 0
         self.device = cfg.trainer.device
         self.initial_val_metrics: dict[str, float] = {}  # validation before the first step
@@ -209,7 +210,10 @@ class RayPPOTrainer:
                     val_metrics = self.validate(tracking)
                     metrics.update(val_metrics)
                 # the step's metrics before its checkpoint: a kill between the two then loses no line (a
-                # resume from the previous checkpoint drops the lines of the steps it re-runs, tracking.py)
+                # resume from the previous checkpoint drops the lines of the steps it re-runs, tracking.py); so a
+                # save's own figures go into the next step's line
+                metrics.update(self.save_metrics)
+                self.save_metrics = {}
                 tracking.log(metrics, step=self.global_step)
                 if self._due(cfg.trainer.save_freq, last) or watch.requested or self._save_overdue():
                     self.save_checkpoint()
@@ -334,8 +338,13 @@ class RayPPOTrainer:
 
         data = self.rollouts.data_state() if self.rollouts else self.loader.state_dict()  # after the last trained batch
         state = {"dataloader": data, "kl_coef": self.kl_ctrl.value, "weight_version": self.weight_sync.version}
+        start = time.monotonic()
         path = self.checkpoints.save(self.global_step, save_workers, state)
         self.last_save_time = time.monotonic()
+        self.save_metrics = {
+            "checkpoint/save_s": self.last_save_time - start,
+            "checkpoint/save_bytes": tree_bytes(path),
+        }
         return path
 
     def _resume(self) -> None:

@@ -123,9 +123,19 @@ def execution_only(cls) -> frozenset[str]:
     offloading, timeouts, logging, where outputs go): the names in the ``EXECUTION_ONLY`` class attribute of
     ``cls`` and of its bases ("*": all of its fields). Every other field counts as result-changing, so a new key
     is checked on resume until someone marks it (scaletrain/trainer/run/run_identity.py)."""
+    return _marked(cls, "EXECUTION_ONLY")
+
+
+def layout_only(cls) -> frozenset[str]:
+    """The fields of dataclass ``cls`` marked as the run's parallel layout (``LAYOUT_ONLY``): a checkpoint resumes
+    across a change of them where the backend reshards its state (the sums run in another order)."""
+    return _marked(cls, "LAYOUT_ONLY")
+
+
+def _marked(cls, attribute: str) -> frozenset[str]:
     names: set[str] = set()
     for klass in cls.__mro__:
-        marked = vars(klass).get("EXECUTION_ONLY", ())
+        marked = vars(klass).get(attribute, ())
         names |= {f.name for f in dataclasses.fields(klass)} if "*" in marked else set(marked)
     return frozenset(names)
 

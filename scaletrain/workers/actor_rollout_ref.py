@@ -23,13 +23,14 @@ from dataclasses import replace
 from backends.base import TrainEngine, get_backend
 from backends.config import ForwardOptions
 from backends.dist import peak_memory_metrics
+from backends.hf_checkpoint import HF_META_DIR
 from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.controller.weight_transport import WeightBuckets, put_buckets, read_buckets
 from scaletrain.protocol import DataProto
 from scaletrain.utils.seeding import derive_seed
 from scaletrain.workers.colocated_rollout import ColocatedRollout
-from scaletrain.workers.config import ActorRolloutRefConfig, EngineSetup, log_prob_micro_batching
+from scaletrain.workers.config import ActorRolloutRefConfig, CheckpointContents, EngineSetup, log_prob_micro_batching
 from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, ROLLOUT_PROTO, ROLLOUT_TOKENS, declare_engine_mesh
 from scaletrain.workers.losses import ACTOR_INPUTS, actor_loss_fn, actor_outputs
 from scaletrain.workers.rollout_setup import build_colocated_rollout
@@ -38,6 +39,18 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "rollout", "ref")
 ROLLOUT_REQUESTS = "rollout_requests"  # the concurrency group of the per-request calls (generate_request)
+
+
+def save_role_checkpoint(engine: TrainEngine, path: str, contents: CheckpointContents) -> None:
+    """A role's checkpoint (collective): the engine's state, and with ``hf_model`` its HF export beside the meta in
+    ``huggingface/`` (a LoRA engine's merged model, so the directory loads on its own)."""
+    engine.save(path)
+    if contents.saves_hf_model:
+        hf_dir = os.path.join(path, HF_META_DIR)
+        if engine.has_adapter:
+            engine.save_hf(hf_dir, merged=True)  # pyright: ignore[reportCallIssue] - an adapter engine's signature
+        else:
+            engine.save_hf(hf_dir)
 
 
 def rows_per_rank(prompts: int, n: int, dp_size: int, what: str) -> int:
@@ -261,7 +274,7 @@ class ActorRolloutRefWorker(Worker):
     # ---------------------------------------------------------------------------------------- checkpoints
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        self._training("actor").save(os.path.join(path, "actor"))
+        save_role_checkpoint(self._training("actor"), os.path.join(path, "actor"), self.config.actor.checkpoint)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:

@@ -94,6 +94,26 @@ def with_megatron(engine: EngineConfig, backend: str, section: MegatronConfig) -
     return replace(engine, extra={**engine.extra, "megatron": section.merged(engine.extra)})
 
 
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")  # what every checkpoint holds: a resume needs all three
+
+
+@dataclass
+class CheckpointContents:
+    """``<role>.checkpoint``: verl's ``save_contents`` / ``load_contents``. Every checkpoint holds the model, the
+    optimizer and the extra state (step, LR schedule, RNG); ``hf_model`` adds the role's HF export to each one
+    (``global_step_N/<role>/huggingface``: weights beside the config; a LoRA role's merged model)."""
+
+    EXECUTION_ONLY = ("*",)  # what a checkpoint holds besides its state changes no result: a resume may add hf_model
+
+    save_contents: list[str] = field(default_factory=lambda: list(CHECKPOINT_CONTENTS))  # model, optimizer, extra
+    # (always), hf_model (the role's HF export in each checkpoint)
+    load_contents: list[str] | None = None  # null: save_contents (an hf_model entry loads nothing)
+
+    @property
+    def saves_hf_model(self) -> bool:
+        return "hf_model" in self.save_contents
+
+
 @dataclass
 class PPOUpdateSettings:
     """The keys the actor's and the critic's PPO updates share (verl names them alike in both sections), with their
@@ -113,6 +133,7 @@ class PPOUpdateSettings:
     # seq-mean-token-sum-norm: how the per-token losses become one (scaletrain/algos/agg.py)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # backend=megatron: this role's layout (the
     # actor's is the ref policy's too)
+    checkpoint: CheckpointContents = field(default_factory=CheckpointContents)  # what each checkpoint holds
 
     @property
     def global_batch_info(self) -> dict[str, Any]:

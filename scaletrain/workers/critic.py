@@ -14,7 +14,7 @@ from backends.base import TrainEngine, get_backend
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.protocol import DataProto
 from scaletrain.utils.typed_config import resolved
-from scaletrain.workers.actor_rollout_ref import rows_per_rank
+from scaletrain.workers.actor_rollout_ref import rows_per_rank, save_role_checkpoint
 from scaletrain.workers.config import CriticConfig, EngineSetup
 from scaletrain.workers.dispatch import ENGINE_METRIC, ENGINE_PROTO, declare_engine_mesh
 from scaletrain.workers.losses import CRITIC_INPUTS, critic_loss_fn
@@ -59,7 +59,7 @@ class CriticWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        self._need_engine().save(os.path.join(path, "critic"))
+        save_role_checkpoint(self._need_engine(), os.path.join(path, "critic"), self.config.checkpoint)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:

@@ -50,6 +50,21 @@ def test_auto_resume_refuses_another_runs_directory_naming_the_keys(tmp_path):
     assert CheckpointManager(str(tmp_path)).latest() == str(tmp_path / "global_step_1")  # nothing touched
 
 
+def test_another_layout_resumes_where_the_backend_reshards_and_is_refused_elsewhere(tmp_path, caplog):
+    """FSDP2 reshards its checkpoint (tests/trainer/test_layout_resume.py runs it): the number of training ranks may
+    change on resume, logged; DeepSpeed's and Megatron's files are per rank: refused before Ray, naming the key."""
+    fsdp, other = tmp_path / "fsdp", tmp_path / "deepspeed"
+    for run_dir, backend in ((fsdp, "fsdp"), (other, "deepspeed")):
+        claim_run_dir(config(run_dir, f"backend={backend}"))
+        save(run_dir, 1)
+    claim_run_dir(config(fsdp, "backend=fsdp", "trainer.n_gpus_per_node=1"))
+    assert "resuming on another layout (trainer.n_gpus_per_node: 2 there, 1 now)" in caplog.text
+    with pytest.raises(ConfigError, match=r"trainer\.n_gpus_per_node: 2 there, 4 now"):
+        claim_run_dir(config(other, "backend=deepspeed", "trainer.n_gpus_per_node=4"))
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.optim\.lr"):  # the rest still counts
+        claim_run_dir(config(fsdp, "trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.optim.lr=3e-5"))
+
+
 def test_fresh_start_moves_the_earlier_run_aside_and_pruning_cannot_reach_it(tmp_path):
     claim_run_dir(config(tmp_path))
     for step in (1, 2):

@@ -10,6 +10,8 @@ and merged, critics) run inside the engine tests' own ranks: tests/backends/conv
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -35,8 +37,19 @@ def run(ray_cluster, task, tmp_path_factory):
 
 
 def merger(*args: str) -> subprocess.CompletedProcess:
+    """The command as a user runs it, in a process of its own."""
     command = [sys.executable, "-m", "scaletrain.model_merger", *map(str, args)]
     return subprocess.run(command, env=env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def merger_here(*args: str) -> subprocess.CompletedProcess:
+    """The same command line through its ``main`` in this process (no interpreter start and imports per call)."""
+    from scaletrain.model_merger.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_any_step_converts_and_the_last_equals_the_runs_export(run, tmp_path):
@@ -47,7 +60,7 @@ def test_any_step_converts_and_the_last_equals_the_runs_export(run, tmp_path):
                  "--test", "--hf_model_path", run / "hf")  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert f"{last} equals {run / 'hf'}" in out.stdout
-    out = merger("merge", "--local_dir", run / "global_step_1" / "actor", "--target_dir", first)  # --backend auto
+    out = merger_here("merge", "--local_dir", run / "global_step_1" / "actor", "--target_dir", first)  # auto
     assert out.returncode == 0, out.stderr
     # the run's export and a conversion have the same files besides the weights: config, tokenizer, generation config
     assert set(os.listdir(run / "hf")) == set(os.listdir(last))
@@ -57,7 +70,7 @@ def test_any_step_converts_and_the_last_equals_the_runs_export(run, tmp_path):
     ids = torch.tensor([tokenizer("12+34=").input_ids])
     assert a.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, ids.shape[1] + 3)
     # a test against another step's model fails, naming the tensors that differ
-    out = merger("test", "--local_dir", run / "global_step_1" / "actor", "--test_hf_dir", run / "hf")
+    out = merger_here("test", "--local_dir", run / "global_step_1" / "actor", "--test_hf_dir", run / "hf")
     assert out.returncode == 1 and "differs from" in out.stderr and "max difference" in out.stderr
 
 
@@ -65,19 +78,21 @@ def test_the_critic_converts_with_its_value_head(run, tmp_path):
     from transformers import AutoModelForTokenClassification
 
     target = tmp_path / "critic"
-    out = merger("merge", "--local_dir", run / "global_step_2" / "critic", "--target_dir", target, "--is-value-model")
+    out = merger_here(
+        "merge", "--local_dir", run / "global_step_2" / "critic", "--target_dir", target, "--is-value-model"
+    )
     assert out.returncode == 0, out.stderr
     critic = AutoModelForTokenClassification.from_pretrained(target, dtype=torch.float32)
     assert critic.config.num_labels == 1 and critic.score.weight.shape[0] == 1
-    out = merger("merge", "--local_dir", run / "global_step_2" / "actor", "--target_dir", tmp_path / "x",
-                 "--is-value-model")  # fmt: skip
+    out = merger_here("merge", "--local_dir", run / "global_step_2" / "actor", "--target_dir", tmp_path / "x",
+                      "--is-value-model")  # fmt: skip
     assert out.returncode == 1 and "--is-value-model" in out.stderr and "causal_lm" in out.stderr
 
 
 def test_vllm_loads_a_converted_step_and_generates_as_transformers(run, tmp_path):
     pytest.importorskip("vllm")
     target = tmp_path / "step1"
-    assert merger("merge", "--local_dir", run / "global_step_1" / "actor", "--target_dir", target).returncode == 0
+    assert merger_here("merge", "--local_dir", run / "global_step_1" / "actor", "--target_dir", target).returncode == 0
     script = f"""
 import os
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -104,7 +119,7 @@ def test_a_cut_or_missing_shard_or_another_model_fails_naming_it(run, tmp_path):
     from transformers import AutoConfig
 
     target = tmp_path / "out"
-    assert merger("merge", "--local_dir", run / "global_step_2" / "actor", "--target_dir", target).returncode == 0
+    assert merger_here("merge", "--local_dir", run / "global_step_2" / "actor", "--target_dir", target).returncode == 0
     before = sorted(os.listdir(target))
 
     def broken(name: str):
@@ -113,7 +128,7 @@ def test_a_cut_or_missing_shard_or_another_model_fails_naming_it(run, tmp_path):
         return ckpt
 
     def refused(ckpt, *flags) -> str:
-        out = merger("merge", "--local_dir", ckpt, "--target_dir", target, *flags)
+        out = merger_here("merge", "--local_dir", ckpt, "--target_dir", target, *flags)
         assert out.returncode == 1, out.stdout
         assert sorted(os.listdir(target)) == before and not (tmp_path / "out.incomplete").exists()
         return out.stderr

@@ -128,9 +128,16 @@ def test_gae_path_with_critic_and_kl_in_reward(ray_cluster, task, tmp_path):
         "trainer.val_before_train=false",
         "trainer.critic_warmup=1",
     ]
-    run_in_process(task, run, 2, gae)
+    with_hf = "checkpoint.save_contents=[model,optimizer,extra,hf_model]"
+    run_in_process(task, run, 2, [*gae, f"actor_rollout_ref.actor.{with_hf}", f"critic.{with_hf}"])
     rows = metrics(run)
     assert sorted(rows) == [1, 2]
+    # hf_model: each checkpoint holds the role's HF export; step 2's actor is the run's final export
+    from scaletrain.model_merger import compare
+
+    assert compare(str(run / "global_step_2" / "actor" / "huggingface"), str(run / "hf"))
+    for role in ("actor", "critic"):
+        assert (run / "global_step_1" / role / "huggingface" / "model.safetensors").is_file(), role
     for key in (
         "critic/vf_loss",
         "critic/values/mean",
@@ -156,7 +163,12 @@ def test_time_based_checkpoints_bound_what_a_crash_loses(ray_cluster, task, tmp_
     timed = ["trainer.save_freq=-1", "trainer.save_freq_minutes=1e-9", "trainer.max_ckpt_to_keep=null"]
     run_in_process(task, run, 3, [*quiet, "trainer.plot_at_end=false", *timed])
     assert sorted(p.name for p in run.glob("global_step_*")) == [f"global_step_{s}" for s in (1, 2, 3)]
-    assert sorted(metrics(run)) == [1, 2, 3]
+    rows = metrics(run)
+    assert sorted(rows) == [1, 2, 3]
+    # a save's seconds and bytes reach the next step's line (a step is logged before its save)
+    assert "checkpoint/save_s" not in rows[1]
+    for step in (2, 3):
+        assert rows[step]["checkpoint/save_s"] > 0 and rows[step]["checkpoint/save_bytes"] > 10_000, rows[step]
 
 
 # a run killed with SIGKILL while its engines write a checkpoint (step 2's or step 3's), resumed: it continues from

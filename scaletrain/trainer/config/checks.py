@@ -21,7 +21,7 @@ from scaletrain.trainer.config.ppo_config import PPOConfig, TrainerSection, file
 from scaletrain.trainer.config.rollout_checks import validate_rollout, validate_rollout_model
 from scaletrain.trainer.config.vision_checks import validate_vision_language
 from scaletrain.utils.typed_config import ConfigError
-from scaletrain.workers.config import with_megatron
+from scaletrain.workers.config import CHECKPOINT_CONTENTS, CheckpointContents, with_megatron
 
 WORKER_ROLES = ("actor_rollout", "critic", "rm", "rollout")  # the PPO trainer's worker groups (init_workers;
 # rollout: the split placement's pool)
@@ -133,6 +133,8 @@ def _validate_trainer(cfg: PPOConfig) -> None:
             f"trainer.save_freq_minutes must be > 0 (or null: checkpoints by trainer.save_freq alone), "
             f"got {trainer.save_freq_minutes}"
         )
+    for key, section in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor), ("critic", cfg.critic)):
+        check_checkpoint_contents(f"{key}.checkpoint", section.checkpoint)
     if trainer.critic_warmup < 0:
         raise ConfigError(f"trainer.critic_warmup must be >= 0, got {trainer.critic_warmup}")
     if trainer.critic_warmup and not cfg.use_critic:
@@ -195,6 +197,22 @@ def _validate_names(cfg: PPOConfig) -> None:
     ):
         if mode not in ENGINE_AGG_MODES:  # token-sum: a sum the engines' micro-batch weighting would average
             raise ConfigError(f"{key}: unsupported mode '{mode}'; one of {', '.join(ENGINE_AGG_MODES)}")
+
+
+def check_checkpoint_contents(key: str, contents: CheckpointContents) -> None:
+    """verl's save_contents / load_contents: known entries; the model, optimizer and extra state always in (a
+    checkpoint without them would not resume: not supported)."""
+    loads = contents.save_contents if contents.load_contents is None else contents.load_contents
+    for name, entries in (("save_contents", contents.save_contents), ("load_contents", loads)):
+        unknown = [e for e in entries if e not in (*CHECKPOINT_CONTENTS, "hf_model")]
+        if unknown:
+            raise ConfigError(f"{key}.{name}: unknown {unknown}; known: {[*CHECKPOINT_CONTENTS, 'hf_model']}")
+        missing = [e for e in CHECKPOINT_CONTENTS if e not in entries]
+        if missing:
+            raise ConfigError(
+                f"{key}.{name} leaves out {missing}: every checkpoint saves and loads the model, the optimizer and "
+                "the extra state (a partial checkpoint is not supported); hf_model may be added"
+            )
 
 
 def check_positive(values: Mapping[str, float]) -> None:

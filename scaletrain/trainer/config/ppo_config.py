@@ -138,6 +138,8 @@ class TrainerSection(RunSettings):
         "log_val_generations",
         "verbose",
     )
+    LAYOUT_ONLY = ("n_gpus_per_node", "nnodes")  # the data-parallel size: resumable across it where the backend
+    # reshards (backends/base.py BackendTraits.reshards_on_resume)
 
     experiment_name: str | None = None  # null: <adv_estimator>_<backend.name>, so runs on different backends
     # keep separate checkpoint directories

@@ -136,7 +136,9 @@ class RolloutProducer:
         batch = batch.repeat(sampling.n, interleave=True).union(gen_out)
         if "rollout_version" not in batch.non_tensor_batch:  # the agent loops report it per trajectory
             batch.non_tensor_batch["rollout_version"] = np.full(len(batch), version, dtype=np.int64)
-        batch.meta_info["temperature"] = sampling.temperature  # the log-prob passes scale the logits by it
+        # the log-prob passes scale the logits by it; greedy rollouts (0) by 1: the raw logits, as the engines' own
+        # rollout log-probs of a greedy token (dividing by 0 made every log-prob NaN)
+        batch.meta_info["temperature"] = sampling.temperature or 1.0
         if baseline is not None:
             batch.tensors["reward_baselines"] = baseline.repeat_interleave(sampling.n)
         with timer("reward", timings), self.reward_lock:

@@ -46,6 +46,11 @@ _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 _LEFTOVER = re.compile(r"^\.global_step_(\d+)\.(incomplete|replaced|deleting)$")
 
 
+def tree_bytes(path: str) -> int:
+    """The bytes of the files under ``path`` (a checkpoint's size on disk, as written)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
 def _write_atomic(path: str, text: str) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:

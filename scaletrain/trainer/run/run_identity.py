@@ -9,6 +9,8 @@ another one's checkpoints or metrics.
   extended). A key nobody marked counts as result-changing.
 - ``trainer.resume_mode=auto`` with a checkpoint in the directory resumes only a run with the same settings;
   otherwise it fails naming the keys that differ (a new ``trainer.experiment_name`` gets a directory of its own).
+  The layout's keys (``LAYOUT_ONLY``: the number of training ranks) may differ where the backend reshards its
+  checkpoint (``reshards_on_resume``: FSDP2), logged as such; with another backend they are refused as the rest.
 - A run that starts fresh in a directory holding an earlier run's outputs (``resume_mode=disable``, or a restart
   before the first checkpoint) first moves them to ``<run dir>/previous/<time>/``: nothing is deleted, keep-N
   pruning never touches them, and ``metrics.jsonl`` holds one run, each step once.
@@ -25,10 +27,11 @@ import shutil
 import time
 from typing import Any
 
+from backends.base import backend_traits
 from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.trainer.run.checkpoint import CheckpointManager
 from scaletrain.utils.secrets import redact_secrets
-from scaletrain.utils.typed_config import ConfigError, execution_only, leaf_fields, resolved, to_dict
+from scaletrain.utils.typed_config import ConfigError, execution_only, layout_only, leaf_fields, resolved, to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +77,34 @@ def fingerprint(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
+def _differences(stored: dict[str, Any], current: dict[str, Any], keys=None) -> list[str]:
     return [
         f"{key}: {stored[key]!r} there, {current[key]!r} now"
         for key in sorted(set(stored) & set(current))
-        if stored[key] != current[key]
+        if stored[key] != current[key] and (keys is None or key in keys)
     ]
+
+
+def layout_keys(cls: type = PPOConfig) -> set[str]:
+    """The dotted keys of the run's parallel layout (``LAYOUT_ONLY``)."""
+    return {key for key, owner, f in leaf_fields(cls) if f.name in layout_only(owner)}
+
+
+def _resume_differences(cfg: PPOConfig, stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The differing settings that stop a resume: all of them, less the layout's where the backend reshards (those
+    are logged)."""
+    if not backend_traits(cfg.backend.name).reshards_on_resume:
+        return _differences(stored, current)
+    layout = layout_keys(type(cfg))
+    moved = _differences(stored, current, layout)
+    if moved:
+        logger.warning(
+            "resuming on another layout (%s): the %s backend reshards its checkpoint; sums over ranks run in another "
+            "order",
+            "; ".join(moved),
+            cfg.backend.name,
+        )
+    return _differences(stored, current, set(current) - layout)
 
 
 def _read_settings(run_dir: str) -> dict[str, Any] | None:
@@ -120,7 +145,7 @@ def claim_run_dir(cfg: PPOConfig) -> None:
     latest = CheckpointManager(run_dir).latest()
     resuming = tr.resume_mode == "resume_path" or (tr.resume_mode == "auto" and latest is not None)
     if resuming and tr.resume_mode == "auto":
-        differences = [] if stored is None else _differences(stored, current)
+        differences = [] if stored is None else _resume_differences(cfg, stored, current)
         if stored is None:
             logger.warning("%s has no %s (an older run): resuming without checking its settings", run_dir, RUN_CONFIG)
         elif differences:

@@ -62,6 +62,11 @@ def test_yaml_defaults_build_and_validate():
         (["trainer.critic_warmup=-1", "algorithm.adv_estimator=gae"], "trainer.critic_warmup must be >= 0"),
         (["trainer.save_freq_minutes=0"], "trainer.save_freq_minutes must be > 0 (or null"),
         (
+            ["actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]"],
+            "actor_rollout_ref.actor.checkpoint.save_contents leaves out ['optimizer', 'extra']",
+        ),
+        (["critic.checkpoint.load_contents=[model,optimizer,extra,lora]"], "critic.checkpoint.load_contents: unknown"),
+        (
             ["actor_rollout_ref.rollout.tensor_model_parallel_size=3"],
             "actor_rollout_ref.rollout.tensor_model_parallel_size (3) must divide the 2 ranks",
         ),
