@@ -100,7 +100,7 @@ def _resume_differences(cfg: PPOConfig, stored: dict[str, Any], current: dict[st
     if moved:
         logger.warning(
             "resuming on another layout (%s): the %s backend reshards its checkpoint; sums over ranks run in another "
-            "order",
+            "order, and sampled rollouts (seeded per rank) draw other samples",
             "; ".join(moved),
             cfg.backend.name,
         )
