@@ -16,8 +16,8 @@ import torch
 
 from backends.base import bucketed
 from backends.hf_checkpoint import CHECKPOINT_READERS, HF_META_DIR
-from backends.megatron.export import export_groups, module_name
-from backends.megatron.hf_mapping import is_tensor_parallel, layout_from_hf, megatron_to_hf
+from backends.megatron.export import export_groups, group_hf_tensors, module_name
+from backends.megatron.hf_mapping import is_tensor_parallel, layout_from_hf
 from backends.safe_load import load_rank_file
 
 
@@ -55,10 +55,12 @@ def read_megatron_checkpoint(
 
     def tensors():
         for group in export_groups(lo, hf_names):
-            out = {}
-            for name in group.megatron:
+
+            def shards_of(name: str, stage: int = group.stage) -> list[torch.Tensor]:
                 ranks = range(lo.tp) if is_tensor_parallel(name) and lo.tp > 1 else range(1)
-                out.update(megatron_to_hf(name, [shard(t, group.stage, name) for t in ranks], lo, group.stage))
+                return [shard(t, stage, name) for t in ranks]
+
+            out = group_hf_tensors(group, lo, shards_of)
             for name in group.hf:
                 yield name, out[name].numel() * out[name].element_size(), lambda t=out[name]: t.contiguous()
 

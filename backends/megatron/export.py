@@ -61,18 +61,28 @@ def _param(engine, name: str) -> torch.Tensor:
     return engine.module.get_parameter(module_name(name)).detach()
 
 
-def _gather_group(engine, group: ExportGroup) -> dict[str, torch.Tensor]:
-    """HF tensors of ``group`` on its owning stage (TP all-gather per parameter)."""
+def group_hf_tensors(group: ExportGroup, lo: Layout, shards_of) -> dict[str, torch.Tensor]:
+    """HF tensors of ``group`` from ``shards_of(name)``: the TP shards of each of its Megatron parameters, in TP-rank
+    order (one for a parameter every TP rank holds whole). The engine gathers them; the offline reader
+    (checkpoint_reader.py) reads them from the rank files."""
     out = {}
     for name in group.megatron:
-        local = _param(engine, name).contiguous()
-        if is_tensor_parallel(name) and engine.layout.tp > 1:
-            shards = [torch.empty_like(local) for _ in range(engine.layout.tp)]
-            dist.all_gather(shards, local, group=engine.tp_group)
-        else:
-            shards = [local]
-        out.update(megatron_to_hf(name, shards, engine.layout, group.stage))
+        out.update(megatron_to_hf(name, shards_of(name), lo, group.stage))
     return out
+
+
+def _gather_group(engine, group: ExportGroup) -> dict[str, torch.Tensor]:
+    """HF tensors of ``group`` on its owning stage (TP all-gather per parameter)."""
+
+    def gathered(name: str) -> list[torch.Tensor]:
+        local = _param(engine, name).contiguous()
+        if not (is_tensor_parallel(name) and engine.layout.tp > 1):
+            return [local]
+        shards = [torch.empty_like(local) for _ in range(engine.layout.tp)]
+        dist.all_gather(shards, local, group=engine.tp_group)
+        return shards
+
+    return group_hf_tensors(group, engine.layout, gathered)
 
 
 def gather_hf_buckets(engine, bucket_bytes: int, skip=()):
