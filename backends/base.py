@@ -154,14 +154,17 @@ class BackendTraits:
     offload: bool = True  # param_offload / optimizer_offload keep parameters / optimizer state in CPU memory
     lora: bool = True  # model.lora_rank > 0 trains LoRA adapters on a frozen base
     check: str | None = None  # "module:function" checking a role's engine settings (check_engine_settings)
-    reshards_on_resume: bool = False  # a checkpoint resumes on another data-parallel size (FSDP2: DCP reshards)
+    reshards_on_resume: bool = False  # its checkpoints resume on another layout or backend, and it resumes
+    # theirs (the built-ins: backends/checkpoint/portable.py; fsdp's own on any DP size through DCP)
 
 
 # the built-ins' traits (their modules load lazily); register_backend records a new backend's
 BACKEND_TRAITS = {
     "fsdp": BackendTraits(reshards_on_resume=True),
-    "deepspeed": BackendTraits(),
-    "megatron": BackendTraits(offload=False, lora=False, check="backends.megatron.checks:check_engine_settings"),
+    "deepspeed": BackendTraits(reshards_on_resume=True),
+    "megatron": BackendTraits(
+        offload=False, lora=False, check="backends.megatron.checks:check_engine_settings", reshards_on_resume=True
+    ),
 }
 
 

@@ -21,7 +21,9 @@ Hooks (the backend's part):
   - ``_backward(loss)``; ``_clip_grads()`` -> the global gradient norm before clipping; ``_apply_update()``;
     ``_end_step(skipped)``: zero the gradients and advance the LR schedule (one per train_step, skipped or not);
   - ``_param_items()``: the model's state dict as (name, full nbytes, get) in order, ``get`` gathering the full
-    tensor (collective) when called; the shared code buckets them (and merges LoRA adapters).
+    tensor (collective) when called; the shared code buckets them (and merges LoRA adapters);
+  - ``_set_portable(state)``: this rank's shard of each full parameter and Adam moment of a checkpoint written by
+    another backend or layout (``load_portable``; backends/checkpoint/portable.py).
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ from abc import abstractmethod
 
 import torch
 import torch.distributed as dist
-from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from backends.accumulation import Accumulation, finish_train_step, partition_batch, require_trainable
 from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, base_model_only, bucketed
 from backends.batching import Partition, restore_order
+from backends.checkpoint.hf_export import collective_write, save_engine_hf
+from backends.checkpoint.portable import PortableState, read_portable_state
 from backends.config import (
     DEFAULT_FORWARD,
     EngineConfig,
@@ -46,10 +50,10 @@ from backends.config import (
     resolve_precision,
 )
 from backends.dist import local_device
-from backends.hf_checkpoint import collective_write, save_engine_hf
 from backends.hf_model import build_model, check_outputs, forward_micro_batch, tied_duplicate_names
 from backends.lora import ADAPTER, lora_enabled
 from backends.lora_weights import Item, LoraLayout, adapter_config_dict, write_adapter_dir
+from backends.optim import set_schedule_step
 from backends.vision import MULTI_MODAL_INPUTS, gather_vision_inputs, vision_keys
 from scaletrain.protocol import DataProto
 
@@ -115,6 +119,25 @@ class HFTrainEngine(TrainEngine):
 
     @abstractmethod
     def _param_items(self) -> list[Item]: ...
+
+    @abstractmethod
+    def _set_portable(self, state: PortableState) -> None: ...
+
+    def load_portable(self, path: str) -> None:
+        """Collective: resume checkpoint ``path`` written by another backend or layout (backends/checkpoint/
+        portable.py): parameters, Adam's moments and step, the LR schedule at that step."""
+        names = [name for name, _, _ in self._param_items()]
+        trainable = self.optimizer is not None
+        state = read_portable_state(
+            path, self.architecture, names, trainable, f"{type(self).__name__} on {dist.get_world_size()} ranks"
+        )
+        with torch.no_grad(), self._on_device(optimizer=True):
+            self._set_portable(state)
+        if self.scheduler is not None:
+            assert isinstance(self.scheduler, LambdaLR)  # backends/optim.py build_lr_scheduler's
+            set_schedule_step(self.scheduler, state.step)
+        self.global_step = state.step
+        dist.barrier()
 
     def _schedule(self) -> LRScheduler:
         """The LR schedule; only a trainable engine has one (``train_step`` checks ``require_trainable``)."""

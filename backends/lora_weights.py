@@ -26,7 +26,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from backends.hf_checkpoint import copy_tokenizer_files, publish_dir
+from backends.checkpoint.hf_export import copy_tokenizer_files, publish_dir
 from backends.lora import ADAPTER
 
 PREFIX = "base_model.model."

@@ -74,3 +74,12 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig) ->
         return lr_multiplier(step, warmup, total, schedule, min_ratio)
 
     return LambdaLR(optimizer, multiplier)
+
+
+def set_schedule_step(scheduler: LambdaLR, step: int) -> None:
+    """The schedule as after ``step`` updates (a resume that did not bring the scheduler's own state): its count and
+    the optimizer's learning rates at that step."""
+    lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler.last_epoch, scheduler._step_count, scheduler._last_lr = step, step + 1, lrs

@@ -21,9 +21,11 @@ config (top-level keys; "zero_optimization" merged key by key).
 Checkpoints: DeepSpeed's own ``save_checkpoint`` / ``load_checkpoint`` (partitioned model + optimizer + LR
 scheduler, tag "state") plus one ``extra_rank{R}.pt`` per rank with the RNG states and the step counter. A
 forward-only engine (no optimizer: DeepSpeed cannot checkpoint it) saves each rank's parameter partitions instead.
-Every file loads with ``torch.load(weights_only=True)`` (backends/safe_load.py): the extra and partition files
-directly, DeepSpeed's own through its checkpoint engine's ``load``, replaced on this engine's instance (DeepSpeed's
-loads with ``weights_only=False``), with the two DeepSpeed classes its optimizer states hold allowed.
+Another backend's checkpoint, or one of another data-parallel size, resumes through HF names (``load_portable``:
+backends/checkpoint/portable.py). Every file loads with ``torch.load(weights_only=True)``
+(backends/checkpoint/safe_load.py): the extra and partition files directly, DeepSpeed's own through its checkpoint
+engine's ``load``, replaced on this engine's instance (DeepSpeed's loads with ``weights_only=False``), with the two
+DeepSpeed classes its optimizer states hold allowed.
 """
 
 from __future__ import annotations
@@ -34,17 +36,19 @@ import os
 import sys
 from datetime import timedelta
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from backends.base import register_backend
+from backends.checkpoint.meta import resumes_natively, write_checkpoint_meta
+from backends.checkpoint.portable import PortableState
+from backends.checkpoint.safe_load import load_rank_file
 from backends.config import EngineConfig, ModelConfig, OptimConfig
-from backends.hf_checkpoint import check_resumable, write_checkpoint_meta
 from backends.hf_engine import HFTrainEngine
 from backends.lora_weights import Item
 from backends.optim import build_lr_scheduler, build_optimizer
-from backends.safe_load import load_rank_file
 from scaletrain.utils.net import free_port
 from scaletrain.utils.seeding import rng_state, set_rng_state
 
@@ -189,7 +193,8 @@ class DeepSpeedEngine(HFTrainEngine):
         dist.barrier()
 
     def load(self, path: str) -> None:
-        check_resumable(path, "deepspeed", {"dp": dist.get_world_size()})  # ZeRO partitions are per rank
+        if not resumes_natively(path, "deepspeed", {"dp": dist.get_world_size()}):  # ZeRO partitions are per rank
+            return self.load_portable(path)
         extra_file = os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
         if not os.path.isfile(extra_file):
             raise FileNotFoundError(f"{extra_file} not found: was the checkpoint written with a different world size?")
@@ -214,6 +219,46 @@ class DeepSpeedEngine(HFTrainEngine):
         set_rng_state(extra["rng"])
         self.global_step = int(extra["global_step"])
         dist.barrier()
+
+    def _set_portable(self, state: PortableState) -> None:
+        """Each parameter's ZeRO-3 partition (this rank's slice of the flattened tensor, zero-padded at the end),
+        its fp32 master partition and Adam moments in the optimizer's flat groups."""
+        rank, trained = dist.get_rank(), self.optim_config is not None
+        if trained:
+            self._init_optimizer_state(state.step)
+            self.ds.global_steps = state.step
+        for name, p in self.model.named_parameters():
+            part = p.ds_tensor  # pyright: ignore[reportAttributeAccessIssue]
+
+            def piece(full: torch.Tensor, n: int = part.numel()) -> torch.Tensor:
+                flat = full.reshape(-1)[rank * n : (rank + 1) * n]
+                return torch.cat([flat, flat.new_zeros(n - flat.numel())])
+
+            part.copy_(piece(state.params[name]))
+            if trained and p.requires_grad:
+                for key in (None, "exp_avg", "exp_avg_sq"):
+                    full = state.params[name] if key is None else state.moment(key, name)
+                    self._hp_partition(p, key).copy_(piece(full))
+
+    def _hp_partition(self, p: torch.nn.Parameter, key: str | None) -> torch.Tensor:
+        """This rank's slice of parameter ``p``'s fp32 master (``key`` None) or Adam moment ``key`` in ZeRO-3's
+        flat groups: where DeepSpeed's own ``safe_set_full_*`` writes, which fails on a partition holding padding
+        alone (a 1-element value-head bias on rank 1)."""
+        zero: Any = self.ds.optimizer
+        group, offset, n = zero.grad_position[zero.get_param_id(p)]
+        flat = zero.fp32_partitioned_groups_flat[group]
+        target = flat if key is None else zero.optimizer.state[flat][key]
+        return target.narrow(0, offset, n)
+
+    def _init_optimizer_state(self, step: int) -> None:
+        """AdamW's state of each flat fp32 partition (ZeRO-3's optimizer parameters), as after ``step`` updates:
+        before the first update it does not exist yet, and DeepSpeed's setters write into it."""
+        zero: Any = self.ds.optimizer  # ZeRO-3's optimizer, set whenever optim_config is given
+        for flat in zero.fp32_partitioned_groups_flat:
+            partition_state = zero.optimizer.state[flat]
+            for key in ("exp_avg", "exp_avg_sq"):
+                partition_state.setdefault(key, torch.zeros_like(flat))
+            partition_state["step"] = torch.tensor(float(step))
 
     def _partitions(self) -> dict[str, torch.Tensor]:
         """This rank's ZeRO-3 slices of the parameters (the tensors themselves: writing them updates the model)."""

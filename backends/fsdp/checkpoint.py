@@ -35,9 +35,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from backends.base import bucketed
+from backends.checkpoint.meta import CHECKPOINT_META, CHECKPOINT_READERS, read_checkpoint_meta
+from backends.checkpoint.safe_load import CorruptCheckpointError, load_rank_file
 from backends.fsdp.safe_dcp import safe_dcp_load, safe_dcp_metadata
-from backends.hf_checkpoint import CHECKPOINT_META, CHECKPOINT_READERS, check_resumable, read_checkpoint_meta
-from backends.safe_load import CorruptCheckpointError, load_rank_file
 from scaletrain.utils.seeding import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,6 @@ def load_checkpoint(path: str, model, optimizer, scheduler, trainable_only: bool
     ``trainable_only``: as saved with it (the frozen parameters keep the values they were built with). On another
     number of ranks than the checkpoint's, DCP reshards the model and optimizer state; the scheduler and step come
     from rank 0's extra state (the same on every rank), and a rank the checkpoint did not have keeps its own RNG."""
-    check_resumable(path, "fsdp")
     rank, saved_world = dist.get_rank(), _saved_world(path)
     extra_file = _extra_path(path, rank if rank < saved_world else 0)
     if not os.path.isfile(extra_file):
@@ -123,18 +122,20 @@ def load_checkpoint(path: str, model, optimizer, scheduler, trainable_only: bool
 
 @CHECKPOINT_READERS.register("fsdp")
 def read_fsdp_checkpoint(
-    path: str, meta: dict, hf_names: list[str], bucket_bytes: int
+    path: str, meta: dict, hf_names: list[str], bucket_bytes: int, state: str = "param"
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The model's tensors under the engine's names, full, in buckets of about ``bucket_bytes``: each bucket is one
-    ``dcp.load`` of just its tensors (in this process), so memory holds one bucket, never the whole model."""
+    """The model's tensors (or with ``state``, an Adam moment of each) under the engine's names, full, in buckets
+    of about ``bucket_bytes``: each bucket is one ``dcp.load`` of just its tensors (in this process), so memory
+    holds one bucket, never the whole model."""
     dcp_dir = os.path.join(path, "dcp")
     metadata = safe_dcp_metadata(dcp_dir)
-    _check_files(dcp_dir, metadata)
-    saved = metadata.state_dict_metadata
+    # DCP flattens the nested state: model.<name>, optimizer.state.<name>.<exp_avg | exp_avg_sq | step>
+    prefix, suffix = ("model.", "") if state == "param" else ("optimizer.state.", f".{state}")
+    _check_files(dcp_dir, metadata, prefix)
     tensors = {
-        key.removeprefix("model."): (m.size, m.properties.dtype)
-        for key, m in saved.items()
-        if key.startswith("model.") and isinstance(m, TensorStorageMetadata)
+        key[len(prefix) : len(key) - len(suffix)]: (m.size, m.properties.dtype)
+        for key, m in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and key.endswith(suffix) and isinstance(m, TensorStorageMetadata)
     }
 
     def empty(name: str) -> torch.Tensor:  # filled by the bucket's dcp.load
@@ -143,17 +144,20 @@ def read_fsdp_checkpoint(
 
     items = ((name, size.numel() * dtype.itemsize, partial(empty, name)) for name, (size, dtype) in tensors.items())
     for bucket in bucketed(items, bucket_bytes):
-        state = {"model": dict(bucket)}
-        safe_dcp_load(state, dcp_dir, no_dist=True)  # this process alone, in a process group or not
+        if state == "param":
+            loaded = {"model": dict(bucket)}
+        else:
+            loaded = {"optimizer": {"state": {name: {state: tensor} for name, tensor in bucket}}}
+        safe_dcp_load(loaded, dcp_dir, no_dist=True)  # this process alone, in a process group or not
         yield bucket
 
 
-def _check_files(dcp_dir: str, metadata) -> None:
-    """Every file the model's tensors are stored in is there and long enough: a missing or cut shard fails here,
-    naming the file, before anything is read."""
+def _check_files(dcp_dir: str, metadata, prefix: str = "model.") -> None:
+    """Every file the tensors read (under ``prefix``) are stored in is there and long enough: a missing or cut
+    shard fails here, naming the file, before anything is read."""
     needed: dict[str, int] = {}
     for index, info in metadata.storage_data.items():
-        if index.fqn.startswith("model."):
+        if index.fqn.startswith(prefix):
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for name, end in sorted(needed.items()):
         file = os.path.join(dcp_dir, name)

@@ -14,6 +14,9 @@ checkpoints and the offload of parameters / optimizer state between calls.
 Loading: every rank reads the whole HF checkpoint into CPU memory, then ``fully_shard`` keeps its shard (moved to
 ``cuda:LOCAL_RANK`` when CUDA is available). Simple and exact; for models too large for one host's RAM times
 the ranks per host, load on rank 0 only and broadcast (``set_model_state_dict(broadcast_from_rank0=True)``).
+
+Resuming: its own checkpoints on any number of ranks (DCP reshards: backends/fsdp/checkpoint.py); another
+backend's, or another layout's, through HF names (``load_portable``: backends/checkpoint/portable.py).
 """
 
 from __future__ import annotations
@@ -25,15 +28,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from backends.accumulation import require_trainable
 from backends.base import Buckets, bucketed, register_backend
+from backends.checkpoint.meta import resumes_natively, write_checkpoint_meta
+from backends.checkpoint.portable import PortableState
 from backends.config import EngineConfig, ModelConfig, OptimConfig
 from backends.dist import init_distributed
 from backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
 from backends.fsdp.gather import gather_full
-from backends.hf_checkpoint import write_checkpoint_meta
 from backends.hf_engine import HFTrainEngine
 from backends.hf_model import decoder_layers, torch_dtype
 from backends.lora_weights import Item
@@ -118,9 +122,26 @@ class FSDPEngine(HFTrainEngine):
             save_checkpoint(path, self.model, self.optimizer, self.scheduler, extra, trainable_only=self.has_adapter)
 
     def load(self, path: str) -> None:
+        if not resumes_natively(path, "fsdp"):  # DCP reshards fsdp's own on any number of ranks
+            return self.load_portable(path)
         with self._on_device(optimizer=True):
             extra = load_checkpoint(path, self.model, self.optimizer, self.scheduler, trainable_only=self.has_adapter)
         self.global_step = int(extra.get("global_step", 0))
+
+    def _set_portable(self, state: PortableState) -> None:
+        """Each parameter's and moment's shard (DTensor, sharded as the parameter) cut from the full tensor that
+        every rank holds, so no rank sends anything."""
+
+        def shard(full: torch.Tensor, like: DTensor) -> DTensor:
+            full = full.to(device=like.device, dtype=like.dtype)
+            return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+        for name, p in self.model.named_parameters():
+            assert isinstance(p, DTensor)  # fully_shard made every parameter one
+            p.to_local().copy_(shard(state.params[name], p).to_local())
+            if self.optimizer is not None and p.requires_grad:
+                moments = {key: shard(state.moment(key, name), p) for key in ("exp_avg", "exp_avg_sq")}
+                self.optimizer.state[p] = {"step": torch.tensor(float(state.step)), **moments}
 
     # -------------------------------------------------------------------------------------------- offload
     def offload(self) -> None:

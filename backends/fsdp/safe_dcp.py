@@ -5,7 +5,7 @@ optimizer's ``param_groups`` values, anything not a tensor) with ``torch.load(we
 of either kind would run its payload in every rank. ``safe_dcp_load`` reads the metadata with an unpickler that
 resolves only DCP's own metadata classes, ``torch.Size``, dtypes, layouts and paths, and checks each byte item with
 ``weights_only=True`` before DCP decodes it; anything else fails with ``UnsafeCheckpointError`` naming the file and
-the object (backends/safe_load.py), raised on every rank.
+the object (backends/checkpoint/safe_load.py), raised on every rank.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from backends.safe_load import UnsafeCheckpointError, check_torch_bytes, load_pickle_allowing
+from backends.checkpoint.safe_load import UnsafeCheckpointError, check_torch_bytes, load_pickle_allowing
 
 _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)

@@ -13,15 +13,12 @@ on the last PP stage and broadcast to the other stages (small: (B, R) tensors an
 returns the same; the controller keeps TP rank 0 of the last stage (``collects_output``).
 
 Weights are read from the HF checkpoint on every rank (each keeps its shards; backends/megatron/hf_mapping.py).
-Checkpoints: one ``rank{R}.pt`` per rank (parameters, inner optimizer state, step, RNG; tensors, lists and numbers
-only, loaded with ``torch.load(weights_only=True)``): exact resume with the same layout; the checkpoint's meta
-records each rank's (tp, pp, dp) place, so backends/megatron/checkpoint_reader.py reads it back offline.
+Checkpoints: backends/megatron/checkpoint.py (one file per rank; another layout's or backend's through HF names).
 CPU: backends/megatron/cpu_shim.py is applied before megatron-core is first used.
 """
 
 from __future__ import annotations
 
-import os
 from functools import partial
 from typing import Any
 
@@ -31,6 +28,7 @@ import torch.distributed as dist
 from backends.accumulation import Accumulation, finish_train_step, partition_batch, require_trainable
 from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, base_model_only, register_backend
 from backends.batching import restore_order
+from backends.checkpoint.hf_export import save_engine_hf
 from backends.config import (
     DEFAULT_FORWARD,
     EngineConfig,
@@ -41,17 +39,15 @@ from backends.config import (
     resolve_precision,
 )
 from backends.dist import init_distributed, local_device
-from backends.hf_checkpoint import check_resumable, save_engine_hf, write_checkpoint_meta
 from backends.hf_model import build_model, check_outputs, torch_dtype
+from backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 from backends.megatron.export import export_groups, gather_hf_buckets
 from backends.megatron.hf_mapping import layout_from_hf
 from backends.megatron.model import build_gpt_model, load_hf_weights, transformer_config
 from backends.megatron.ops import prepare_micro_batch, response_outputs
 from backends.megatron.parallel import MegatronParallelConfig, init_model_parallel
 from backends.optim import SCHEDULES, lr_multiplier, warmup_steps
-from backends.safe_load import load_rank_file
 from scaletrain.protocol import DataProto
-from scaletrain.utils.seeding import rng_state, set_rng_state
 
 
 def _check_supported(model_config: ModelConfig, optim_config: OptimConfig | None) -> None:
@@ -349,49 +345,8 @@ class MegatronEngine(TrainEngine):
         return ("lm_head.weight",) if self.layout.tie_embeddings and self.layout.kind == "causal_lm" else ()
 
     # -------------------------------------------------------------------------------------------- checkpoint
-    def _state(self) -> dict:
-        state = {
-            "params": {k: v.detach().clone() for k, v in self.module.named_parameters()},
-            "global_step": self.global_step,
-            "rng": rng_state(),
-        }
-        if self.optimizer is not None:
-            inner = [opt.optimizer for opt in _inner_optimizers(self.optimizer)]
-            state["optimizer"] = [opt.state_dict() for opt in inner]
-            # the optimizer's own (main) parameters: views of the model's in fp32, separate fp32 copies under bf16
-            state["main_params"] = [
-                [p.detach().clone() for g in opt.param_groups for p in g["params"]] for opt in inner
-            ]
-        return state
-
     def save(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
-        places: list = [None] * dist.get_world_size()  # each rank's (tp, pp, dp) place: the offline reader's map
-        dist.all_gather_object(places, (self.tp_rank, self.pp_rank, self.dp_rank))
-        if dist.get_rank() == 0:
-            layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.dp_size, "places": places}
-            write_checkpoint_meta(self, path, "megatron", layout, self._tied_names())
-        torch.save(self._state(), os.path.join(path, f"rank{dist.get_rank()}.pt"))
-        dist.barrier()
+        save_checkpoint(self, path)
 
     def load(self, path: str) -> None:
-        check_resumable(path, "megatron", {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.dp_size})
-        state = load_rank_file(os.path.join(path, f"rank{dist.get_rank()}.pt"))  # weights_only: no pickled code
-        with torch.no_grad():
-            for name, p in self.module.named_parameters():
-                p.copy_(state["params"][name])
-        if self.optimizer is not None:
-            inner = [opt.optimizer for opt in _inner_optimizers(self.optimizer)]
-            for opt, opt_state, mains in zip(inner, state["optimizer"], state["main_params"]):
-                opt.load_state_dict(opt_state)
-                with torch.no_grad():
-                    for p, value in zip([p for g in opt.param_groups for p in g["params"]], mains):
-                        p.copy_(value)
-        self.global_step = int(state["global_step"])
-        set_rng_state(state["rng"])
-        dist.barrier()
-
-
-def _inner_optimizers(optimizer) -> list:
-    """The megatron optimizers of a (possibly chained) megatron optimizer, each with a torch ``.optimizer``."""
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+        load_checkpoint(self, path)

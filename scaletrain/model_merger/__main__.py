@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_flags(args: argparse.Namespace) -> None:
-    from backends.hf_checkpoint import read_checkpoint_meta
+    from backends.checkpoint.meta import read_checkpoint_meta
 
     if args.hf_upload_path:
         raise InvalidInput("--hf_upload_path: nothing is uploaded from here; push --target_dir with the hub's command")

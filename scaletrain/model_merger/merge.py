@@ -1,12 +1,12 @@
 """Converting an engine checkpoint (``<run>/global_step_N/actor`` or ``/critic``) into a Hugging Face directory.
 
-The checkpoint describes itself (backends/hf_checkpoint.py ``write_checkpoint_meta``: the backend and its layout,
+The checkpoint describes itself (backends/checkpoint/meta.py ``write_checkpoint_meta``: the backend and its layout,
 the model's kind, architecture and dtype, and ``huggingface/`` with the config and tokenizer), and its backend's
 reader (``CHECKPOINT_READERS``) yields the full tensors a bucket at a time, in one process with no process group.
 Every tensor is checked against the model the saved config builds (on the meta device: no weights allocated):
 a name it does not have, another shape (a checkpoint of another model), or a tensor missing at the end (a cut
 checkpoint) fails the conversion naming the checkpoint, and nothing is left at ``target_dir`` (the export is
-written to ``<target_dir>.incomplete`` and renamed only when complete: backends/hf_checkpoint.py). Memory holds
+written to ``<target_dir>.incomplete`` and renamed only when complete: backends/checkpoint/hf_export.py). Memory holds
 one bucket of tensors (``shard_bytes``), never the whole model twice.
 """
 
@@ -18,7 +18,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from backends.hf_checkpoint import CHECKPOINT_READERS, HF_META_DIR, read_checkpoint_meta, write_hf_checkpoint
+from backends.checkpoint.hf_export import write_hf_checkpoint
+from backends.checkpoint.meta import CHECKPOINT_READERS, HF_META_DIR, read_checkpoint_meta
 from backends.hf_model import torch_dtype
 from backends.lora_weights import LoraLayout, write_adapter_dir
 from scaletrain.model_merger.lora import checked_adapters, merged_lora

@@ -1,5 +1,5 @@
 """Durable, atomic directory writes, shared by the run checkpoints (scaletrain/trainer/run/checkpoint.py) and the HF
-export (backends/hf_checkpoint.py).
+export (backends/checkpoint/hf_export.py).
 
 - ``fsync_tree(path)`` fsyncs every file and directory under ``path``, so a rename that publishes ``path``
   publishes data that is on disk, not only in the page cache (a power loss after the rename cannot leave empty or

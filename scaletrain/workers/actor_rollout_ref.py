@@ -21,9 +21,9 @@ import threading
 from dataclasses import replace
 
 from backends.base import TrainEngine, get_backend
+from backends.checkpoint.meta import HF_META_DIR
 from backends.config import ForwardOptions
 from backends.dist import peak_memory_metrics
-from backends.hf_checkpoint import HF_META_DIR
 from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
 from scaletrain.controller import Dispatch, Worker, register
 from scaletrain.controller.weight_transport import WeightBuckets, put_buckets, read_buckets

@@ -44,6 +44,8 @@ class MegatronConfig:
 
     # the layout a checkpoint is sharded for (tensor / pipeline sizes, the distributed optimizer) changes results
     EXECUTION_ONLY = ("sequence_parallel", "param_offload", "optimizer_offload", "grad_offload")
+    # a checkpoint resumes on other TP / PP sizes (through HF names: backends/checkpoint/portable.py)
+    LAYOUT_ONLY = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 
     tensor_model_parallel_size: int | None = None  # TP: ranks each layer's weights are split over; null:
     # backend.extra.megatron's, else 1

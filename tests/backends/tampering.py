@@ -73,7 +73,7 @@ def redirect_dcp_bytes_item(dcp_dir: str, marker: str) -> str:
 def assert_refused(load, names: list[str], marker: str) -> None:
     """``load()`` fails with UnsafeCheckpointError naming each of ``names`` and the payload's function, and
     the payload did not run."""
-    from backends.safe_load import UnsafeCheckpointError
+    from backends.checkpoint.safe_load import UnsafeCheckpointError
 
     try:
         load()

@@ -38,6 +38,7 @@ CHECKS = (
     "tampered_checkpoint_refused",
     "save_hf",
     "convert",
+    "critic_converts",
     "nonfinite_grad_skips_step",
     "empty_batch_refused",
     "vision_language",
@@ -287,6 +288,17 @@ def check_save_hf(ctx):
 def check_convert(ctx):
     """The checkpoint of the stepped engine converted offline (tests/backends/conversion.py)."""
     assert_converts(stepped(ctx), base(ctx).share, os.path.join(ctx.work, "convert"), ctx.rank)
+
+
+def check_critic_converts(ctx):
+    """A trained ZeRO-3 critic (value head) converts to an HF token classifier with its values."""
+    from backends.config import EngineConfig, ModelConfig
+    from tests.backends.reference import value_loss
+
+    b = base(ctx)
+    critic = b.DS(ModelConfig(path=b.model_dir, kind="value"), b.optim, EngineConfig(micro_batch_size_per_gpu=3))
+    critic.train_step(b.share, value_loss, ("values",))
+    assert_converts(critic, b.share, os.path.join(ctx.work, "convert_critic"), ctx.rank, kind="value")
 
 
 def check_nonfinite_grad_skips_step(ctx):

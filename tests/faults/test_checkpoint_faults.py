@@ -31,8 +31,8 @@ import numpy as np
 import pytest
 import torch
 
-from backends.hf_checkpoint import write_hf_checkpoint
-from backends.safe_load import UnsafeCheckpointError, load_pickle_allowing, load_rank_file
+from backends.checkpoint.hf_export import write_hf_checkpoint
+from backends.checkpoint.safe_load import UnsafeCheckpointError, load_pickle_allowing, load_rank_file
 from scaletrain.trainer.run.checkpoint import POINTER, CheckpointManager
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

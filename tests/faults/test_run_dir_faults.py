@@ -50,19 +50,35 @@ def test_auto_resume_refuses_another_runs_directory_naming_the_keys(tmp_path):
     assert CheckpointManager(str(tmp_path)).latest() == str(tmp_path / "global_step_1")  # nothing touched
 
 
-def test_another_layout_resumes_where_the_backend_reshards_and_is_refused_elsewhere(tmp_path, caplog):
-    """FSDP2 reshards its checkpoint (tests/trainer/test_layout_resume.py runs it): the number of training ranks may
-    change on resume, logged; DeepSpeed's and Megatron's files are per rank: refused before Ray, naming the key."""
-    fsdp, other = tmp_path / "fsdp", tmp_path / "deepspeed"
-    for run_dir, backend in ((fsdp, "fsdp"), (other, "deepspeed")):
-        claim_run_dir(config(run_dir, f"backend={backend}"))
+def test_another_layout_resumes_where_the_backends_reshard_and_is_refused_elsewhere(tmp_path, caplog):
+    """The built-in backends reshard a checkpoint (tests/trainer/test_layout_resume.py runs it): the number of
+    training ranks, megatron's sizes and the backend may change on resume, logged; a backend registered without
+    that trait, and LoRA adapters anywhere but on fsdp, are refused before Ray, naming the keys."""
+    from backends.base import BACKEND_TRAITS, BackendTraits
+
+    fsdp, deepspeed, lora = tmp_path / "fsdp", tmp_path / "deepspeed", tmp_path / "lora"
+    lora_run = ("backend=deepspeed", "actor_rollout_ref.model.lora_rank=4")
+    for run_dir, overrides in ((fsdp, ("backend=fsdp",)), (deepspeed, ("backend=deepspeed",)), (lora, lora_run)):
+        claim_run_dir(config(run_dir, *overrides))
         save(run_dir, 1)
     claim_run_dir(config(fsdp, "backend=fsdp", "trainer.n_gpus_per_node=1"))
     assert "resuming on another layout (trainer.n_gpus_per_node: 2 there, 1 now)" in caplog.text
+    claim_run_dir(
+        config(deepspeed, "backend=megatron", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
+    )
+    assert "actor_rollout_ref.actor.megatron.tensor_model_parallel_size: None there, 2 now" in caplog.text
+    assert "backend.name: 'deepspeed' there, 'megatron' now" in caplog.text
     with pytest.raises(ConfigError, match=r"trainer\.n_gpus_per_node: 2 there, 4 now"):
-        claim_run_dir(config(other, "backend=deepspeed", "trainer.n_gpus_per_node=4"))
+        claim_run_dir(config(lora, *lora_run, "trainer.n_gpus_per_node=4"))
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.optim\.lr"):  # the rest still counts
         claim_run_dir(config(fsdp, "trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.optim.lr=3e-5"))
+    saved = BACKEND_TRAITS["deepspeed"]
+    BACKEND_TRAITS["deepspeed"] = BackendTraits()  # as a backend registered without the trait
+    try:
+        with pytest.raises(ConfigError, match=r"trainer\.n_gpus_per_node: 2 there, 4 now"):
+            claim_run_dir(config(deepspeed, "backend=deepspeed", "trainer.n_gpus_per_node=4"))
+    finally:
+        BACKEND_TRAITS["deepspeed"] = saved
 
 
 def test_fresh_start_moves_the_earlier_run_aside_and_pruning_cannot_reach_it(tmp_path):

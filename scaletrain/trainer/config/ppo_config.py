@@ -106,6 +106,8 @@ class AlgorithmConfig:
 class BackendConfig(BackendSettings):
     """``backend.*``: which training engine every role uses, and its engine settings (backends.config)."""
 
+    LAYOUT_ONLY = ("name",)  # a checkpoint resumes on another backend (backends/checkpoint/portable.py)
+
     name: str = "fsdp"  # fsdp | deepspeed | megatron
 
 
@@ -138,8 +140,8 @@ class TrainerSection(RunSettings):
         "log_val_generations",
         "verbose",
     )
-    LAYOUT_ONLY = ("n_gpus_per_node", "nnodes")  # the data-parallel size: resumable across it where the backend
-    # reshards (backends/base.py BackendTraits.reshards_on_resume)
+    LAYOUT_ONLY = ("n_gpus_per_node", "nnodes")  # the number of training ranks: resumable across it where the
+    # backends reshard (backends/base.py BackendTraits.reshards_on_resume)
 
     experiment_name: str | None = None  # null: <adv_estimator>_<backend.name>, so runs on different backends
     # keep separate checkpoint directories

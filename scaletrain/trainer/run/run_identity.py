@@ -9,8 +9,10 @@ another one's checkpoints or metrics.
   extended). A key nobody marked counts as result-changing.
 - ``trainer.resume_mode=auto`` with a checkpoint in the directory resumes only a run with the same settings;
   otherwise it fails naming the keys that differ (a new ``trainer.experiment_name`` gets a directory of its own).
-  The layout's keys (``LAYOUT_ONLY``: the number of training ranks) may differ where the backend reshards its
-  checkpoint (``reshards_on_resume``: FSDP2), logged as such; with another backend they are refused as the rest.
+  The layout's keys (``LAYOUT_ONLY``: the backend, the number of training ranks, megatron's TP / PP sizes) may
+  differ where both backends reshard a checkpoint (``reshards_on_resume``: the built-in ones; fsdp's DCP, the
+  others through HF names: backends/checkpoint/portable.py), logged as such; otherwise (another registered backend,
+  LoRA adapters anywhere but on fsdp) they are refused as the rest.
 - A run that starts fresh in a directory holding an earlier run's outputs (``resume_mode=disable``, or a restart
   before the first checkpoint) first moves them to ``<run dir>/previous/<time>/``: nothing is deleted, keep-N
   pruning never touches them, and ``metrics.jsonl`` holds one run, each step once.
@@ -91,19 +93,23 @@ def layout_keys(cls: type = PPOConfig) -> set[str]:
 
 
 def _resume_differences(cfg: PPOConfig, stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """The differing settings that stop a resume: all of them, less the layout's where the backend reshards (those
-    are logged)."""
-    if not backend_traits(cfg.backend.name).reshards_on_resume:
-        return _differences(stored, current)
+    """The differing settings that stop a resume: all of them, less the layout's (the backend and its parallel
+    sizes) where both backends reshard a checkpoint (those are logged). LoRA adapters reshard only as fsdp's own
+    (DCP, another number of ranks)."""
     layout = layout_keys(type(cfg))
+    backends = {str(stored.get("backend.name", cfg.backend.name)), cfg.backend.name}
+    if len(backends) > 1:
+        layout.add("backend.extra")  # another backend brings its own settings (backend=megatron: its layout)
     moved = _differences(stored, current, layout)
-    if moved:
-        logger.warning(
-            "resuming on another layout (%s): the %s backend reshards its checkpoint; sums over ranks run in another "
-            "order, and sampled rollouts (seeded per rank) draw other samples",
-            "; ".join(moved),
-            cfg.backend.name,
-        )
+    lora = cfg.actor_rollout_ref.model.lora_rank > 0 or cfg.critic.model.lora_rank > 0
+    reshards = all(backend_traits(name).reshards_on_resume for name in backends) and (not lora or backends == {"fsdp"})
+    if not moved or not reshards:
+        return _differences(stored, current)
+    logger.warning(
+        "resuming on another layout (%s): the checkpoint is resharded; sums over ranks run in another order, and "
+        "sampled rollouts (seeded per rank) draw other samples",
+        "; ".join(moved),
+    )
     return _differences(stored, current, set(current) - layout)
 
 

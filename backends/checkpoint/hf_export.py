@@ -1,24 +1,13 @@
-"""Checkpoint files on disk: durable, atomic directory writes and the Hugging Face export.
+"""The Hugging Face export of a training engine (layer 1): durable, atomic directory writes.
 
-Durable writes: the export is published with ``scaletrain/utils/durable.py`` (fsync'd, then renamed), as the run
-checkpoints are (scaletrain/trainer/run/checkpoint.py).
-
-Safe loading of the engines' own files is backends/safe_load.py's.
-
-The HF export: ``write_hf_checkpoint`` consumes an iterator of buckets of (HF name, full tensor) on every rank
-(the gathers behind it are collective) and, on the writing rank, saves each bucket as one safetensors shard as it
-arrives, so no rank ever holds more than one bucket. It then writes the shard index (when there are several
-shards), the config (``use_cache`` back on, ``architectures`` set), the generation config, and copies the
-tokenizer and processor files found next to the source model, so ``from_pretrained`` (transformers, vLLM) loads
-the directory directly. Everything goes to ``<path>.incomplete`` first and is renamed to ``path`` when complete, so
-``path`` is never a half-written export and a failed export leaves the previous one in place.
-
-A resumable checkpoint describes itself (``write_checkpoint_meta``, rank 0, inside the engine's save, so the run's
-atomic publication covers it): ``scaletrain_checkpoint.json`` (the backend, its layout, the model's kind and
-architecture, the tied names, a LoRA adapter's config and scalings) and ``huggingface/`` (config, generation config,
-tokenizer files). ``CHECKPOINT_READERS`` holds each backend's offline reader: ``reader(path, meta, hf_names,
-bucket_bytes)`` yields buckets of (engine name, full tensor) from the files alone, in one process with no process
-group (``python -m scaletrain.model_merger``; ``hf_names``: the HF model's state dict names, in order).
+``write_hf_checkpoint`` consumes an iterator of buckets of (HF name, full tensor) on every rank (the gathers behind
+it are collective) and, on the writing rank, saves each bucket as one safetensors shard as it arrives, so no rank
+ever holds more than one bucket. It then writes the shard index (when there are several shards), the config
+(``use_cache`` back on, ``architectures`` set), the generation config, and copies the tokenizer and processor files
+found next to the source model, so ``from_pretrained`` (transformers, vLLM) loads the directory directly.
+Everything goes to ``<path>.incomplete`` first, is fsync'd and renamed to ``path`` when complete
+(``scaletrain/utils/durable.py``, as the run checkpoints: scaletrain/trainer/run/checkpoint.py), so ``path`` is
+never a half-written export and a failed export leaves the previous one in place.
 """
 
 from __future__ import annotations
@@ -33,7 +22,6 @@ from collections.abc import Callable, Iterable
 import torch
 
 from scaletrain.utils.durable import fsync_tree, replace_dir, restore_aside
-from scaletrain.utils.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -52,82 +40,6 @@ TOKENIZER_FILES = (
     "processor_config.json",
     "video_preprocessor_config.json",
 )
-
-
-CHECKPOINT_META = "scaletrain_checkpoint.json"
-HF_META_DIR = "huggingface"
-META_FORMAT = 1
-CHECKPOINT_READERS = Registry(
-    "checkpoint reader",
-    lazy={
-        "fsdp": "backends.fsdp.checkpoint",
-        "deepspeed": "backends.deepspeed.checkpoint_reader",
-        "megatron": "backends.megatron.checkpoint_reader",
-    },
-)
-
-
-# -------------------------------------------------------------------------------------- a checkpoint's own meta
-def write_checkpoint_meta(engine, path: str, backend: str, layout: dict[str, int], tied_names=()) -> None:
-    """Rank 0's part of an engine's save: what an offline reader needs to turn the files into an HF model.
-    ``tied_names``: the names an HF export leaves out (a tied ``lm_head.weight``)."""
-    lora = getattr(engine, "lora", None)
-    meta = {
-        "format": META_FORMAT,
-        "backend": backend,
-        "layout": layout,
-        "kind": engine.model_config.kind,
-        "architecture": engine.architecture,
-        "dtype": engine.model_config.dtype,  # the parameters' (resolved: never "auto")
-        "model_path": engine.model_config.path,
-        "tied_names": sorted(tied_names),
-        "lora": None if lora is None else {"config": engine.adapter_config(), "scales": lora.scales},
-    }
-    hf_dir = os.path.join(path, HF_META_DIR)
-    os.makedirs(hf_dir, exist_ok=True)
-    write_hf_config(hf_dir, engine.hf_config, engine.architecture, engine.generation_config, engine.model_config.path)
-    with open(os.path.join(path, CHECKPOINT_META), "w") as f:
-        json.dump(meta, f, indent=2, sort_keys=True)
-
-
-def read_checkpoint_meta(path: str) -> dict:
-    """The checkpoint's meta, checked; a clear error naming the file when it is missing or not ours."""
-    file = os.path.join(path, CHECKPOINT_META)
-    if not os.path.isfile(file):
-        raise FileNotFoundError(
-            f"{file} not found: {path} is not an engine checkpoint of scaletrain (a run's "
-            "global_step_<N>/actor or /critic directory), or was written before checkpoints described themselves"
-        )
-    try:
-        with open(file) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{file}: unreadable checkpoint meta: {e}") from e
-    if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
-        raise ValueError(f"{file}: not a checkpoint meta of format {META_FORMAT}")
-    if not os.path.isfile(os.path.join(path, HF_META_DIR, "config.json")):
-        raise FileNotFoundError(f"{os.path.join(path, HF_META_DIR, 'config.json')} not found: the checkpoint is cut")
-    return meta
-
-
-def check_resumable(path: str, backend: str, layout: dict[str, int] | None = None) -> None:
-    """Before an engine loads checkpoint ``path``: it was written by this backend and, given ``layout``, with this
-    layout (a backend whose files are per rank); a clear error otherwise. A checkpoint without meta (older) passes."""
-    if not os.path.isfile(os.path.join(path, CHECKPOINT_META)):
-        return
-    meta = read_checkpoint_meta(path)
-    if meta["backend"] != backend:
-        raise ValueError(
-            f"{path} was written by the {meta['backend']} backend, this run's is {backend}: a checkpoint resumes on "
-            "the backend that wrote it (convert it with python -m scaletrain.model_merger to start from its weights)"
-        )
-    saved = {k: v for k, v in meta["layout"].items() if k != "places"}
-    if layout is not None and saved != layout:
-        raise ValueError(
-            f"{path} was written by {backend} with layout {saved}, this run's is {layout}: {backend} checkpoints "
-            "resume on their own layout (trainer.n_gpus_per_node x trainer.nnodes, the parallel sizes); the fsdp "
-            "backend resumes on another data-parallel size"
-        )
 
 
 def write_hf_config(dirpath: str, config, architecture: str, generation_config=None, tokenizer_dir=None) -> None:
