@@ -15,7 +15,9 @@ Two paths, numerically equal (tests/backends/test_fsdp_hf_model.py):
     (1, total) sequence, position ids restarting at 0 for each row and no attention mask. transformers (5.x) detects
     the packing from the position ids: flash-attention uses them as sequence boundaries, sdpa/eager get a
     block-diagonal causal mask (``masking_utils.find_packed_sequence_indices``). Only the positions that predict
-    response tokens go through the LM head (``logits_to_keep`` with an index tensor). Packing pays off with
+    response tokens go through the LM head (``logits_to_keep`` with an index tensor; the padded path keeps the
+    last R + 1). Where the model allows it the head is fused with the log-probs and entropy, a chunk of tokens at a
+    time, so no (tokens x vocabulary) logits exist (backends/response_head.py). Packing pays off with
     flash-attention (varlen kernels); with sdpa/eager the block-diagonal mask is dense, so attention costs
     O(total tokens^2) and the padded path is faster (see benchmarks/train_throughput.py).
 """
@@ -31,6 +33,7 @@ from torch import nn
 
 from backends.config import ATTN_IMPLEMENTATIONS, ModelConfig
 from backends.lora import lora_enabled, wrap_lora
+from backends.response_head import fused_response_head, supports_fused_head
 from backends.vision import (
     MULTI_MODAL_INPUTS,
     causal_lm_class,
@@ -189,9 +192,12 @@ def forward_micro_batch(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     vision: dict[str, torch.Tensor] | None = None,
+    fused_head: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Per-response-token outputs of one micro-batch (see the module docstring); gradients flow if enabled.
-    ``vision``: a vision-language model's inputs for the micro-batch's rows with images (backends/vision.py)."""
+    ``vision``: a vision-language model's inputs for the micro-batch's rows with images (backends/vision.py).
+    ``fused_head``: log-probs and entropy from the head fused with them where the model allows it
+    (backends/response_head.py); False: from the logits."""
     allowed = KIND_OUTPUTS[kind]
     unknown = [o for o in outputs if o not in allowed]
     if unknown:
@@ -216,6 +222,8 @@ def forward_micro_batch(
     with idle_vision_tower(model, input_ids.device) if vl and not vision else contextlib.nullcontext():
         if kind == "reward":
             return {"scores": _reward_scores(model, micro, remove_padding, (vision or {}) if vl else None)}
+        if kind == "causal_lm" and fused_head and not vl and supports_fused_head(model, config, outputs):
+            return _fused_outputs(model, micro, outputs, remove_padding, temperature, chunk_size)
         logits = _response_logits(model, micro, kind, remove_padding, (vision or {}) if vl else None)
 
     if kind == "value":
@@ -234,6 +242,28 @@ def forward_micro_batch(
         result["entropy"] = _scatter_rows(entropy_from_logits(logits, chunk_size), resp_valid)
     if "sum_pi_squared" in outputs:
         result["sum_pi_squared"] = _scatter_rows(sum_pi_squared_from_logits(logits, chunk_size), resp_valid)
+    return result
+
+
+def _fused_outputs(
+    model: nn.Module,
+    micro: dict[str, torch.Tensor],
+    outputs: tuple[str, ...],
+    remove_padding: bool,
+    temperature: float,
+    chunk_size: int,
+) -> dict[str, torch.Tensor]:
+    """``log_probs`` (and ``entropy``) of a text causal LM with the head fused with them: one label per position
+    the head sees (packed: the valid response tokens; padded: the R + 1 last positions, the last one unused)."""
+    T, R = micro["input_ids"].shape[1], micro["responses"].shape[1]
+    resp_valid = micro["attention_mask"][:, T - R :].bool()
+    responses = micro["responses"]
+    labels = responses[resp_valid] if remove_padding else torch.cat([responses, responses[:, -1:]], dim=1)
+    with fused_response_head(model, labels, temperature, "entropy" in outputs, chunk_size):
+        rows = _response_logits(model, micro, "causal_lm", remove_padding, None)  # (n_valid, 2)
+    result = {"log_probs": _scatter_rows(rows[:, 0], resp_valid)}
+    if "entropy" in outputs:
+        result["entropy"] = _scatter_rows(rows[:, 1], resp_valid)
     return result
 
 
