@@ -156,12 +156,13 @@ class BackendTraits:
     check: str | None = None  # "module:function" checking a role's engine settings (check_engine_settings)
     reshards_on_resume: bool = False  # its checkpoints resume on another layout or backend, and it resumes
     # theirs (the built-ins: backends/checkpoint/portable.py; fsdp's own on any DP size through DCP)
+    ulysses: bool = False  # ulysses_sequence_parallel_size > 1 splits sequences (backends/sequence/ulysses.py)
 
 
 # the built-ins' traits (their modules load lazily); register_backend records a new backend's
 BACKEND_TRAITS = {
-    "fsdp": BackendTraits(reshards_on_resume=True),
-    "deepspeed": BackendTraits(reshards_on_resume=True),
+    "fsdp": BackendTraits(reshards_on_resume=True, ulysses=True),
+    "deepspeed": BackendTraits(reshards_on_resume=True, ulysses=True),
     "megatron": BackendTraits(
         offload=False, lora=False, check="backends.megatron.checks:check_engine_settings", reshards_on_resume=True
     ),

@@ -124,6 +124,8 @@ class EngineConfig(BackendSettings):
     use_dynamic_bsz: bool = False
     max_token_len_per_gpu: int = 16384  # token budget of one micro-batch when use_dynamic_bsz
     entropy_chunk_size: int = 1024
+    ulysses_sequence_parallel_size: int = 1  # fsdp, deepspeed: ranks splitting each packed sequence (Ulysses,
+    # backends/sequence/ulysses.py); the data-parallel size is then the world over it
     seed: int = 1
     collective_timeout_s: float = 600.0  # a collective waiting longer (a peer died) fails
 

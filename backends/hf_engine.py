@@ -54,7 +54,8 @@ from backends.hf_model import build_model, check_outputs, forward_micro_batch, t
 from backends.lora import ADAPTER, lora_enabled
 from backends.lora_weights import Item, LoraLayout, adapter_config_dict, write_adapter_dir
 from backends.optim import set_schedule_step
-from backends.vision import MULTI_MODAL_INPUTS, gather_vision_inputs, vision_keys
+from backends.sequence.ulysses import SequenceParallel, sequence_parallel
+from backends.vision import MULTI_MODAL_INPUTS, gather_vision_inputs, is_vision_language, vision_keys
 from scaletrain.protocol import DataProto
 
 
@@ -66,6 +67,7 @@ class HFTrainEngine(TrainEngine):
     optimizer = None  # set by a trainable engine
     scheduler: LRScheduler | None = None  # set by a trainable engine
     lora: LoraLayout | None = None  # set by a LoRA engine
+    sp: SequenceParallel | None = None  # this rank's Ulysses group (ulysses_sequence_parallel_size > 1)
 
     def _resolve_configs(
         self, model_config: ModelConfig, optim_config: OptimConfig | None, engine_config: EngineConfig
@@ -94,9 +96,26 @@ class HFTrainEngine(TrainEngine):
         self.tied_names = tied_duplicate_names(hf_model)
         self.hf_config = hf_model.config
         self.generation_config = getattr(hf_model, "generation_config", None)
+        self.sp = self._sequence_parallel(hf_model)
         if self.optim_config is None:
             model.requires_grad_(False)
         return model
+
+    def _sequence_parallel(self, hf_model: torch.nn.Module) -> SequenceParallel | None:
+        """Collective: the Ulysses group of ``ulysses_sequence_parallel_size`` ranks (None for 1), which runs text
+        models packed (backends/sequence/ulysses.py)."""
+        size = self.engine_config.ulysses_sequence_parallel_size
+        if size > 1 and not self.model_config.use_remove_padding:
+            raise ValueError(
+                f"ulysses_sequence_parallel_size={size} needs the model's use_remove_padding=true (it splits the "
+                "packed sequence)"
+            )
+        if size > 1 and is_vision_language(hf_model.config):
+            raise ValueError(
+                f"ulysses_sequence_parallel_size={size}: Ulysses sequence parallelism runs text models only "
+                f"({type(hf_model).__name__} is a vision-language model)"
+            )
+        return sequence_parallel(size, hf_model)
 
     # ------------------------------------------------------------------------------------------------ hooks
     def _compute_module(self) -> torch.nn.Module:
@@ -147,11 +166,21 @@ class HFTrainEngine(TrainEngine):
     # ------------------------------------------------------------------------------------------ properties
     @property
     def dp_rank(self) -> int:
-        return dist.get_rank(self.group)
+        """This rank's data-parallel share (a Ulysses group's ranks hold the same share)."""
+        return dist.get_rank(self.group) // self._sp_size
 
     @property
     def dp_size(self) -> int:
-        return dist.get_world_size(self.group)
+        return dist.get_world_size(self.group) // self._sp_size
+
+    @property
+    def collects_output(self) -> bool:
+        """Every rank of a Ulysses group gives the whole share's outputs: its first rank's are kept."""
+        return self.sp is None or self.sp.rank == 0
+
+    @property
+    def _sp_size(self) -> int:
+        return 1 if self.sp is None else self.sp.size
 
     @property
     def has_adapter(self) -> bool:
@@ -175,6 +204,7 @@ class HFTrainEngine(TrainEngine):
             temperature=temperature,
             chunk_size=self.engine_config.entropy_chunk_size,
             vision=vision,
+            sp=self.sp,
         )
 
     # -------------------------------------------------------------------------------------------- compute

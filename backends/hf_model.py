@@ -17,9 +17,11 @@ Two paths, numerically equal (tests/backends/test_fsdp_hf_model.py):
     block-diagonal causal mask (``masking_utils.find_packed_sequence_indices``). Only the positions that predict
     response tokens go through the LM head (``logits_to_keep`` with an index tensor; the padded path keeps the
     last R + 1). Where the model allows it the head is fused with the log-probs and entropy, a chunk of tokens at a
-    time, so no (tokens x vocabulary) logits exist (backends/response_head.py). Packing pays off with
+    time, so no (tokens x vocabulary) logits exist (backends/sequence/response_head.py). Packing pays off with
     flash-attention (varlen kernels); with sdpa/eager the block-diagonal mask is dense, so attention costs
-    O(total tokens^2) and the padded path is faster (see benchmarks/train_throughput.py).
+    O(total tokens^2) and the padded path is faster (see benchmarks/train_throughput.py). The inputs of both paths
+    are built in backends/sequence/packing.py; with a Ulysses group (``sp``) each of its ranks runs a slice of the
+    packed sequence (backends/sequence/ulysses.py) and the outputs are gathered over the group.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from torch import nn
 
 from backends.config import ATTN_IMPLEMENTATIONS, ModelConfig
 from backends.lora import lora_enabled, wrap_lora
-from backends.response_head import fused_response_head, supports_fused_head
+from backends.sequence.packing import PreparedInputs, prepare_inputs
+from backends.sequence.response_head import fused_response_head, supports_fused_head
+from backends.sequence.ulysses import SequenceParallel
 from backends.vision import (
     MULTI_MODAL_INPUTS,
     causal_lm_class,
@@ -46,7 +50,6 @@ from backends.vision import (
     is_vision_special,
     mask_vision_tokens,
     refuse_vision_tokens_in_responses,
-    vision_forward_kwargs,
 )
 from scaletrain.algos.entropy import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
 
@@ -159,23 +162,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-# ------------------------------------------------------------------------------------------------ packing
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
-    """Valid tokens of every row concatenated into (1, total); returns (ids, position_ids, packed_index) where
-    ``packed_index[i, t]`` is the packed position of token (i, t) (meaningful where the mask is 1)."""
-    mask = attention_mask.bool()
-    ids = input_ids[mask].unsqueeze(0)
-    pos = position_ids[mask].unsqueeze(0)
-    lengths = mask.sum(-1)
-    starts = torch.cumsum(lengths, 0) - lengths
-    first_pos = pos[0, starts[lengths > 0]]
-    if bool((first_pos != 0).any()):
-        # transformers finds sequence boundaries where the position id does not grow by one
-        raise ValueError("remove-padding needs each row's valid position ids to start at 0")
-    packed_index = torch.cumsum(mask.flatten().long(), 0).view(mask.shape) - 1
-    return ids, pos, packed_index
-
-
 def _scatter_rows(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """(n_valid,) values into a zero (b, R) tensor at ``valid``'s True entries (differentiable)."""
     out = values.new_zeros(valid.shape)
@@ -193,11 +179,13 @@ def forward_micro_batch(
     chunk_size: int = 1024,
     vision: dict[str, torch.Tensor] | None = None,
     fused_head: bool = True,
+    sp: SequenceParallel | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-response-token outputs of one micro-batch (see the module docstring); gradients flow if enabled.
     ``vision``: a vision-language model's inputs for the micro-batch's rows with images (backends/vision.py).
     ``fused_head``: log-probs and entropy from the head fused with them where the model allows it
-    (backends/response_head.py); False: from the logits."""
+    (backends/sequence/response_head.py); False: from the logits. ``sp``: this rank's Ulysses sequence-parallel
+    group (backends/sequence/ulysses.py; packed only): the outputs are the whole micro-batch's on every rank."""
     allowed = KIND_OUTPUTS[kind]
     unknown = [o for o in outputs if o not in allowed]
     if unknown:
@@ -214,122 +202,118 @@ def forward_micro_batch(
             f"the batch carries images ({MULTI_MODAL_INPUTS}) but this {kind} model is a text model "
             f"({type(model).__name__}), which would read their placeholder tokens as text: use a vision-language model"
         )
+    if sp is not None and (vl or not remove_padding):
+        raise ValueError(
+            "Ulysses sequence parallelism runs text models on the remove-padding path (use_remove_padding)"
+        )
     if vl:  # the model's own tokens (response_mask, where given) never hold a vision token; a tool turn's may
         model_tokens = resp_valid & micro["response_mask"].bool() if "response_mask" in micro else resp_valid
         refuse_vision_tokens_in_responses(config, micro["responses"] if R else None, model_tokens)
         check_image_tokens(config, input_ids, vision or {})
+    prepared = prepare_inputs(model, micro, remove_padding, (vision or {}) if vl else None, sp)
     # every rank runs the vision tower once per micro-batch, images or not (backends/vision.py)
     with idle_vision_tower(model, input_ids.device) if vl and not vision else contextlib.nullcontext():
         if kind == "reward":
-            return {"scores": _reward_scores(model, micro, remove_padding, (vision or {}) if vl else None)}
+            return {"scores": _reward_scores(model, micro, prepared)}
         if kind == "causal_lm" and fused_head and not vl and supports_fused_head(model, config, outputs):
-            return _fused_outputs(model, micro, outputs, remove_padding, temperature, chunk_size)
-        logits = _response_logits(model, micro, kind, remove_padding, (vision or {}) if vl else None)
-
+            return _fused_outputs(model, micro, prepared, outputs, temperature, chunk_size)
+        logits = _response_logits(model, micro, kind, prepared)
     if kind == "value":
-        return {"values": _scatter_rows(logits[:, 0].float(), resp_valid)}
+        return {"values": _scatter_rows(prepared.gather(logits[:, 0].float()), resp_valid)}
+    return _logits_outputs(logits, micro, prepared, outputs, temperature, chunk_size, config if vl else None)
+
+
+def _logits_outputs(
+    logits: torch.Tensor,
+    micro: dict[str, torch.Tensor],
+    prepared: PreparedInputs,
+    outputs: tuple[str, ...],
+    temperature: float,
+    chunk_size: int,
+    vl_config,
+) -> dict[str, torch.Tensor]:
+    """A causal LM's outputs from its (n, V) response logits (``vl_config``: a vision-language model's config)."""
+    resp_valid, vl, config = prepared.resp_valid, vl_config is not None, vl_config
     if temperature != 1.0:
         logits = logits / temperature
     if vl:
         logits = mask_vision_tokens(logits, config)
     result = {}
     if "log_probs" in outputs:
-        labels = micro["responses"][resp_valid]
-        result["log_probs"] = _scatter_rows(logprobs_from_logits(logits, labels, chunk_size), resp_valid)
+        labels = prepared.mine_only(micro["responses"][resp_valid])
+        result["log_probs"] = _scatter_rows(
+            prepared.gather(logprobs_from_logits(logits, labels, chunk_size)), resp_valid
+        )
         if vl:  # a tool turn's image tokens are no action of the policy: log-prob 0, as padding (not -1e30)
             result["log_probs"] = result["log_probs"].masked_fill(is_vision_special(config, micro["responses"]), 0.0)
     if "entropy" in outputs:
-        result["entropy"] = _scatter_rows(entropy_from_logits(logits, chunk_size), resp_valid)
+        result["entropy"] = _scatter_rows(prepared.gather(entropy_from_logits(logits, chunk_size)), resp_valid)
     if "sum_pi_squared" in outputs:
-        result["sum_pi_squared"] = _scatter_rows(sum_pi_squared_from_logits(logits, chunk_size), resp_valid)
+        result["sum_pi_squared"] = _scatter_rows(
+            prepared.gather(sum_pi_squared_from_logits(logits, chunk_size)), resp_valid
+        )
     return result
 
 
 def _fused_outputs(
     model: nn.Module,
     micro: dict[str, torch.Tensor],
+    prepared: PreparedInputs,
     outputs: tuple[str, ...],
-    remove_padding: bool,
     temperature: float,
     chunk_size: int,
 ) -> dict[str, torch.Tensor]:
     """``log_probs`` (and ``entropy``) of a text causal LM with the head fused with them: one label per position
-    the head sees (packed: the valid response tokens; padded: the R + 1 last positions, the last one unused)."""
-    T, R = micro["input_ids"].shape[1], micro["responses"].shape[1]
-    resp_valid = micro["attention_mask"][:, T - R :].bool()
-    responses = micro["responses"]
-    labels = responses[resp_valid] if remove_padding else torch.cat([responses, responses[:, -1:]], dim=1)
+    the head sees (packed: the valid response tokens this rank holds; padded: the R + 1 last positions, the last one
+    unused)."""
+    responses, resp_valid = micro["responses"], prepared.resp_valid
+    if prepared.packed_index is not None:
+        labels = prepared.mine_only(responses[resp_valid])
+    else:
+        labels = torch.cat([responses, responses[:, -1:]], dim=1)
     with fused_response_head(model, labels, temperature, "entropy" in outputs, chunk_size):
-        rows = _response_logits(model, micro, "causal_lm", remove_padding, None)  # (n_valid, 2)
+        rows = prepared.gather(_response_logits(model, micro, "causal_lm", prepared))  # (n_valid, 2)
     result = {"log_probs": _scatter_rows(rows[:, 0], resp_valid)}
     if "entropy" in outputs:
         result["entropy"] = _scatter_rows(rows[:, 1], resp_valid)
     return result
 
 
-def _model_inputs(
-    model: nn.Module, micro: dict[str, torch.Tensor], remove_padding: bool, vision: dict[str, torch.Tensor] | None
-) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """The model's inputs for the padded or the packed forward (then also the packed index, see ``pack``);
-    ``vision`` (None: a text model) adds a vision-language model's inputs and 3-D positions."""
-    input_ids, attention_mask, position_ids = micro["input_ids"], micro["attention_mask"], micro["position_ids"]
-    if not remove_padding:
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        if vision is not None:
-            inputs |= vision_forward_kwargs(model, input_ids, attention_mask, vision)
-        return inputs, None
-    ids, pos, packed_index = pack(input_ids, attention_mask, position_ids)
-    inputs = {"input_ids": ids, "position_ids": pos}
-    if vision is not None:
-        inputs |= vision_forward_kwargs(model, input_ids, attention_mask, vision, packed_text_positions=pos)
-    return inputs, packed_index
-
-
 def _response_logits(
-    model: nn.Module,
-    micro: dict[str, torch.Tensor],
-    kind: str,
-    remove_padding: bool,
-    vision: dict[str, torch.Tensor] | None,
+    model: nn.Module, micro: dict[str, torch.Tensor], kind: str, prepared: PreparedInputs
 ) -> torch.Tensor:
-    """(n_valid, V) logits (causal_lm) or (n_valid, 1) head outputs (value) at the positions predicting the valid
-    response tokens, from the padded or the packed forward."""
-    T = micro["input_ids"].shape[1]
-    R = micro["responses"].shape[1] if "responses" in micro else 0
-    resp_valid = micro["attention_mask"][:, T - R :].bool()
-    inputs, packed_index = _model_inputs(model, micro, remove_padding, vision)
-    if packed_index is not None:
-        # response token (i, T-R+j) is predicted at packed position of token (i, T-R+j-1)
-        predict_at = packed_index[:, T - R - 1 : T - 1][resp_valid]  # (n_valid,)
+    """(n, V) logits (causal_lm) or (n, 1) head outputs (value) at the positions predicting the valid response
+    tokens (with ``prepared.shard``: the ones this rank holds), from the padded or the packed forward."""
+    inputs = prepared.inputs
+    if prepared.packed_index is not None:
         if kind == "causal_lm":
-            return model(**inputs, use_cache=False, logits_to_keep=predict_at).logits[0]
-        return model(**inputs, use_cache=False).logits[0, predict_at]
+            return model(**inputs, use_cache=False, logits_to_keep=prepared.predict_at).logits[0]
+        return model(**inputs, use_cache=False).logits[0, prepared.predict_at]
+    T, R = micro["input_ids"].shape[1], prepared.resp_valid.shape[1]
     if kind == "causal_lm":
-        return model(**inputs, use_cache=False, logits_to_keep=R + 1).logits[:, :-1][resp_valid]
-    return model(**inputs, use_cache=False).logits[:, T - R - 1 : T - 1][resp_valid]
+        return model(**inputs, use_cache=False, logits_to_keep=R + 1).logits[:, :-1][prepared.resp_valid]
+    return model(**inputs, use_cache=False).logits[:, T - R - 1 : T - 1][prepared.resp_valid]
 
 
-def _reward_scores(
-    model: nn.Module, micro: dict[str, torch.Tensor], remove_padding: bool, vision: dict[str, torch.Tensor] | None
-) -> torch.Tensor:
+def _reward_scores(model: nn.Module, micro: dict[str, torch.Tensor], prepared: PreparedInputs) -> torch.Tensor:
     """Score head output at each row's last valid token. The HF sequence classifier pools at the last token that
     is not ``pad_token_id`` (wrong when pad == eos, and meaningless when packed), so the per-token head output is
     captured with a forward hook and pooled here from the attention mask."""
     captured = []
-    inputs, packed_index = _model_inputs(model, micro, remove_padding, vision)
     score: nn.Module = model.score  # pyright: ignore[reportAssignmentType]
     handle = score.register_forward_hook(lambda mod, args, out: captured.append(out))
     try:
-        model(**inputs, use_cache=False)
+        model(**prepared.inputs, use_cache=False)
     finally:
         handle.remove()
-    token_scores = captured[0][..., 0].float()  # (b, T) or (1, total)
+    token_scores = captured[0][..., 0].float()  # (b, T) or (1, local)
     input_ids, attention_mask = micro["input_ids"], micro["attention_mask"]
     last = input_ids.shape[1] - 1 - attention_mask.flip(-1).long().argmax(-1)  # column of each row's last token
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    if packed_index is not None:
-        return token_scores[0, packed_index[rows, last]]
-    return token_scores[rows, last]
+    if prepared.packed_index is None:
+        return token_scores[rows, last]
+    at, gather = prepared.held(prepared.packed_index[rows, last])
+    return gather(token_scores[0, at])
 
 
 def tied_duplicate_names(model: torch.nn.Module) -> set[str]:

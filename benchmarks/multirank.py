@@ -172,8 +172,9 @@ def run_rank(spec_file: str) -> None:
     dist.destroy_process_group()
 
 
-def launch(spec: dict, timeout_s: float = 900.0) -> dict:
-    """Run ``spec`` on ``spec["world"]`` gloo ranks (fresh processes); returns rank 0's results."""
+def launch(spec: dict, timeout_s: float = 900.0, module: str = "benchmarks.multirank") -> dict:
+    """Run ``spec`` on ``spec["world"]`` gloo ranks (fresh processes of ``python -m module SPEC_FILE``, whose rank 0
+    writes ``spec["out"]``); returns rank 0's results."""
     work = Path(tempfile.mkdtemp(prefix="bench_ranks_"))
     spec = {**spec, "out": str(work / "result.json")}
     spec_file = work / "spec.json"
@@ -186,7 +187,7 @@ def launch(spec: dict, timeout_s: float = 900.0) -> dict:
         logs.append(log)
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.multirank", str(spec_file)],
+                [sys.executable, "-m", module, str(spec_file)],
                 env=env,
                 cwd=ROOT,
                 stdout=log,
@@ -207,7 +208,7 @@ def launch(spec: dict, timeout_s: float = 900.0) -> dict:
     if not out.exists() or any(p.returncode for p in procs):
         tail = (work / "rank0.log").read_text()[-3000:]
         raise RuntimeError(
-            f"{spec['backend']} {spec['settings']} on {world} ranks failed (logs in {work}); rank 0 log:\n{tail}"
+            f"{module} {spec.get('backend', '')} on {world} ranks failed (logs in {work}); rank 0 log:\n{tail}"
         )
     result = json.loads(out.read_text())
     shutil.rmtree(work, ignore_errors=True)

@@ -19,6 +19,7 @@ CPU: backends/megatron/cpu_shim.py is applied before megatron-core is first used
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Any
 
@@ -44,9 +45,10 @@ from backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 from backends.megatron.export import export_groups, gather_hf_buckets
 from backends.megatron.hf_mapping import layout_from_hf
 from backends.megatron.model import build_gpt_model, load_hf_weights, transformer_config
-from backends.megatron.ops import prepare_micro_batch, response_outputs
+from backends.megatron.ops import FusedHead, prepare_micro_batch, response_outputs, response_positions_only
 from backends.megatron.parallel import MegatronParallelConfig, init_model_parallel
 from backends.optim import SCHEDULES, lr_multiplier, warmup_steps
+from backends.sequence.response_head import FUSED_OUTPUTS
 from scaletrain.protocol import DataProto
 
 
@@ -69,8 +71,17 @@ def _check_supported(model_config: ModelConfig, optim_config: OptimConfig | None
 
 @register_backend("megatron")
 class MegatronEngine(TrainEngine):
+    # a causal LM's head computes the response-predicting positions only (ops.response_positions_only);
+    # benchmarks/response_head.py turns it off on an engine to measure the all-positions head it replaced
+    response_head_only = True
+
     def __init__(self, model_config: ModelConfig, optim_config: OptimConfig | None, engine_config: EngineConfig):
         """``optim_config=None`` builds a forward-only engine (a frozen reference policy)."""
+        if engine_config.ulysses_sequence_parallel_size != 1:
+            raise ValueError(
+                "ulysses_sequence_parallel_size: the megatron backend does not run Ulysses; use its sequence_parallel "
+                "with tensor parallelism"
+            )
         _check_supported(model_config, optim_config)
         self.parallel = MegatronParallelConfig.from_extra(engine_config.extra)
         self.device = local_device()
@@ -206,17 +217,12 @@ class MegatronEngine(TrainEngine):
         n = len(micros)
         # every stage and TP rank of a DP rank holds the same rows, so all agree on the weights
         acc = Accumulation(loss_fn, [m[1] for m in micros], self.device, dp_group) if loss_fn is not None else None
+        at_predictions, fused = self._head_mode(outputs)
 
         def loss_func(i, micro, prepared, output):
+            kind, vocab = self.model_config.kind, self.layout.vocab_size
             out = response_outputs(
-                output,
-                prepared,
-                outputs,
-                self.model_config.kind,
-                temperature,
-                self.layout.vocab_size,
-                self.tp_rank,
-                self.tp_group,
+                output, prepared, outputs, kind, temperature, vocab, self.tp_rank, self.tp_group, at_predictions, fused
             )
             if loss_fn is None:
                 return output.sum() * 0.0, ({k: v.detach() for k, v in out.items()}, {})
@@ -230,11 +236,12 @@ class MegatronEngine(TrainEngine):
 
         def forward_step(data_iterator, model):
             i, micro, prepared = next(data_iterator)
-            output = model(
-                input_ids=prepared["input_ids"].to(self.device),
-                position_ids=prepared["position_ids"].to(self.device),
-                attention_mask=None,
-            )
+            with self._response_head(prepared, at_predictions, (outputs, temperature) if fused else None):
+                output = model(
+                    input_ids=prepared["input_ids"].to(self.device),
+                    position_ids=prepared["position_ids"].to(self.device),
+                    attention_mask=None,
+                )
             return output, partial(loss_func, i, micro, prepared)
 
         seq = micros[0][2]["input_ids"].shape[1]
@@ -248,6 +255,27 @@ class MegatronEngine(TrainEngine):
             forward_only=loss_fn is None,
         )
         return parts, acc, results
+
+    def _head_mode(self, outputs: tuple[str, ...]) -> tuple[bool, bool]:
+        """(whether the LM head runs on the positions predicting response tokens only, whether fused with the
+        log-probs and entropy): a causal LM's last stage, fused when nothing else is asked (ops.py)."""
+        at = self.response_head_only and self.model_config.kind == "causal_lm" and self.ps.is_pipeline_last_stage()
+        return at, at and set(outputs) <= set(FUSED_OUTPUTS)
+
+    def _response_head(self, prepared: dict, at_predictions: bool, fused: tuple[tuple[str, ...], float] | None):
+        """A context in which the LM head computes the logits of the positions predicting response tokens only,
+        or with ``fused`` (the outputs, the temperature) their log-probs and entropy (ops.response_positions_only);
+        nothing when ``at_predictions`` is False."""
+        if not at_predictions:
+            return contextlib.nullcontext()
+        head: Any = self.module.output_layer
+        spec = None
+        if fused is not None:
+            outputs, temperature = fused
+            chunk, vocab = self.engine_config.entropy_chunk_size, self.layout.vocab_size
+            entropy = "entropy" in outputs
+            spec = FusedHead(prepared["responses"], temperature, entropy, chunk, self.tp_group, self.tp_rank, vocab)
+        return response_positions_only(head, prepared, self.parallel.sequence_parallel, self.tp_group, spec)
 
     def _prepared_micros(self, batch: DataProto, parts) -> list[tuple[int, DataProto, dict[str, torch.Tensor]]]:
         """(index, micro-batch, its model inputs) per part: padded to equal rows with PP > 1 (the pipeline needs one

@@ -7,12 +7,30 @@ first valid token sits in column 0: valid tokens then have exactly the HF positi
 left-padding moved behind them is never attended to (the mask is causal). Response token j of row i, at column
 T-R+j, is predicted at rolled column T-R+j-1-first_i. Rows and columns may be padded (equal shapes for pipeline
 parallelism, a sequence divisible by TP for sequence parallelism); padded rows are dropped before the loss.
+
+Logits only where they count: within ``response_positions_only`` the output layer of a causal LM takes only the
+hidden states at the positions that predict response tokens, so its output is (rows, R, V/tp), not (rows, S, V/tp),
+and no prompt position's logits exist. With ``FusedHead`` (log-probs and entropy only) it goes further: the layer
+returns (rows, R, 2) rows of (label log-prob, entropy), computed a bounded chunk of rows at a time over the
+vocabulary slices of the TP ranks (backends/sequence/response_head.py), so no (rows x R x V/tp) logits exist either.
+With sequence parallelism the layer's input is this rank's slice of the sequence, which the layer would gather
+itself: it is gathered first (its gradient split back to the slices) and the layer runs as a plain column-parallel
+one (its input gradient all-reduced over TP), as megatron's own inference path does for the last token; the fused
+head all-reduces that gradient itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from backends.sequence.response_head import FUSED_OUTPUTS, VocabShard, head_log_probs
 
 PADDED_LOGIT = -1e30  # logits of vocabulary padding rows: zero probability, no NaN in p * logit
 
@@ -107,6 +125,65 @@ def prepare_micro_batch(tensors: dict[str, torch.Tensor], rows: int, seq_multipl
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedHead:
+    """The head fused with the log-probs (and entropy) of ``labels`` (rows, R), ``temperature`` applied; the head's
+    weight is this TP rank's vocabulary slice of ``vocab_size`` real ids (megatron pads the vocabulary)."""
+
+    labels: torch.Tensor
+    temperature: float
+    entropy: bool
+    chunk_size: int
+    tp_group: Any
+    tp_rank: int
+    vocab_size: int
+
+
+@contextlib.contextmanager
+def response_positions_only(
+    output_layer: nn.Module, prepared: dict, sequence_parallel: bool, tp_group, fused: FusedHead | None = None
+) -> Iterator[None]:
+    """Within it, ``output_layer`` (megatron's ColumnParallelLinear) computes the logits of ``prepared``'s
+    predicting positions only, or with ``fused`` their (log-prob, entropy) rows (see the module docstring)."""
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    layer: Any = output_layer
+    forward = layer.forward
+
+    def at_predictions(input_: torch.Tensor, weight=None, runtime_gather_output=None):
+        hidden = input_
+        if sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False, group=tp_group)
+        at = torch.zeros((hidden.shape[1], prepared["predict_at"].shape[1]), dtype=torch.long, device=hidden.device)
+        at[: prepared["rows"]] = prepared["predict_at"].to(hidden.device)  # padded rows: any position
+        picked = hidden.gather(0, at.T[..., None].expand(-1, -1, hidden.shape[-1]))  # (R, rows, H)
+        if fused is not None:
+            return _fused(picked, layer.weight if weight is None else weight, fused), None
+        layer.sequence_parallel = False
+        try:
+            return forward(picked, weight=weight, runtime_gather_output=runtime_gather_output)
+        finally:
+            layer.sequence_parallel = sequence_parallel
+
+    layer.forward = at_predictions  # an instance attribute: nn.Module.__call__ and its hooks still run
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+def _fused(picked: torch.Tensor, weight: torch.Tensor, fused: FusedHead) -> torch.Tensor:
+    """(R, rows, 2) (log-prob, entropy) rows of (R, rows, H) hidden states (the labels padded to the rows)."""
+    R, rows, H = picked.shape
+    labels = torch.zeros((rows, R), dtype=torch.long, device=picked.device)
+    labels[: fused.labels.shape[0]] = fused.labels.to(picked.device)
+    flat, flat_labels = picked.reshape(R * rows, H), labels.T.reshape(-1)
+    # the weight is given at call time when tied to the embedding: its slice's first id from its rows
+    shard = VocabShard(fused.tp_group, fused.tp_rank * weight.shape[0], fused.vocab_size)
+    out = head_log_probs(flat, weight, None, flat_labels, fused.temperature, fused.chunk_size, fused.entropy, shard)
+    return out.view(R, rows, 2)
+
+
 def response_outputs(
     output: torch.Tensor,
     prepared: dict,
@@ -116,16 +193,22 @@ def response_outputs(
     vocab_size: int,
     tp_rank: int,
     tp_group,
+    at_predictions: bool = False,
+    fused: bool = False,
 ) -> dict[str, torch.Tensor]:
     """(b, R) log_probs / entropy (causal_lm) or values (value), or (b,) scores (reward: the head's output at each
-    row's last valid token, as HF's sequence classifier pools), from the model output (rows, S, V/tp or 1)."""
+    row's last valid token, as HF's sequence classifier pools), from the model output (rows, S, V/tp or 1);
+    ``at_predictions``: the output is (rows, R, V/tp), computed at the predicting positions only
+    (``response_positions_only``); ``fused``: it is (rows, R, 2), the log-probs and entropy themselves."""
     dev = output.device
     b, predict_at, valid = prepared["rows"], prepared["predict_at"].to(dev), prepared["resp_valid"].to(dev)
     if kind == "reward":
         return {"scores": output[torch.arange(b, device=dev), prepared["last_at"].to(dev), 0].float()}
     rows = torch.arange(b, device=dev)[:, None]
-    picked = output[:b][rows, predict_at]  # (b, R, V/tp) or (b, R, 1)
+    picked = output[:b] if at_predictions else output[:b][rows, predict_at]  # (b, R, V/tp) or (b, R, 1)
     valid_f = valid.to(torch.float32)
+    if fused:
+        return {k: picked[..., i].float() * valid_f for i, k in enumerate(FUSED_OUTPUTS) if k in outputs}
     if kind == "value":
         return {"values": picked[..., 0].float() * valid_f}
     logits = picked.float()

@@ -121,7 +121,12 @@ class PPOUpdateSettings:
     """The keys the actor's and the critic's PPO updates share (verl names them alike in both sections), with their
     defaults here once; each role's section adds its own."""
 
-    EXECUTION_ONLY = ("ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu")
+    EXECUTION_ONLY = (
+        "ppo_micro_batch_size_per_gpu",
+        "use_dynamic_bsz",
+        "ppo_max_token_len_per_gpu",
+        "ulysses_sequence_parallel_size",
+    )
 
     strategy: str | None = None  # verl's backend selector: fsdp | fsdp2 | deepspeed | megatron (the roles share one
     # backend); null: the backend group's (configs/backend, the `backend=` short form)
@@ -131,6 +136,8 @@ class PPOUpdateSettings:
     data_loader_seed: int = 1  # seed of the mini-batch shuffle (shuffle)
     use_dynamic_bsz: bool = False  # micro-batches by tokens (ppo_max_token_len_per_gpu) instead of by rows
     ppo_max_token_len_per_gpu: int = 16384  # valid tokens per micro-batch on one rank, with use_dynamic_bsz
+    ulysses_sequence_parallel_size: int = 1  # fsdp, deepspeed: ranks that split each packed sequence (Ulysses;
+    # needs model.use_remove_padding): the data-parallel size is the world over it (the actor's: the ref's too)
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean |
     # seq-mean-token-sum-norm: how the per-token losses become one (scaletrain/algos/agg.py)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # backend=megatron: this role's layout (the
@@ -312,8 +319,11 @@ def log_prob_micro_batching(section) -> MicroBatching:
 class RefConfig(LogProbSettings):
     """``actor_rollout_ref.ref.*``: the reference policy (its log-prob pass: ``LogProbSettings``)."""
 
+    EXECUTION_ONLY = ("ulysses_sequence_parallel_size",)  # as the actor's, which it equals
+
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # must match the actor's layout (colocated)
+    ulysses_sequence_parallel_size: int | None = None  # null: the actor's, which it must equal (colocated)
 
 
 @dataclass
@@ -330,8 +340,9 @@ class ActorRolloutRefConfig:
 
     def engine_config(self, setup: EngineSetup) -> EngineConfig:
         """The actor's and the ref's engine settings before their own offload keys: the setup's, with the actor's
-        megatron layout (the ref's is the actor's)."""
-        return with_megatron(setup.engine, setup.backend, self.actor.megatron)
+        megatron layout and Ulysses size (the ref's are the actor's)."""
+        engine = with_megatron(setup.engine, setup.backend, self.actor.megatron)
+        return replace(engine, ulysses_sequence_parallel_size=self.actor.ulysses_sequence_parallel_size)
 
 
 @dataclass
@@ -365,4 +376,5 @@ class CriticConfig(PPOUpdateSettings):
             micro_batch_size_per_gpu=self.ppo_micro_batch_size_per_gpu,
             use_dynamic_bsz=self.use_dynamic_bsz,
             max_token_len_per_gpu=self.ppo_max_token_len_per_gpu,
+            ulysses_sequence_parallel_size=self.ulysses_sequence_parallel_size,
         )

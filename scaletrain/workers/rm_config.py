@@ -38,6 +38,7 @@ class RewardModelConfig:
         "micro_batch_size_per_gpu",
         "use_dynamic_bsz",
         "forward_max_token_len_per_gpu",
+        "ulysses_sequence_parallel_size",
         "timeout_s",
         "load_timeout_s",
         "num_processes",
@@ -59,6 +60,8 @@ class RewardModelConfig:
     max_length: int | None = None  # re-tokenized RM inputs keep their last max_length tokens; null: all
     use_dynamic_bsz: bool = False  # micro-batches by tokens (forward_max_token_len_per_gpu) instead
     forward_max_token_len_per_gpu: int = 16384  # valid tokens per RM micro-batch on one device, with use_dynamic_bsz
+    ulysses_sequence_parallel_size: int = 1  # fsdp, deepspeed: ranks that split each packed sequence (Ulysses;
+    # needs model.use_remove_padding)
     reward_manager: str = "naive"  # naive | prime | batch | dapo | multi
     reward_kwargs: dict[str, Any] = field(default_factory=dict)  # more arguments of the reward manager (e.g.
     # dapo's overlong_buffer_cfg, multi's scorers); names it does not take fail before Ray starts
@@ -79,6 +82,7 @@ class RewardModelConfig:
             micro_batch_size_per_gpu=self.micro_batch_size_per_gpu,
             use_dynamic_bsz=self.use_dynamic_bsz,
             max_token_len_per_gpu=self.forward_max_token_len_per_gpu,
+            ulysses_sequence_parallel_size=self.ulysses_sequence_parallel_size,
         )
 
 

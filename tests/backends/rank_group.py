@@ -8,6 +8,8 @@ that one check and only the set-up it asks for), and one failure does not hide t
 holds the rank, the world size, the work directory and ``ctx.once(key, build)``: set-up several checks share
 (the reference step, an engine), built on first use by whichever check asks first.
 
+``GroupsByWorld(module, work)`` serves a module whose checks run on several world sizes, one group at a time.
+
 A check that fails on one rank while its peer waits in a collective leaves that peer stuck: after ``timeout_s`` the
 group is killed (the test fails naming the check and showing each rank's log) and the next check starts a new one.
 """
@@ -154,3 +156,24 @@ class RankGroup:
                     proc.kill()
                     proc.wait()
         self.procs = []
+
+
+class GroupsByWorld:
+    """``groups(world)``: the serving group of ``module`` on that many ranks, started when a check first asks for it;
+    a group of another world size ends first (one group's memory at a time). ``close()`` ends the last one."""
+
+    def __init__(self, module: str, work: Path, timeout_s: float = 300.0) -> None:
+        self.module, self.work, self.timeout_s = module, work, timeout_s
+        self.groups: dict[int, RankGroup] = {}
+
+    def __call__(self, world: int) -> RankGroup:
+        for other in [w for w in self.groups if w != world]:
+            self.groups.pop(other).close()
+        if world not in self.groups:
+            self.groups[world] = RankGroup(self.module, self.work, world, timeout_s=self.timeout_s)
+        return self.groups[world]
+
+    def close(self) -> None:
+        for group in self.groups.values():
+            group.close()
+        self.groups = {}

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from backends.config import ModelConfig
-from backends.hf_model import build_model, decoder_layers, forward_micro_batch, pack
+from backends.hf_model import build_model, decoder_layers, forward_micro_batch
+from backends.sequence.packing import pack
 from tests.backends.tiny import make_batch, save_tiny_qwen2
 
 

@@ -24,7 +24,7 @@ import torch
 
 from tests.backends.conversion import assert_converts
 from tests.backends.multirank import assert_close, assert_empty_batch_refused, assert_step_matches_reference
-from tests.backends.rank_group import RankGroup
+from tests.backends.rank_group import GroupsByWorld
 
 pytestmark = pytest.mark.slow  # multi-process groups (setup.cfg: `pytest -m "not slow"` skips them)
 
@@ -160,18 +160,9 @@ def group_of(tmp_path_factory):
     runs; the other world size's group ends first (one group's memory at a time)."""
     work = tmp_path_factory.mktemp("megatron")
     _models(work)
-    groups: dict[int, RankGroup] = {}
-
-    def group(world: int) -> RankGroup:
-        for other in [w for w in groups if w != world]:
-            groups.pop(other).close()
-        if world not in groups:
-            groups[world] = RankGroup("tests.backends.test_megatron_engine", work, world, timeout_s=300)
-        return groups[world]
-
-    yield group
-    for g in groups.values():
-        g.close()
+    groups = GroupsByWorld("tests.backends.test_megatron_engine", work)
+    yield groups
+    groups.close()
 
 
 @pytest.mark.parametrize("layout, check", [(layout, check) for layout, checks in CHECKS.items() for check in checks])
@@ -258,10 +249,19 @@ def stepped(ctx, layout):
 def check_forward(ctx, layout):
     s = layout_state(ctx, layout)
     assert s.engine.global_step == 0, "the layout's engine has stepped already: run its checks in order"
-    out = s.engine.forward(s.share, ("log_probs", "entropy", "sum_pi_squared"))
+    pp_last = s.engine.ps.is_pipeline_last_stage()
+    head_outputs = []  # the LM head's logits: (positions, rows, V/tp) per micro-batch, the response's only
+    head = s.engine.module.output_layer if pp_last else None  # earlier pipeline stages have no head
+    hook = head.register_forward_hook(lambda m, a, out: head_outputs.append(out[0].shape)) if head else None
+    try:
+        out = s.engine.forward(s.share, ("log_probs", "entropy", "sum_pi_squared"))
+    finally:
+        if hook is not None:
+            hook.remove()
     for name in ("log_probs", "entropy", "sum_pi_squared"):  # TP: each over the vocabulary slices of the ranks
         assert_close(out.batch[name], s.before[name], name)
-    pp_last = s.engine.ps.is_pipeline_last_stage()
+    R = s.share.batch["responses"].shape[1]
+    assert not pp_last or (head_outputs and {shape[0] for shape in head_outputs} == {R}), (head_outputs, R)
     assert s.engine.collects_output == (s.engine.tp_rank == 0 and pp_last)
 
 

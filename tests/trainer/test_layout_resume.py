@@ -104,3 +104,26 @@ def test_a_checkpoint_resumes_on_another_backend(reference, task, tmp_path, capl
     # step 2 tells the parameters were carried over, step 3 (after step 2's update) Adam's moments and step too
     worst = assert_steps_match(reference, resumed, (1, 2, 3))
     print(f"\nlargest relative differences, {source} -> {target}: {worst}")
+
+
+ULYSSES = [
+    "actor_rollout_ref.model.use_remove_padding=true",
+    "critic.model.use_remove_padding=true",
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+    "critic.ulysses_sequence_parallel_size=2",
+]
+
+
+def test_a_ulysses_run_matches_the_reference_and_resumes_without_it(reference, task, tmp_path, caplog):
+    """Through the trainer: actor, reference log-probs and critic with Ulysses SP=2 on 2 ranks (one data-parallel
+    share, dispatched to both ranks of the group and kept from its first) give the DP=2 run's steps; the run then
+    resumes with SP=1 (an execution-only key) and goes on matching."""
+    part = tmp_path / "part"
+    run_in_process(task, part, 2, [*RUN, *ULYSSES])
+    caplog.set_level(logging.INFO)
+    run_in_process(task, part, 3, [*RUN, "actor_rollout_ref.model.use_remove_padding=true"])
+    assert f"resumed from {part / 'global_step_2'} at step 2" in caplog.text
+    resumed = metrics(part)
+    assert sorted(resumed) == [1, 2, 3]
+    worst = assert_steps_match(reference, resumed, (1, 2, 3))
+    print(f"\nlargest relative differences, Ulysses SP=2 then SP=1: {worst}")

@@ -77,13 +77,14 @@ def _validate_batch_sizes(cfg: PPOConfig) -> None:
             f"actor_rollout_ref.actor.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) must "
             f"divide data.train_batch_size ({data.train_batch_size})"
         )
-    world = cfg.world_size
-    if (actor.ppo_mini_batch_size * n) % world:
+    world, sp = cfg.world_size, actor.ulysses_sequence_parallel_size
+    dp = world // sp if isinstance(sp, int) and sp >= 1 and world % sp == 0 else world  # a Ulysses group: one share
+    if (actor.ppo_mini_batch_size * n) % dp:
         raise ConfigError(
             f"actor_rollout_ref.actor.ppo_mini_batch_size x rollout.n = "
-            f"{actor.ppo_mini_batch_size * n} rows do not split over {world} ranks"
+            f"{actor.ppo_mini_batch_size * n} rows do not split over {dp} data-parallel ranks"
         )
-    rows_per_rank, micro = actor.ppo_mini_batch_size * n // world, actor.ppo_micro_batch_size_per_gpu
+    rows_per_rank, micro = actor.ppo_mini_batch_size * n // dp, actor.ppo_micro_batch_size_per_gpu
     if not actor.use_dynamic_bsz and micro < rows_per_rank and rows_per_rank % micro:
         raise ConfigError(
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu ({micro}) must divide the {rows_per_rank} "

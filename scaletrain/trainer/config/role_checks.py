@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from backends.base import BACKEND_TRAITS, backend_traits
+from backends.config import ModelSettings
 from scaletrain.utils.typed_config import ConfigError
 from scaletrain.workers.config import LAYOUT_KEYS
 
@@ -26,6 +27,7 @@ def validate_roles(cfg) -> None:
     _validate_prebuilt(cfg)
     _validate_offload(cfg)
     _validate_ref_layout(cfg)
+    _validate_sequence_parallel(cfg)
     if not cfg.data.return_raw_chat and cfg.actor_rollout_ref.rollout.use_agent_loop:
         raise ConfigError(
             "data.return_raw_chat=false: the agent loops (rollout.mode=async / multi_turn.enable) "
@@ -119,3 +121,44 @@ def _validate_ref_layout(cfg) -> None:
                 f"actor_rollout_ref.ref.megatron.{name}={mine} differs from the actor's ({theirs}): "
                 f"the reference policy runs in the actor's processes, with its layout"
             )
+
+
+def ulysses_sizes(cfg) -> dict[str, tuple[int, ModelSettings]]:
+    """{the key of each training role's Ulysses size: (its size, the role's model section)} for the roles the run
+    builds (the reference policy's is the actor's)."""
+    arr = cfg.actor_rollout_ref
+    sizes = {"actor_rollout_ref.actor": (arr.actor.ulysses_sequence_parallel_size, arr.model)}
+    if cfg.use_critic:
+        sizes["critic"] = (cfg.critic.ulysses_sequence_parallel_size, cfg.critic.model)
+    if cfg.reward_model.enable and not cfg.reward_model.rollout.name:
+        sizes["reward_model"] = (cfg.reward_model.ulysses_sequence_parallel_size, cfg.reward_model.model)
+    return sizes
+
+
+def _validate_sequence_parallel(cfg) -> None:
+    """Each role's ``ulysses_sequence_parallel_size``: a backend that splits sequences, the packed path, a divisor of
+    the ranks; the reference policy's equals the actor's (it runs in the actor's processes)."""
+    arr, world = cfg.actor_rollout_ref, cfg.world_size
+    ref = arr.ref.ulysses_sequence_parallel_size
+    if ref is not None and ref != arr.actor.ulysses_sequence_parallel_size:
+        raise ConfigError(
+            f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref} differs from the actor's "
+            f"({arr.actor.ulysses_sequence_parallel_size}): the reference policy runs in the actor's processes"
+        )
+    for section, (size, model) in ulysses_sizes(cfg).items():
+        key = f"{section}.ulysses_sequence_parallel_size"
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"{key} must be an integer >= 1, got {size!r}")
+        if size == 1:
+            continue
+        if not backend_traits(cfg.backend.name).ulysses:
+            raise ConfigError(
+                f"{key}={size}: the {cfg.backend.name} backend does not split sequences (Ulysses runs on "
+                f"{', '.join(n for n, t in BACKEND_TRAITS.items() if t.ulysses)}); megatron's is "
+                f"{section}.megatron.sequence_parallel=true with tensor parallelism"
+            )
+        model_key = "actor_rollout_ref.model" if section == "actor_rollout_ref.actor" else f"{section}.model"
+        if not model.use_remove_padding:
+            raise ConfigError(f"{key}={size} splits the packed sequence: set {model_key}.use_remove_padding=true")
+        if world % size:
+            raise ConfigError(f"{key}={size} must divide the {world} ranks (trainer.n_gpus_per_node x nnodes)")

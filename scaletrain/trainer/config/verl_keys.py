@@ -20,17 +20,16 @@ class Unsupported:
     accepted: tuple = ()  # values that mean "off" in verl (or what scaletrain does anyway): accepted and dropped
 
 
-def _ulysses(section: str) -> Unsupported:
-    return Unsupported(
-        "Ulysses sequence parallelism is not implemented: use backend=megatron with "
-        f"{section}.megatron.sequence_parallel=true",
-        ("1",),
-    )
+_CONTEXT_PARALLEL = Unsupported(
+    "context parallelism is not implemented: megatron-core's local attention runs only context_parallel_size=1 (its "
+    "context-parallel attention is Transformer Engine's, CUDA only); use megatron.sequence_parallel=true, or "
+    "ulysses_sequence_parallel_size on fsdp / deepspeed",
+    ("1",),
+)
 
 
 _ROLE_KEYS = {  # keys verl has under both actor_rollout_ref.actor and actor_rollout_ref.ref
     "use_torch_compile": Unsupported("compiling the log-prob function is not implemented (remove the key)", FALSE),
-    "fsdp_config.ulysses_sequence_parallel_size": _ulysses("actor_rollout_ref.actor"),
     "fsdp_config.offload_policy": Unsupported(
         "FSDP2's CPU offload policy is not implemented: use fsdp_config.param_offload=true and "
         "fsdp_config.optimizer_offload=true",
@@ -46,6 +45,7 @@ _ROLE_KEYS = {  # keys verl has under both actor_rollout_ref.actor and actor_rol
     "fsdp_config.entropy_checkpointing": Unsupported(
         "entropy checkpointing is not implemented; entropy is computed chunk by chunk (remove the key)", FALSE
     ),
+    "megatron.context_parallel_size": _CONTEXT_PARALLEL,
     "megatron.use_megatron_fsdp": Unsupported(
         "Megatron-FSDP is not implemented: use megatron.use_distributed_optimizer=true, or backend=fsdp", FALSE
     ),
@@ -61,9 +61,7 @@ _ROLE_KEYS = {  # keys verl has under both actor_rollout_ref.actor and actor_rol
 UNSUPPORTED = {
     **{f"actor_rollout_ref.{role}.{key}": rule for role in ("actor", "ref") for key, rule in _ROLE_KEYS.items()},
     "trainer.use_legacy_worker_impl": Unsupported("remove it: scaletrain has one worker implementation", ("auto",)),
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": _ulysses("actor_rollout_ref.actor"),
-    "critic.ulysses_sequence_parallel_size": _ulysses("critic"),
-    "critic.model.fsdp_config.ulysses_sequence_parallel_size": _ulysses("critic"),
+    "critic.megatron.context_parallel_size": _CONTEXT_PARALLEL,
     "actor_rollout_ref.model.use_fused_kernels": Unsupported(
         "fused log-prob kernels are not implemented; log-probs are computed in chunks (remove the key)", FALSE
     ),
@@ -120,6 +118,14 @@ IGNORED = {
 
 # verl's name -> this project's (same meaning); verl's lr_warmup_steps=-1 ("use the ratio") is our 0
 RENAMED = {
+    # verl's newer place for the Ulysses size (its FSDP engine config) -> the role's key
+    **{
+        f"actor_rollout_ref.{role}.fsdp_config.ulysses_sequence_parallel_size": (
+            f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size"
+        )
+        for role in ("actor", "ref")
+    },
+    "critic.model.fsdp_config.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",
     "actor_rollout_ref.actor.optim.lr_warmup_steps": "actor_rollout_ref.actor.optim.warmup_steps",
     "critic.optim.lr_warmup_steps": "critic.optim.warmup_steps",
     "actor_rollout_ref.actor.grad_clip": "actor_rollout_ref.actor.optim.grad_clip",

@@ -130,6 +130,36 @@ def test_yaml_defaults_build_and_validate():
             "algorithm.filter_groups.max_num_gen_batches: expected int, got str",
         ),
         (["algorithm.filter_overlong_responses=maybe"], "algorithm.filter_overlong_responses: expected bool"),
+        (
+            ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 splits the packed sequence: set "
+            "actor_rollout_ref.model.use_remove_padding=true",
+        ),
+        (
+            ["backend=megatron", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
+            "the megatron backend does not split sequences (Ulysses runs on fsdp, deepspeed); megatron's is "
+            "actor_rollout_ref.actor.megatron.sequence_parallel=true",
+        ),
+        (
+            [
+                "actor_rollout_ref.model.use_remove_padding=true",
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=3",
+            ],
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=3 must divide the 2 ranks",
+        ),
+        (
+            [
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                "actor_rollout_ref.ref.ulysses_sequence_parallel_size=1",
+            ],
+            "actor_rollout_ref.ref.ulysses_sequence_parallel_size=1 differs from the actor's (2)",
+        ),
+        (
+            ["algorithm.adv_estimator=gae", "critic.ulysses_sequence_parallel_size=2"],
+            "critic.ulysses_sequence_parallel_size=2 splits the packed sequence: set "
+            "critic.model.use_remove_padding=true",
+        ),
+        (["critic.ulysses_sequence_parallel_size=0", "algorithm.adv_estimator=gae"], "must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_configs_name_the_key(overrides, message):
@@ -272,3 +302,34 @@ def test_a_backends_own_check_runs_through_its_registry_entry():
     checked("backend.name=test_only_checked")
     with pytest.raises(ConfigError, match="actor_rollout_ref.actor.megatron: this backend runs on 2 ranks, not 4"):
         checked("backend.name=test_only_checked", "trainer.n_gpus_per_node=4")
+
+
+def test_ulysses_sizes_reach_the_engine_configs():
+    """Each role's Ulysses size reaches its engine (the ref's is the actor's); the mini-batch rows split over the data-
+    parallel ranks, world / SP."""
+    from backends.config import EngineConfig, ModelConfig
+    from scaletrain.workers.config import ActorRolloutRefConfig, CriticConfig, EngineSetup
+
+    cfg = checked(
+        "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.model.use_remove_padding=true",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.rollout.n=2",  # 2 rows per mini-batch: over 2 DP ranks, not over the 4 ranks
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+        "algorithm.adv_estimator=gae",
+        "critic.model.use_remove_padding=true",
+        "critic.ulysses_sequence_parallel_size=4",
+    )
+    setup = EngineSetup(ModelConfig(path="m"), "fsdp", EngineConfig())
+    arr = cfg.actor_rollout_ref
+    assert ActorRolloutRefConfig(actor=arr.actor).engine_config(setup).ulysses_sequence_parallel_size == 2
+    assert CriticConfig(ulysses_sequence_parallel_size=4).engine_config(setup).ulysses_sequence_parallel_size == 4
+    with pytest.raises(ConfigError, match="rows do not split over 4 data-parallel ranks"):
+        checked(
+            "trainer.n_gpus_per_node=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+            "data.train_batch_size=2",
+            "actor_rollout_ref.rollout.n=2",
+        )

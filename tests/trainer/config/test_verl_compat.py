@@ -67,10 +67,22 @@ VERL_RAY_KEYS = ["ray_kwargs.ray_init.runtime_env.py_executable=null"]
         (
             [
                 "trainer.use_legacy_worker_impl=auto",
-                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1",
+                "actor_rollout_ref.actor.megatron.context_parallel_size=1",
                 "actor_rollout_ref.model.use_fused_kernels=False",
             ],
             [],
+        ),
+        (  # the Ulysses size is a key of its own; verl's newer place for it (the FSDP engine config) is renamed
+            [
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size=2",
+                "critic.model.fsdp_config.ulysses_sequence_parallel_size=2",
+            ],
+            [
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2",
+                "critic.ulysses_sequence_parallel_size=2",
+            ],
         ),
         (  # verl's newer sections and selectors: checkpoint_engine (megabytes), model_engine, reward.*, tool config
             [
@@ -109,7 +121,8 @@ def test_translation(argv, expected):
         (["actor_rollout_ref.actor.strategy=megatron", "backend=fsdp"], "backend=fsdp conflicts with"),
         (["actor_rollout_ref.actor.strategy=megatron", "critic.strategy=fsdp"], "select different backends"),
         (["actor_rollout_ref.actor.strategy=jax"], "unknown strategy 'jax'"),
-        (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "use backend=megatron with"),
+        (["actor_rollout_ref.actor.megatron.context_parallel_size=2"], "context parallelism is not implemented"),
+        (["critic.megatron.context_parallel_size=4"], "use megatron.sequence_parallel=true"),
         (["algorithm.pf_ppo.weight_pow=2.0"], "policy-filtration PPO is not implemented"),
         (["reward.reward_kwargs.x=1"], "verl's reward.\\* keys taken here: .*reward.reward_manager.name"),
         (["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"], "rollout.weight_bucket_bytes"),

@@ -1,5 +1,5 @@
-"""The LM head fused with the log-probs and entropy (backends/response_head.py) against the logits path: the same
-outputs, loss and gradients of every parameter, packed and padded, at a temperature, chunked (fp32: <= 1e-6 of each
+"""The LM head fused with the log-probs and entropy (backends/sequence/response_head.py) against the logits path: the
+same outputs, loss and gradients of every parameter, packed and padded, at a temperature, chunked (fp32: <= 1e-6 of each
 tensor's scale, the two paths rounding differently; fp64 against plain autograd: <= 1e-10), with a head bias; and
 where the fusion does not apply, the logits path is taken."""
 
@@ -11,7 +11,7 @@ from torch import nn
 
 from backends.config import ModelConfig
 from backends.hf_model import build_model, forward_micro_batch
-from backends.response_head import _HeadLogProbs, fused_response_head, supports_fused_head
+from backends.sequence.response_head import fused_response_head, head_log_probs, supports_fused_head
 from tests.backends.tiny import make_batch, save_tiny_qwen2
 
 
@@ -71,7 +71,7 @@ def test_fused_head_is_exact_in_float64(model_dir):
 
     fused = _outputs_and_grads(model, batch, True, 0.7, True, 7)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("tests.backends.test_response_head.forward_micro_batch", plain_autograd)
+        patch.setattr("tests.backends.sequence.test_response_head.forward_micro_batch", plain_autograd)
         reference = _outputs_and_grads(model, batch, True, 0.7, True, 7)
     torch.testing.assert_close(fused[1], reference[1], rtol=1e-12, atol=1e-10)
     for name, grad in reference[2].items():
@@ -83,12 +83,12 @@ def test_the_fused_function_with_a_head_bias_matches_autograd():
     hidden = torch.randn(11, 6, dtype=torch.float64, requires_grad=True)
     head = nn.Linear(6, 23, bias=True).double()
     labels = torch.randint(0, 23, (11,))
-    out = _HeadLogProbs.apply(hidden, head.weight, head.bias, labels, 0.5, 4, True)
+    out = head_log_probs(hidden, head.weight, head.bias, labels, 0.5, 4, True)
     logp = torch.log_softmax(head(hidden) / 0.5, -1)
     expected = torch.stack([logp.gather(-1, labels[:, None])[:, 0], -(logp.exp() * logp).sum(-1)], -1)
     torch.testing.assert_close(out, expected)
     torch.autograd.gradcheck(
-        lambda h, w, b: _HeadLogProbs.apply(h, w, b, labels, 0.5, 4, True), (hidden, head.weight, head.bias)
+        lambda h, w, b: head_log_probs(h, w, b, labels, 0.5, 4, True), (hidden, head.weight, head.bias)
     )
 
 

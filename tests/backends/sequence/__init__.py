@@ -1,0 +1,1 @@
+"""Tests of backends/sequence/ (the packed sequence's operations: the fused LM head, Ulysses sequence parallelism)."""
