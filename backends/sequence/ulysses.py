@@ -81,6 +81,7 @@ class SequenceShard:
     end: int
     positions: torch.Tensor  # (S,) the whole packed sequence's position ids, S a multiple of size
     attention: str  # the model's attention kernel: sdpa | eager | flash_attention_2
+    spans: list[tuple[int, int]]  # the packed sequences as [start, end) spans of the whole sequence
 
     def take(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices into this rank's slice, which of ``positions`` they are): the packed ``positions`` held here."""
@@ -93,12 +94,6 @@ class SequenceShard:
         full = values.new_zeros((mine.shape[0], *values.shape[1:]))
         full = full.index_put((mine.nonzero()[:, 0],), values)
         return _SumOverGroup.apply(full, self.group)
-
-    def segments(self) -> list[tuple[int, int]]:
-        """The packed sequences as [start, end) spans of the whole sequence (each starts at position 0)."""
-        starts = (self.positions == 0).nonzero()[:, 0].tolist()
-        bounds = [*starts, self.positions.shape[0]]
-        return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +115,10 @@ class SequenceParallel:
             positions = torch.cat([positions, torch.arange(pad, device=positions.device).unsqueeze(0)], dim=1)
         local = ids.shape[1] // self.size
         start, end = self.rank * local, (self.rank + 1) * local
-        shard = SequenceShard(self.group, self.size, start, end, positions[0], self.attention)
+        starts = (positions[0] == 0).nonzero()[:, 0].tolist()  # each packed sequence starts at position 0
+        bounds = [*starts, positions.shape[1]]
+        spans = list(zip(bounds[:-1], bounds[1:], strict=True))  # once per micro-batch, not per attention call
+        shard = SequenceShard(self.group, self.size, start, end, positions[0], self.attention, spans)
         return ids[:, start:end], positions[:, start:end], shard
 
 
@@ -225,7 +223,7 @@ def _by_sequence(q, k, v, shard: SequenceShard, dropout: float, scaling, window:
     """Causal attention within each packed sequence (sdpa; eager computes the same), (1, S, h, d)."""
     gqa = q.shape[1] != k.shape[1]
     outs = []
-    for a, b in shard.segments():
+    for a, b in shard.spans:
         mask = _window_mask(b - a, window, q.device)
         outs.append(
             F.scaled_dot_product_attention(

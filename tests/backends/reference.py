@@ -60,6 +60,19 @@ def ref_values(model, data):
     return {"values": v * b["attention_mask"][:, -R:]}
 
 
+def actor_reference(model_dir: str, batch, optim, before_on=None):
+    """The single-process reference of one actor step on ``batch`` from ``model_dir``'s weights (float32): (the
+    outputs before the step on ``before_on``, default the batch; the step's loss; its gradient norm; the state dict
+    after it)."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        before = ref_outputs(ref, batch if before_on is None else before_on)
+    loss, norm = ref_step(ref, batch, actor_loss, ref_outputs, optim)
+    return before, loss, norm, {k: v.detach().clone() for k, v in ref.state_dict().items()}
+
+
 def ref_step(model, data, loss_fn, outputs_fn, optim):
     """One step of torch AdamW (``optim``: an OptimConfig, constant lr; ``grad_clip`` <= 0: no clipping) on
     ``data``; returns (loss, grad_norm)."""

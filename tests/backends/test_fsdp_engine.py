@@ -71,8 +71,6 @@ def base(ctx):
 
 
 def _base(ctx):
-    import torch
-    from transformers import AutoModelForCausalLM
 
     from backends.base import get_backend
     from backends.config import OptimConfig
@@ -86,11 +84,7 @@ def _base(ctx):
     batch = make_batch(8, 12, 10, seed=1)
     rows = list(range(ctx.rank * 4, ctx.rank * 4 + 4))
     share = batch.select_idxs(rows)
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        ref_before = reference.ref_outputs(ref, share)
-    ref_loss, ref_norm = reference.ref_step(ref, batch, reference.actor_loss, reference.ref_outputs, optim)
-    ref_sd = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    ref_before, ref_loss, ref_norm, ref_sd = reference.actor_reference(model_dir, batch, optim, before_on=share)
     return SimpleNamespace(
         FSDP=get_backend("fsdp"),
         model_dir=model_dir,

@@ -58,8 +58,6 @@ def base(ctx):
 
 
 def _base(ctx):
-    import torch
-    from transformers import AutoModelForCausalLM
 
     from backends.config import OptimConfig
     from tests.backends import reference
@@ -69,11 +67,7 @@ def _base(ctx):
     optim = OptimConfig(lr=1e-3, eps=1e-6, weight_decay=0.01, grad_clip=1.0, lr_scheduler="cosine", total_steps=4)
     # long enough that a rank's slice cuts through rows, short rows so that some slices hold no response token
     batch = make_batch(8, 12, 10, seed=3)
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        ref_before = reference.ref_outputs(ref, batch)
-    ref_loss, ref_norm = reference.ref_step(ref, batch, reference.actor_loss, reference.ref_outputs, optim)
-    ref_sd = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    ref_before, ref_loss, ref_norm, ref_sd = reference.actor_reference(model_dir, batch, optim)
     return SimpleNamespace(
         model_dir=model_dir,
         optim=optim,
