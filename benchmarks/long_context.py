@@ -121,7 +121,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        run_rank(sys.argv[1])
-    else:
-        main()
+    from benchmarks.multirank import rank_or_main
+
+    rank_or_main(run_rank, main)

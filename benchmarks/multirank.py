@@ -172,6 +172,15 @@ def run_rank(spec_file: str) -> None:
     dist.destroy_process_group()
 
 
+def rank_or_main(run_rank, main) -> None:
+    """A multi-rank benchmark script's entry: run as one of ``launch``'s ranks (``python -m module SPEC.json``)
+    it runs ``run_rank(SPEC.json)``, otherwise ``main()``."""
+    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        run_rank(sys.argv[1])
+    else:
+        main()
+
+
 def launch(spec: dict, timeout_s: float = 900.0, module: str = "benchmarks.multirank") -> dict:
     """Run ``spec`` on ``spec["world"]`` gloo ranks (fresh processes of ``python -m module SPEC_FILE``, whose rank 0
     writes ``spec["out"]``); returns rank 0's results."""

@@ -127,6 +127,10 @@ def _validate_trainer(cfg: PPOConfig) -> None:
         raise ConfigError(f"trainer.resume_mode must be auto | disable | resume_path, got '{trainer.resume_mode}'")
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+    if trainer.memory_check not in ("warn", "error", "off"):
+        raise ConfigError(f"trainer.memory_check must be warn | error | off, got '{trainer.memory_check}'")
+    if trainer.device_memory_gib is not None and not trainer.device_memory_gib > 0:
+        raise ConfigError(f"trainer.device_memory_gib must be > 0 (or null: measured), got {trainer.device_memory_gib}")
     _validate_generation_outputs(trainer)
     _validate_deadlines(cfg)
     if trainer.save_freq_minutes is not None and not trainer.save_freq_minutes > 0:

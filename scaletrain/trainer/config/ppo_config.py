@@ -139,6 +139,8 @@ class TrainerSection(RunSettings):
         "validation_data_dir",
         "log_val_generations",
         "verbose",
+        "memory_check",
+        "device_memory_gib",
     )
     LAYOUT_ONLY = ("n_gpus_per_node", "nnodes")  # the number of training ranks: resumable across it where the
     # backends reshard (backends/base.py BackendTraits.reshards_on_resume)
@@ -167,6 +169,10 @@ class TrainerSection(RunSettings):
     log_val_generations: int = 0  # validation samples (input, output, score) shown in the loggers
     critic_warmup: int = 0  # the first N steps update only the critic (actor and rollout unchanged)
     balance_batch: bool = False  # reorder rows so each DP rank gets a similar number of tokens
+    memory_check: str = "warn"  # warn | error | off: a memory plan over the device's budget warns or fails before
+    # Ray starts (scaletrain/trainer/memory_plan.py); the plan is logged either way
+    device_memory_gib: float | None = None  # one training device's memory budget; null: the GPU's (nvidia-smi), on
+    # CPU the host's available memory over the node's ranks
 
 
 @dataclass

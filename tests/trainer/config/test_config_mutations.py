@@ -59,7 +59,7 @@ DRIVER_READ = {
     *(f"trainer.{k}" for k in ("val_before_train", "resume_from_path", "max_ckpt_to_keep", "save_hf_at_end")),
     *(f"trainer.{k}" for k in ("save_merged", "plot_at_end", "worker_call_timeout_s", "rollout_data_dir")),
     *(f"trainer.{k}" for k in ("validation_data_dir", "log_val_generations", "critic_warmup", "balance_batch")),
-    "trainer.verbose",
+    *(f"trainer.{k}" for k in ("verbose", "device_memory_gib")),
     "async_training.partial_rollout_segment_tokens",
     *(f"ray_kwargs.ray_init.{k}" for k in ("address", "num_cpus", "num_gpus", "object_store_memory", "resources")),
     *(f"ray_kwargs.ray_init.{k}" for k in ("namespace", "runtime_env", "include_dashboard", "dashboard_host")),

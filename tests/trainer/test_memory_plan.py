@@ -1,0 +1,82 @@
+"""The memory plan before launch (scaletrain/trainer/memory_plan.py): a config that cannot fit fails before Ray with
+the numbers and the settings that would fit; warn and off; the plan's phases follow the config."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from backends import memory as mem
+from scaletrain.trainer.config.plan import resolve_config
+from scaletrain.trainer.config.ppo_config import load_ppo_config
+from scaletrain.trainer.embedded_default import apply_embedded_overlay
+from scaletrain.trainer.main_ppo import explicit_keys, run
+from scaletrain.trainer.memory_plan import check_memory, memory_plan
+from scaletrain.utils.hydra_compose import compose_config
+from scaletrain.utils.typed_config import ConfigError
+
+GIB = float(mem.GIB)
+
+
+def resolved(*overrides: str):
+    """The config ``main_ppo`` would run with these overrides (the embedded default's where unset)."""
+    raw, _ = apply_embedded_overlay(compose_config("ppo_trainer", list(overrides)), explicit_keys(overrides))
+    return resolve_config(load_ppo_config(raw))
+
+
+def test_a_config_that_cannot_fit_fails_before_ray_naming_what_would_fit(tmp_path):
+    """A user's run on a device too small for it: the command fails before its run directory (or Ray) exists, with
+    the phase, both numbers and the one setting that fits; the plan says gradient checkpointing fits and it does."""
+    saved = memory_plan(resolved(), budget=1 << 40).peak
+    recomputed = memory_plan(resolved("actor_rollout_ref.model.enable_gradient_checkpointing=true"), 1 << 40).peak
+    assert recomputed < saved
+    budget_gib = (saved + recomputed) / 2 / GIB
+    run_dir = tmp_path / "run"
+    args = [
+        f"trainer.device_memory_gib={budget_gib}",
+        "trainer.memory_check=error",
+        f"trainer.default_local_dir={run_dir}",
+    ]
+    with pytest.raises(ConfigError) as err:
+        run(args)
+    message = str(err.value)
+    assert "actor update phase needs" in message and mem.gib(saved) in message, message
+    assert "actor_rollout_ref.model.enable_gradient_checkpointing=true" in message, message
+    assert "generate" in message and "KV cache" in message  # the plan itself, every phase
+    assert not run_dir.exists()  # claimed only after the check, and Ray starts after that
+    fixed = resolved(*args, "actor_rollout_ref.model.enable_gradient_checkpointing=true")
+    assert check_memory(fixed).fits
+
+
+def test_warn_logs_and_goes_on_off_skips(caplog):
+    tight = ("trainer.device_memory_gib=0.001",)
+    with caplog.at_level(logging.WARNING, logger="scaletrain.trainer.memory_plan"):
+        plan = check_memory(resolved(*tight))
+    assert plan is not None and not plan.fits
+    assert "over the" in caplog.text and "memory plan, per cpu device" in caplog.text
+    assert check_memory(resolved(*tight, "trainer.memory_check=off")) is None
+
+
+def test_bad_memory_keys_are_refused_naming_them():
+    from scaletrain.trainer.config.checks import check_config
+
+    with pytest.raises(ConfigError, match="trainer.memory_check must be warn | error | off"):
+        check_config(resolved("trainer.memory_check=strict"))
+    with pytest.raises(ConfigError, match="trainer.device_memory_gib must be > 0"):
+        check_config(resolved("trainer.device_memory_gib=0"))
+
+
+def test_phases_follow_the_layout_and_offload():
+    base = memory_plan(resolved(), budget=1 << 40)
+    assert set(base.phases) == {"generate", "log-probs", "actor update"}
+    with_critic = memory_plan(resolved("algorithm.adv_estimator=gae"), budget=1 << 40)
+    assert "critic update" in with_critic.phases
+    assert "critic optimizer" in with_critic.phases["actor update"]  # colocated: the critic's states stay
+    offloaded = memory_plan(resolved("backend.optimizer_offload=true"), budget=1 << 40)
+    assert "actor optimizer" not in offloaded.phases["actor update"]
+    assert offloaded.host["actor optimizer"] == base.phases["actor update"]["actor optimizer"]
+    four = memory_plan(resolved("trainer.n_gpus_per_node=4"), budget=1 << 40)
+    assert four.phases["actor update"]["actor parameters"] < base.phases["actor update"]["actor parameters"]
+    moved = memory_plan(resolved("actor_rollout_ref.rollout.offload_train_during_rollout=true"), budget=1 << 40)
+    assert "actor parameters" not in moved.phases["generate"] and "actor parameters (generate)" in moved.host
