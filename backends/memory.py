@@ -207,15 +207,16 @@ def model_shape(model_config, config=None) -> ModelShape:
     else read from its path), counted on the meta device (no weights are read); with ``lora_rank > 0`` the
     trainable count is the adapters' (backends/lora.py)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from backends.lora import lora_enabled, wrap_lora
+    from backends.vision import causal_lm_class
 
     remote = model_config.trust_remote_code
     config = config or AutoConfig.from_pretrained(model_config.path, trust_remote_code=remote)
     text = getattr(config, "text_config", None) or config
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
+    with torch.device("meta"):  # a vision-language model with its vision tower (backends/vision.py)
+        model = causal_lm_class(config).from_config(config, trust_remote_code=remote)
         if lora_enabled(model_config):
             model = wrap_lora(model, dataclasses.replace(model_config, lora_adapter_path=None))
     params = sum(p.numel() for p in model.parameters())

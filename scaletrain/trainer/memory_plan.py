@@ -286,7 +286,13 @@ def check_memory(cfg: PPOConfig) -> MemoryPlan | None:
     mode = cfg.trainer.memory_check
     if mode == "off":
         return None
-    plan = memory_plan(cfg)
+    try:
+        plan = memory_plan(cfg)
+    except Exception as exc:  # a model or layout the arithmetic does not know: the check, not the run, gives way
+        if mode == "error":
+            raise ConfigError(f"trainer.memory_check=error: the memory plan could not be computed: {exc}") from exc
+        logger.warning("trainer.memory_check: no memory plan for this config (%s: %s)", type(exc).__name__, exc)
+        return None
     if plan.fits:
         logger.info("%s", plan.render())
         return plan

@@ -73,3 +73,16 @@ def test_plan_is_within_a_quarter_of_a_real_step(tmp_path, recompute):
     measured, micro = engine_step_peak("fsdp", path, batch, recompute=recompute)
     plan = sum(mem.train_peak(mem.model_shape(ModelConfig(path=path)), mem.TrainLayout("fsdp", 1), micro).values())
     assert 0.75 <= plan / measured <= 1.25, (plan, measured)
+
+
+def test_a_vision_language_models_shape_counts_its_vision_tower(tmp_path):
+    """Qwen2.5-VL's class is not AutoModelForCausalLM's: the shape comes from the model class the engines load."""
+    from transformers import AutoModelForImageTextToText
+
+    from scaletrain.models.tiny_vlm import save_tiny_qwen2_5_vl
+
+    path = save_tiny_qwen2_5_vl(tmp_path / "vlm")
+    shape = mem.model_shape(ModelConfig(path=str(path)))
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert shape.vocab == model.config.text_config.vocab_size

@@ -200,7 +200,7 @@ def test_sigterm_during_start_up_exits_0_and_the_rerun_trains(ray_cluster, task,
     line), and once they are up (their set-up, the first validation). Each time: exit 0 saying so, nothing written
     that a rerun trips on. The signal goes to the whole process group, as in the test above."""
     run_dir = tmp_path / "early"
-    for marker in ("plan: ", "worker group 'colocated'"):
+    for marker in ("config.plan: plan: ", "worker group 'colocated'"):  # the run plan's line, not the memory plan's
         log = run_dir / "run.log"
         seen = log.read_text().count(marker) if log.exists() else 0  # the run log is appended to by each run
         args = overridden(task, run_dir, 2)

@@ -80,3 +80,14 @@ def test_phases_follow_the_layout_and_offload():
     assert four.phases["actor update"]["actor parameters"] < base.phases["actor update"]["actor parameters"]
     moved = memory_plan(resolved("actor_rollout_ref.rollout.offload_train_during_rollout=true"), budget=1 << 40)
     assert "actor parameters" not in moved.phases["generate"] and "actor parameters (generate)" in moved.host
+
+
+def test_a_model_the_plan_cannot_read_warns_and_the_run_goes_on_or_fails_under_error(tmp_path, caplog):
+    """A checkpoint whose config transformers cannot build: the plan gives way under warn (a training run must not
+    fail for its check), and under error says why."""
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    with caplog.at_level(logging.WARNING, logger="scaletrain.trainer.memory_plan"):
+        assert check_memory(resolved(f"actor_rollout_ref.model.path={tmp_path}")) is None
+    assert "no memory plan for this config" in caplog.text
+    with pytest.raises(ConfigError, match="the memory plan could not be computed"):
+        check_memory(resolved(f"actor_rollout_ref.model.path={tmp_path}", "trainer.memory_check=error"))
