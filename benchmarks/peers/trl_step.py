@@ -86,6 +86,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rank-out", type=Path, default=None, help=argparse.SUPPRESS)  # a --procs child's file
     parser.add_argument("--ours", action="store_true", help="also run benchmarks/e2e_step.py in .venv")
     parser.add_argument("--ours-python", type=Path, default=ROOT / ".venv" / "bin" / "python")
+    parser.add_argument("--ours-rollout", default="vllm", help="our side's rollout engine: vllm | hf (TRL's generate)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for our side's subprocess")
     args = parser.parse_args()
     args.steps = args.steps or (2 if args.quick else 4)
@@ -272,6 +273,7 @@ def run_ours(args: argparse.Namespace) -> dict:
     """benchmarks/e2e_step.py in .venv with the same shape and steps; its rows by measure."""
     cmd = [str(args.ours_python), str(ROOT / "benchmarks" / "e2e_step.py"), "--steps", str(args.steps), "--no-limit"]
     cmd += ["--quick"] if args.quick else []
+    cmd += ["--rollout", args.ours_rollout]
     # the same work as TRL's: trained once, each batch needs no old-log-prob forward (TRL takes the current
     # log-probs, detached, as the old ones; ours takes the rollout's: rollout_correction's bypass mode)
     cmd += ["algorithm.rollout_correction.bypass_mode=true"]
@@ -299,7 +301,8 @@ def result_rows(shape: tuple[int, int, int], procs: int, trl: dict, ours: dict |
     """The rows, TRL as the baseline; ``ours`` None: TRL's figures alone."""
     tag = "x".join(map(str, shape))
     name = TRL_NAME if procs == 1 else f"{TRL_NAME}, {procs} processes"
-    ours = ours or {}
+    trl = dict(trl)
+    ours = dict(ours or {})
 
     def row(measure: str, key: str, unit: str, scale: float = 1.0, **extra) -> dict:
         mine = ours.get(key)
@@ -313,8 +316,12 @@ def result_rows(shape: tuple[int, int, int], procs: int, trl: dict, ours: dict |
             **extra,
         }
 
+    for side in (trl, ours):  # everything but generation: the loss passes, the optimizer step, reward, transport
+        if side:
+            side["train_s"] = side["step_s"] - side["generate_s"]
     return [
         row("s/step", "step_s", "ms", 1e3, target=round(1 / TOKENS_TARGET, 3)),
+        row("training half s/step (step - generate)", "train_s", "ms", 1e3, target=1.0),
         row("generated tokens/s", "tokens_per_s", "tok/s", note=f"higher is better; target >= {TOKENS_TARGET}x"),
         row("generate s/step", "generate_s", "ms", 1e3),
         row("generated tokens per response", "tokens_per_response", "tokens"),
