@@ -244,8 +244,8 @@ def device_budget(cfg: PPOConfig) -> int:
     return available // max(1, cfg.trainer.n_gpus_per_node)
 
 
-# settings that shrink a plan, tried one at a time: (the key, whether it applies, the config with it)
 def _remedies(cfg: PPOConfig) -> Iterator[tuple[str, PPOConfig]]:
+    """The settings that shrink a plan and apply to this config, one at a time: (the override, the config with it)."""
     arr = cfg.actor_rollout_ref
     actor, model, rollout = arr.actor, arr.model, arr.rollout
     if not model.enable_gradient_checkpointing:
