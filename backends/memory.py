@@ -8,11 +8,12 @@ Pure functions of a model's shape and a role's layout, no torch state: the train
   TP x PP (its optimizer also over DP with ``use_distributed_optimizer``). DeepSpeed keeps a float32 master copy
   of its partition and a reduce bucket of ``reduce_bucket_size`` elements (allocated whole at start). megatron keeps
   a persistent float32 gradient buffer. Offloaded parameters / optimizer state count on the host instead.
-- Activations of the largest micro-batch, per decoder layer and token (measured with torch's allocator on CPU,
-  benchmarks/memory_plan.py): the HF engines save about ``18 H + 4 I`` values per packed token (H hidden, I the
-  MLP width), plus about 2 bytes per token pair where sdpa/eager attention get a dense block-diagonal mask for a
-  packed micro-batch; megatron's layers about ``23 H + 5.5 I`` per padded token. With gradient checkpointing only
-  each layer's input stays (H per token) and one layer's activations exist at a time.
+- Activations of the largest micro-batch, per decoder layer and token (fitted to torch's allocator on CPU,
+  benchmarks/memory_plan.py; the constants below): the HF engines save about ``10 H + 4.2 I`` values per packed
+  token (H hidden, I the MLP width), plus a value per token pair where sdpa/eager attention get a dense
+  block-diagonal mask for a packed micro-batch; megatron's layers about ``14.6 H + 5.3 I`` per padded token plus
+  their per-row attention. With gradient checkpointing each layer keeps its inputs (2.5 H per token) and one
+  layer's activations (with its MLP gradients) exist at a time.
 - The head: only the response positions reach it, a bounded chunk of logits at a time
   (backends/sequence/response_head.py); a few chunk-sized float32 temporaries exist at once.
 - Rollout engines: vLLM's weights (sharded by its TP) and KV cache (``kv_cache_bytes``, else
@@ -24,6 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
+from backends.config import EngineConfig
+from backends.sequence.response_head import CHUNK_ELEMENTS
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -39,8 +43,6 @@ SHARED_MASK_BYTES = 2  # x tokens^2: the mask gradient checkpointing keeps for t
 MEGATRON_ATTENTION_BYTES = 3.2  # x heads x rows x length^2 per layer: megatron's local (unfused) attention
 HEAD_TEMPORARIES = 7  # chunk-sized float32 tensors alive at once in the fused head's backward (with entropy)
 MEGATRON_HEAD_TEMPORARIES = 5  # the same in megatron's vocabulary-parallel head
-HEAD_CHUNK_ELEMENTS = 8 << 20  # backends/sequence/response_head.py CHUNK_ELEMENTS
-HEAD_CHUNK_ROWS = 1024  # its default chunk_size
 DEEPSPEED_REDUCE_BUCKET = 500_000_000  # DeepSpeed's default zero_optimization.reduce_bucket_size (elements)
 CPU_KV_CACHE_BYTES = 64 << 20  # vLLM's KV cache on CPU unless kv_cache_bytes says otherwise
 
@@ -75,6 +77,7 @@ class TrainLayout:
     param_offload: bool = False
     optimizer_offload: bool = False
     reduce_bucket: int = DEEPSPEED_REDUCE_BUCKET  # deepspeed: zero_optimization.reduce_bucket_size
+    head_chunk_rows: int = EngineConfig.entropy_chunk_size  # the fused head's rows per chunk at most
 
     @property
     def dp(self) -> int:
@@ -175,7 +178,7 @@ def train_peak(shape: ModelShape, layout: TrainLayout, micro: MicroBatchShape) -
 def head_bytes(shape: ModelShape, layout: TrainLayout, micro: MicroBatchShape) -> int:
     """The fused head's chunk temporaries and the hidden states it keeps (response positions only)."""
     vocab = shape.vocab / layout.tp
-    rows = max(1, min(HEAD_CHUNK_ROWS, HEAD_CHUNK_ELEMENTS // max(1, int(vocab)), micro.head_positions))
+    rows = max(1, min(layout.head_chunk_rows, CHUNK_ELEMENTS // max(1, int(vocab)), micro.head_positions))
     kept = micro.head_positions * shape.hidden * 4 * 4  # the hidden states, outputs and their gradients
     temporaries = MEGATRON_HEAD_TEMPORARIES if layout.backend == "megatron" else HEAD_TEMPORARIES
     return int(temporaries * rows * vocab * 4 + kept)

@@ -27,8 +27,9 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from backends import memory as mem
+from backends.config import resolve_precision
 from scaletrain.trainer.config.ppo_config import PPOConfig
-from scaletrain.trainer.config.worker_configs import model_config
+from scaletrain.trainer.config.worker_configs import engine_config, model_config
 from scaletrain.utils.typed_config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -72,10 +73,12 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def memory_plan(cfg: PPOConfig, budget: int | None = None) -> MemoryPlan:
-    """The plan of a resolved config (scaletrain/trainer/config/plan.py ``resolve_config``)."""
+def memory_plan(cfg: PPOConfig, budget: int | None = None, shape: mem.ModelShape | None = None) -> MemoryPlan:
+    """The plan of a resolved config (scaletrain/trainer/config/plan.py ``resolve_config``); ``budget`` (bytes) and
+    ``shape`` (the actor model's): the caller's where it has them, else measured / read here."""
     cuda = cfg.trainer.device == "cuda"
-    shape = _shape(cfg)
+    budget = budget if budget is not None else device_budget(cfg)
+    shape = shape or actor_shape(cfg)
     roles = dict(_train_roles(cfg, shape, cuda))
     resident, host = {}, {}
     for name, (role_shape, layout, _) in roles.items():
@@ -93,7 +96,7 @@ def memory_plan(cfg: PPOConfig, budget: int | None = None) -> MemoryPlan:
         if layout.trains:
             phases[f"{name} update"] = resident | awake | mem.step_peak(role_shape, layout, micro)
     device = "cuda" if cuda else "cpu"
-    return MemoryPlan(phases, host, budget if budget is not None else device_budget(cfg), device, _shared(cfg, shape))
+    return MemoryPlan(phases, host, budget, device, _shared(cfg, shape))
 
 
 def _shared(cfg: PPOConfig, shape: mem.ModelShape) -> dict[str, int]:
@@ -116,7 +119,8 @@ def _generate_phase(cfg: PPOConfig, resident: dict, engine: dict, host: dict) ->
     return resident | engine
 
 
-def _shape(cfg: PPOConfig) -> mem.ModelShape:
+def actor_shape(cfg: PPOConfig) -> mem.ModelShape:
+    """The actor model's shape (the embedded default's model where the path is null)."""
     arr = cfg.actor_rollout_ref
     config = None
     if not arr.model.path:  # the embedded default's model (trainer/embedded_default.py)
@@ -157,24 +161,27 @@ def _train_roles(cfg: PPOConfig, shape: mem.ModelShape, cuda: bool) -> Iterator[
 
 
 def _layout(cfg: PPOConfig, section, model, fsdp_config, cuda: bool, trains: bool) -> mem.TrainLayout:
-    backend = cfg.backend
-    meg = section.megatron
-    dtype = model.dtype if model.dtype != "auto" else ("bfloat16" if cuda and not trains else "float32")
-    mixed = backend.mixed_precision if backend.mixed_precision != "auto" else ("bfloat16" if cuda and trains else None)
+    """A role's layout on one rank, its precision and offload resolved as its engine resolves them."""
+    backend, meg = cfg.backend, section.megatron
+    engine = fsdp_config.applied(engine_config(backend, cfg.trainer.seed))
+    model, engine = resolve_precision(model_config(model, model.path), engine, "cuda" if cuda else "cpu", trains)
+    half = model.dtype in ("bfloat16", "float16")
     zero = backend.extra.get("deepspeed_config", {}).get("zero_optimization", {})
+    megatron = backend.name == "megatron"
     return mem.TrainLayout(
         backend=backend.name,
         world=cfg.world_size,
-        tp=meg.tensor_model_parallel_size or 1 if backend.name == "megatron" else 1,
-        pp=meg.pipeline_model_parallel_size or 1 if backend.name == "megatron" else 1,
+        tp=(meg.tensor_model_parallel_size or 1) if megatron else 1,
+        pp=(meg.pipeline_model_parallel_size or 1) if megatron else 1,
         sp=getattr(section, "ulysses_sequence_parallel_size", 1) or 1,
         distributed_optimizer=bool(meg.use_distributed_optimizer),
-        weight_bytes=2 if dtype in ("bfloat16", "float16") else 4,
-        compute_bytes=2 if mixed else (2 if dtype in ("bfloat16", "float16") else 4),
+        weight_bytes=2 if half else 4,
+        compute_bytes=2 if engine.mixed_precision or half else 4,
         trains=trains,
-        param_offload=_first(fsdp_config.param_offload, backend.param_offload),
-        optimizer_offload=_first(fsdp_config.optimizer_offload, backend.optimizer_offload),
+        param_offload=engine.param_offload,
+        optimizer_offload=engine.optimizer_offload,
         reduce_bucket=int(zero.get("reduce_bucket_size", mem.DEEPSPEED_REDUCE_BUCKET)),
+        head_chunk_rows=engine.entropy_chunk_size,
     )
 
 
@@ -201,11 +208,7 @@ def _micro(cfg: PPOConfig, section) -> mem.MicroBatchShape:
     )
 
 
-def _first(value, fallback):
-    return fallback if value is None else value
-
-
-def _rollout_engine(cfg: PPOConfig, shape: mem.ModelShape, cuda: bool, budget: int | None) -> tuple[dict, set]:
+def _rollout_engine(cfg: PPOConfig, shape: mem.ModelShape, cuda: bool, budget: int) -> tuple[dict, set]:
     """(the hybrid engine's bytes on a training device while it generates, the lines it keeps while the trainer
     works: the HF engine its weights; vLLM everything, or nothing where it sleeps)."""
     arr = cfg.actor_rollout_ref
@@ -221,9 +224,8 @@ def _rollout_engine(cfg: PPOConfig, shape: mem.ModelShape, cuda: bool, budget: i
         }
     kv = rollout.kv_cache_bytes
     if kv is None:
-        device_bytes = budget if budget is not None else device_budget(cfg)
         weights = shape.params * weight_bytes // rollout.tensor_model_parallel_size
-        kv = int(rollout.gpu_memory_utilization * device_bytes) - weights if cuda else mem.CPU_KV_CACHE_BYTES
+        kv = int(rollout.gpu_memory_utilization * budget) - weights if cuda else mem.CPU_KV_CACHE_BYTES
     engine = mem.vllm_bytes(shape, rollout.tensor_model_parallel_size, weight_bytes, max(0, kv))
     sleeps = cuda and rollout.enable_sleep_mode and rollout.free_cache_engine
     return engine, set() if sleeps else set(engine)
@@ -287,7 +289,8 @@ def check_memory(cfg: PPOConfig) -> MemoryPlan | None:
     if mode == "off":
         return None
     try:
-        plan = memory_plan(cfg)
+        shape = actor_shape(cfg)  # once: no remedy below changes the model
+        plan = memory_plan(cfg, shape=shape)
     except Exception as exc:  # a model or layout the arithmetic does not know: the check, not the run, gives way
         if mode == "error":
             raise ConfigError(f"trainer.memory_check=error: the memory plan could not be computed: {exc}") from exc
@@ -298,7 +301,7 @@ def check_memory(cfg: PPOConfig) -> MemoryPlan | None:
         return plan
     fixes = []
     for key, changed in _remedies(cfg):
-        other = memory_plan(changed, plan.budget)
+        other = memory_plan(changed, plan.budget, shape)
         if other.fits:
             fixes.append(f"{key} ({mem.gib(other.peak)})")
     advice = (
