@@ -40,6 +40,9 @@ class ModelSettings:
     # pays off with flash_attention_2, slower with sdpa / eager
     enable_gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
     trust_remote_code: bool = False  # let transformers run code shipped with the checkpoint (custom model classes)
+    router_aux_loss_coef: float = 0.0  # mixture-of-experts: the routers' load-balancing loss (Switch, as HF's
+    # output_router_logits) x this is added to a trained model's loss (fsdp, deepspeed); 0: off, metrics only
+    router_z_loss_coef: float = 0.0  # mixture-of-experts: the routers' z-loss (ST-MoE) x this; 0: off
 
 
 @dataclass(kw_only=True)

@@ -21,7 +21,8 @@ Hooks (the backend's part):
   - ``_backward(loss)``; ``_clip_grads()`` -> the global gradient norm before clipping; ``_apply_update()``;
     ``_end_step(skipped)``: zero the gradients and advance the LR schedule (one per train_step, skipped or not);
   - ``_param_items()``: the model's state dict as (name, full nbytes, get) in order, ``get`` gathering the full
-    tensor (collective) when called; the shared code buckets them (and merges LoRA adapters);
+    tensor (collective) when called; the shared code buckets them (and merges LoRA adapters) in
+    ``_gathered_buckets``, which a backend may replace (FSDP gathers a bucket at a time);
   - ``_set_portable(state)``: this rank's shard of each full parameter and Adam moment of a checkpoint written by
     another backend or layout (``load_portable``; backends/checkpoint/portable.py).
 """
@@ -39,6 +40,7 @@ from backends.accumulation import Accumulation, finish_train_step, partition_bat
 from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, base_model_only, bucketed
 from backends.batching import Partition, restore_order
 from backends.checkpoint.hf_export import collective_write, save_engine_hf
+from backends.checkpoint.hf_names import checkpoint_layout
 from backends.checkpoint.portable import PortableState, read_portable_state
 from backends.config import (
     DEFAULT_FORWARD,
@@ -53,6 +55,7 @@ from backends.dist import local_device
 from backends.hf_model import build_model, check_outputs, forward_micro_batch, tied_duplicate_names
 from backends.lora import ADAPTER, lora_enabled
 from backends.lora_weights import Item, LoraLayout, adapter_config_dict, write_adapter_dir
+from backends.moe import RouterRecorder, add_router_terms, check_router_settings
 from backends.optim import set_schedule_step
 from backends.sequence.ulysses import SequenceParallel, sequence_parallel
 from backends.vision import MULTI_MODAL_INPUTS, gather_vision_inputs, is_vision_language, vision_keys
@@ -95,8 +98,17 @@ class HFTrainEngine(TrainEngine):
         self.architecture = type(hf_model).__name__
         self.tied_names = tied_duplicate_names(hf_model)
         self.hf_config = hf_model.config
+        self.hf_model = hf_model  # the unwrapped HF model: its checkpoint layout for exports (checkpoint/hf_names.py)
         self.generation_config = getattr(hf_model, "generation_config", None)
         self.sp = self._sequence_parallel(hf_model)
+        mc = self.model_config
+        check_router_settings(hf_model, mc.router_aux_loss_coef, mc.router_z_loss_coef)
+        if self.sp is not None and (mc.router_aux_loss_coef or mc.router_z_loss_coef):
+            raise ValueError(
+                "router_aux_loss_coef / router_z_loss_coef with ulysses_sequence_parallel_size > 1: the router "
+                "losses need the whole packed sequence, which Ulysses splits over its ranks"
+            )
+        self.routers = RouterRecorder(hf_model)
         if self.optim_config is None:
             model.requires_grad_(False)
         return model
@@ -256,7 +268,7 @@ class HFTrainEngine(TrainEngine):
             acc = Accumulation(loss_fn, micros, self.device, self.group)
             for i, micro in enumerate(micros):
                 micro = micro.to(self.device)
-                loss, metrics = loss_fn(self._forward(micro, outputs, temperature), micro)
+                loss, metrics = self._micro_loss(micro, loss_fn, outputs, temperature)
                 self._backward(loss * acc.grad_scale(i))
                 acc.add(i, loss.detach(), metrics)
             lr = float(self._schedule().get_last_lr()[0])
@@ -264,6 +276,16 @@ class HFTrainEngine(TrainEngine):
             self._end_step(skipped=bool(result["step_skipped"]))
             self.global_step += 1
         return result
+
+    def _micro_loss(self, micro: DataProto, loss_fn: LossFn, outputs: tuple[str, ...], temperature: float):
+        """``loss_fn``'s loss and metrics for one micro-batch, plus a MoE model's router losses and metrics
+        (backends/moe.py: recorded over the real tokens, pads excluded on the padded path)."""
+        valid = None if self.model_config.use_remove_padding else micro.tensors["attention_mask"]
+        with self.routers.recording(valid):
+            out = self._forward(micro, outputs, temperature)
+        loss, metrics = loss_fn(out, micro)
+        mc = self.model_config
+        return add_router_terms(loss, metrics, self.routers.terms(), mc.router_aux_loss_coef, mc.router_z_loss_coef)
 
     # -------------------------------------------------------------------------------------------- weights
     def export_weights(self, bucket_bytes: int = 256 << 20) -> Buckets:
@@ -286,6 +308,12 @@ class HFTrainEngine(TrainEngine):
         return adapter_config_dict(self.peft_config)
 
     def _full_tensor_buckets(self, bucket_bytes: int, skip, adapter: bool = False) -> Buckets:
+        """``_gathered_buckets`` with the model weights in the checkpoint's layout (a MoE model's fused experts split
+        per expert: backends/checkpoint/hf_names.py); ``skip`` names the in-memory names to leave out."""
+        buckets = self._gathered_buckets(bucket_bytes, skip, adapter)
+        yield from buckets if adapter else checkpoint_layout(buckets, self.hf_model)
+
+    def _gathered_buckets(self, bucket_bytes: int, skip, adapter: bool) -> Buckets:
         """Gathers one tensor at a time; a bucket is yielded before the next tensor would overflow it, so at most one
         bucket plus one tensor (with LoRA: plus its two adapter matrices) is ever full-size."""
         with self._on_device(optimizer=False):

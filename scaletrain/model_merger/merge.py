@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from backends.checkpoint.hf_export import write_hf_checkpoint
+from backends.checkpoint.hf_names import checkpoint_layout
 from backends.checkpoint.meta import CHECKPOINT_READERS, HF_META_DIR, read_checkpoint_meta
 from backends.hf_model import torch_dtype
 from backends.lora_weights import LoraLayout, write_adapter_dir
@@ -44,7 +45,7 @@ def merge(
     base read from ``base_model_path`` (default: the run's model path, recorded in the checkpoint)."""
     meta = _meta(local_dir, backend)
     hf_dir = os.path.join(local_dir, HF_META_DIR)
-    config, expected = model_tensors(hf_dir, meta["architecture"])
+    config, expected, meta_model = model_tensors(hf_dir, meta["architecture"])
     reader = CHECKPOINT_READERS.get(meta["backend"])
     buckets = reader(local_dir, meta, list(expected), shard_bytes)
     if meta["lora"] is not None:
@@ -59,6 +60,8 @@ def merge(
         raise ValueError(f"--merge_lora: {local_dir} is not a LoRA checkpoint (it holds the whole model)")
     checked = _checked(buckets, expected, set(meta["tied_names"]), torch_dtype(meta["dtype"]), local_dir, hf_dir)
     generation = _generation_config(hf_dir)
+    # a MoE model's fused experts are written per expert, as save_pretrained does (backends/checkpoint/hf_names.py)
+    checked = checkpoint_layout(checked, meta_model)
     write_hf_checkpoint(target_dir, checked, config, meta["architecture"], True, generation, tokenizer_dir=hf_dir)
     return target_dir
 
@@ -74,8 +77,11 @@ def _meta(local_dir: str, backend: str) -> dict:
     return meta
 
 
-def model_tensors(hf_dir: str, architecture: str) -> tuple[object, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
-    """The saved config, and the state dict names and shapes of the model it builds (on the meta device)."""
+def model_tensors(
+    hf_dir: str, architecture: str
+) -> tuple[object, dict[str, tuple[tuple[int, ...], torch.dtype]], torch.nn.Module]:
+    """The saved config, the state dict names and shapes of the model it builds, and that model (on the meta
+    device)."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(hf_dir)
@@ -84,7 +90,7 @@ def model_tensors(hf_dir: str, architecture: str) -> tuple[object, dict[str, tup
         raise ValueError(f"{hf_dir}: architecture '{architecture}' is not a model class of transformers")
     with torch.device("meta"):
         model = model_class(config)
-    return config, {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    return config, {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}, model
 
 
 def _checked(

