@@ -1,4 +1,4 @@
-"""HF Qwen2/Llama tensors <-> Megatron-core GPTModel parameters (local layer spec), per TP rank and PP stage.
+"""HF Qwen2/Qwen3/Llama tensors <-> Megatron-core GPTModel parameters (local layer spec), per TP rank and PP stage.
 
 Pure tensor functions (no process groups), so the mapping is testable in one process for any (tp, pp) layout.
 ``check_mappable`` says which HF configs map (model types, activation, biases, RoPE); ``rope_settings`` turns the
@@ -9,6 +9,8 @@ Megatron parameter names (local spec, layer index local to the PP stage) and the
   decoder.layers.i.input_layernorm.weight     model.layers.L.input_layernorm.weight            replicated
   decoder.layers.i.self_attention.linear_qkv  q/k/v_proj (weight, bias)   fused per query group, groups split by TP
   decoder.layers.i.self_attention.linear_proj o_proj.weight                                     columns split by TP
+  decoder.layers.i.self_attention.q_layernorm q_norm.weight (Qwen3: RMSNorm over each head)        replicated
+  decoder.layers.i.self_attention.k_layernorm k_norm.weight (Qwen3)                                 replicated
   decoder.layers.i.pre_mlp_layernorm.weight   post_attention_layernorm.weight                  replicated
   decoder.layers.i.mlp.linear_fc1.weight      gate_proj + up_proj: TP shard t = [gate_t; up_t]
   decoder.layers.i.mlp.linear_fc2.weight      down_proj.weight                                  columns split by TP
@@ -41,6 +43,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     kind: str = "causal_lm"  # causal_lm | value
+    qk_norm: bool = False  # Qwen3: RMSNorm of each query / key head before RoPE
 
     @property
     def padded_vocab(self) -> int:
@@ -55,7 +58,8 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+QK_NORM_MODEL_TYPES = ("qwen3",)
 # megatron's llama3 RoPE scaling (RotaryEmbedding._apply_scaling) fixes these; only the factor is a parameter
 _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -66,7 +70,7 @@ def check_mappable(hf_config) -> None:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"the megatron backend maps model types {list(SUPPORTED_MODEL_TYPES)} (Qwen2 / Llama "
+            f"the megatron backend maps model types {list(SUPPORTED_MODEL_TYPES)} (Qwen2 / Qwen3 / Llama "
             f"causal LMs and their value heads), not model_type '{model_type}'"
         )
     problems = []
@@ -74,10 +78,10 @@ def check_mappable(hf_config) -> None:
         problems.append(f"hidden_act '{hf_config.hidden_act}' (supported: silu)")
     if getattr(hf_config, "mlp_bias", False):
         problems.append("mlp_bias=True (supported: no MLP bias)")
-    if model_type == "llama" and getattr(hf_config, "attention_bias", False):
-        # Llama's attention_bias also puts a bias on o_proj; megatron has a linear_proj bias only together with
-        # MLP biases (add_bias_linear)
-        problems.append("attention_bias=True (biases on q/k/v/o_proj; supported: none on Llama)")
+    if model_type in ("llama", "qwen3") and getattr(hf_config, "attention_bias", False):
+        # their attention_bias also puts a bias on o_proj; megatron has a linear_proj bias only together with MLP
+        # biases (add_bias_linear)
+        problems.append(f"attention_bias=True (biases on q/k/v/o_proj; supported: none on {model_type})")
     if getattr(hf_config, "use_sliding_window", False):
         problems.append("use_sliding_window=True (supported: full attention)")
     if problems:
@@ -130,6 +134,7 @@ def layout_from_hf(hf_config, tp: int = 1, pp: int = 1, kind: str = "causal_lm")
         tp=tp,
         pp=pp,
         kind=kind,
+        qk_norm=hf_config.model_type in QK_NORM_MODEL_TYPES,
     )
 
 
@@ -137,6 +142,8 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LAYER_HF = {  # megatron suffix -> HF suffix (for the 1:1 parameters)
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
@@ -265,6 +272,9 @@ def stage_parameter_names(lo: Layout, pp_rank: int, hf_names: list[str]) -> list
         p = f"decoder.layers.{i}."
         names += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight"]
         names += [p + "self_attention.linear_qkv.bias"] if has_bias else []
+        names += (
+            [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"] if lo.qk_norm else []
+        )
         names += [
             p + "self_attention.linear_proj.weight",
             p + "pre_mlp_layernorm.weight",

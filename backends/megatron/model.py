@@ -1,5 +1,6 @@
-"""Building the Megatron-core model of an HF Qwen2/Llama checkpoint: TransformerConfig + GPTModel (local layer
-spec: torch RMSNorm, SwiGLU, RoPE with the HF theta and scaling, QKV bias for Qwen2, tied or untied embeddings)
+"""Building the Megatron-core model of an HF Qwen2/Qwen3/Llama checkpoint: TransformerConfig + GPTModel (local layer
+spec: torch RMSNorm, SwiGLU, RoPE with the HF theta and scaling, QKV bias for Qwen2, Qwen3's per-head q/k RMSNorm,
+tied or untied embeddings)
 for this rank's TP rank and PP stage, and the 1-output value head that replaces the LM head for value models.
 Which HF configs map is decided in backends/megatron/hf_mapping.py (``check_mappable``).
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.megatron.hf_mapping import Layout, check_mappable, rope_settings
+from backends.megatron.hf_mapping import QK_NORM_MODEL_TYPES, Layout, check_mappable, rope_settings
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ def transformer_config(
     check_mappable(hf_config)
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    qkv_bias = hf_config.model_type == "qwen2"  # Qwen2 always has q/k/v biases; a Llama with biases is refused
+    qkv_bias = hf_config.model_type == "qwen2"  # Qwen2 always has q/k/v biases; Llama / Qwen3 with biases are refused
     bf16 = compute_dtype == torch.bfloat16 or params_dtype == torch.bfloat16
     kwargs = {}
     if recompute:
@@ -51,6 +52,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=qkv_bias,
+        qk_layernorm=hf_config.model_type in QK_NORM_MODEL_TYPES,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -104,7 +106,7 @@ def build_gpt_model(hf_config, tf_config, lo: Layout, value_bias: bool):
     tied = lo.tie_embeddings and lo.kind == "causal_lm"
     model = GPTModel(
         config=tf_config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=lo.qk_norm),
         vocab_size=lo.padded_vocab,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre,

@@ -82,7 +82,14 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**{**settings, "tie_word_embeddings": False, **overrides})
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def tiny_qwen3_config(**overrides):
+    from scaletrain.models.tiny import tiny_config
+    from tests.backends.tiny import BOS_ID, EOS_ID, PAD_ID
+
+    return tiny_config("qwen3", overrides.pop("vocab_size"), PAD_ID, BOS_ID, EOS_ID, **overrides)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("kind", ["causal_lm", "value"])
 def test_mapping_round_trip(arch, tied, kind):
@@ -92,7 +99,7 @@ def test_mapping_round_trip(arch, tied, kind):
     from backends.megatron.hf_mapping import hf_to_rank, layout_from_hf, ranks_to_hf
     from tests.backends.tiny import tiny_qwen2_config
 
-    make_config = tiny_qwen2_config if arch == "qwen2" else tiny_llama_config
+    make_config = {"qwen2": tiny_qwen2_config, "qwen3": tiny_qwen3_config, "llama": tiny_llama_config}[arch]
     config = make_config(
         num_hidden_layers=4,
         num_attention_heads=4,
@@ -110,6 +117,9 @@ def test_mapping_round_trip(arch, tied, kind):
             lo = layout_from_hf(config, tp, pp, kind)
             shards = {(t, s): hf_to_rank(hf, lo, t, s) for t in range(tp) for s in range(pp)}
             qkv = shards[(0, 0)]["decoder.layers.0.self_attention.linear_qkv.weight"]
+            q_norm = shards[(tp - 1, 0)].get("decoder.layers.0.self_attention.q_layernorm.weight")  # Qwen3's, whole
+            assert (q_norm is not None) == (arch == "qwen3")
+            assert q_norm is None or torch.equal(q_norm, hf["model.layers.0.self_attn.q_norm.weight"])
             assert qkv.shape == ((4 + 2 * 2) * 16 // tp, 64)
             assert shards[(0, 0)]["embedding.word_embeddings.weight"].shape == (-(-99 // tp) * tp // tp, 64)
             back = ranks_to_hf(shards, lo)

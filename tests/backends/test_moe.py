@@ -25,7 +25,12 @@ def tiny_model(architecture: str, seed: int = 0, **overrides):
 
     config = tiny_config(architecture, len(vocab()), PAD_ID, 1, EOS_ID, **overrides)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():  # norms start at 1: random ones, so that a norm mapped from the wrong place shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return model
 
 
 def hf_router_terms(model, batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -423,7 +423,7 @@ def test_unmappable_model_type_raises():
 
     from backends.megatron.hf_mapping import layout_from_hf
 
-    with pytest.raises(ValueError, match=r"model types \['qwen2', 'llama'\].*not model_type 'gpt2'"):
+    with pytest.raises(ValueError, match=r"model types \['qwen2', 'qwen3', 'llama'\].*not model_type 'gpt2'"):
         layout_from_hf(GPT2Config())
     with pytest.raises(ValueError, match="use_sliding_window=True"):
         layout_from_hf(Qwen2Config(use_sliding_window=True))

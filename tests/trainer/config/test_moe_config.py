@@ -58,12 +58,10 @@ def test_careless_values_are_refused_naming_the_key(models, overrides, message):
     assert message.replace("DENSE", models["qwen3"]) in str(info.value)
 
 
-@pytest.mark.parametrize("architecture", ["qwen3", "qwen3_moe"])
-def test_megatron_refuses_the_architectures_it_does_not_map_before_ray(models, architecture):
-    with pytest.raises(ConfigError, match=f"maps model types \\['qwen2', 'llama'\\].*not model_type '{architecture}'"):
-        checked(
-            "backend=megatron",
-            f"actor_rollout_ref.model.path={models[architecture]}",
-            "data.max_prompt_length=16",
-            "data.max_response_length=16",
-        )
+def test_megatron_takes_qwen3_and_refuses_a_mixture_of_experts_before_ray(models):
+    lengths = ["data.max_prompt_length=16", "data.max_response_length=16"]
+    checked("backend=megatron", f"actor_rollout_ref.model.path={models['qwen3']}", *lengths)
+    with pytest.raises(
+        ConfigError, match="maps model types \\['qwen2', 'qwen3', 'llama'\\].*not model_type 'qwen3_moe'"
+    ):
+        checked("backend=megatron", f"actor_rollout_ref.model.path={models['qwen3_moe']}", *lengths)
