@@ -209,10 +209,11 @@ def activated_intermediate(text) -> int:
     """The MLP width a token's activations span: the dense MLP's, or for a mixture of experts the top-k experts'
     together (top-k x the expert width: Qwen3-MoE's ``moe_intermediate_size``, Mixtral's ``intermediate_size``). The
     expert case follows from the dense fit, it was not measured apart."""
-    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    from backends.moe import num_experts
+
     top_k = getattr(text, "num_experts_per_tok", None)
     width = getattr(text, "intermediate_size", 4 * text.hidden_size)
-    if experts and top_k:
+    if num_experts(text) and top_k:
         return top_k * (getattr(text, "moe_intermediate_size", None) or width)
     return width
 

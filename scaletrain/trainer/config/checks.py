@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from backends.base import backend_traits, check_engine_settings
 from backends.config import EngineConfig, ModelSettings
+from backends.moe import check_router_coefficients, num_experts
 from scaletrain.algos.advantage import estimator_traits
 from scaletrain.models.prepare import check_causal_lm
 from scaletrain.trainer.config.async_checks import rollout_world_size, validate_async_training
@@ -316,26 +317,24 @@ def _validate_router_losses(cfg: PPOConfig) -> None:
     if cfg.use_critic:
         sections.append(("critic.model", cfg.critic.model, cfg.critic.model.path or arr.model.path))
     for key, section, path in sections:
+        try:
+            check_router_coefficients(section.router_aux_loss_coef, section.router_z_loss_coef, key)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             value = getattr(section, name)
-            if value < 0:  # the typed config refused non-numbers already
-                raise ConfigError(f"{key}.{name} must be a number >= 0, got {value!r}")
             if not value:
                 continue
             if cfg.backend.name == "megatron":
                 raise ConfigError(f"{key}.{name}={value}: router losses are applied by the fsdp and deepspeed backends")
-            config = os.path.join(path or "", "config.json")
-            if path and os.path.isfile(config) and not _is_moe(config):
+            if path and os.path.isfile(os.path.join(path, "config.json")) and not num_experts(_hf_config(path, arr)):
                 raise ConfigError(f"{key}.{name}={value} but {path} is not a mixture-of-experts model: set it to 0")
 
 
-def _is_moe(config_file: str) -> bool:
-    import json
+def _hf_config(path: str, arr):
+    from transformers import AutoConfig
 
-    with open(config_file) as f:
-        config = json.load(f)
-    text = config.get("text_config") or config
-    return bool(text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts"))
+    return AutoConfig.from_pretrained(path, trust_remote_code=arr.model.trust_remote_code)
 
 
 def _validate_reward_workers(cfg: PPOConfig) -> None:
