@@ -2,8 +2,9 @@
 
 Each file holds the rank's parameters, its inner (torch) optimizer's state and main parameters with the model name
 each stands for, the step and the RNG states: tensors, lists and numbers only, loaded with
-``torch.load(weights_only=True)`` (backends/checkpoint/safe_load.py). The same layout (TP x PP x DP) resumes from
-them bit for bit. The checkpoint's meta records each rank's (tp, pp, dp) place, so
+``torch.load(weights_only=True)`` (backends/checkpoint/safe_load.py). The same layout (TP x PP x DP, and EP x ETP
+for a MoE model) resumes from them bit for bit. The checkpoint's meta records each rank's (tp, pp, dp) place (and
+its (ep, etp, expert-dp) one), so
 backends/megatron/checkpoint_reader.py reads the files back offline; a checkpoint of another layout or backend
 resumes through that reading by HF name (``load_portable``, backends/checkpoint/portable.py), each rank mapping the
 full tensors to its shards as it does a Hugging Face model's (backends/megatron/hf_mapping.py).
@@ -54,13 +55,30 @@ def _main_param_names(engine) -> list[list[str]] | None:
     return out
 
 
+def checkpoint_layout(engine) -> dict[str, int]:
+    """The layout a checkpoint resumes natively on: TP, PP, DP sizes (and EP, ETP for a MoE model)."""
+    layout = {"tp": engine.layout.tp, "pp": engine.layout.pp, "dp": engine.dp_size}
+    if engine.layout.num_experts:
+        layout.update(ep=engine.layout.ep, etp=engine.layout.etp)
+    return layout
+
+
+def rank_place(engine) -> tuple[int, ...]:
+    """(tp, pp, dp) ranks, and for a MoE model (ep, etp, expert-dp) ranks after them."""
+    place = (engine.tp_rank, engine.pp_rank, engine.dp_rank)
+    if not engine.layout.num_experts:
+        return place
+    ps = engine.ps
+    return place + (engine.ep_rank, ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank())
+
+
 def save_checkpoint(engine, path: str) -> None:
     """Collective: each rank writes its file; rank 0 the meta with every rank's place."""
     os.makedirs(path, exist_ok=True)
-    places: list = [None] * dist.get_world_size()  # each rank's (tp, pp, dp) place: the offline reader's map
-    dist.all_gather_object(places, (engine.tp_rank, engine.pp_rank, engine.dp_rank))
+    places: list = [None] * dist.get_world_size()  # each rank's place: the offline reader's map
+    dist.all_gather_object(places, rank_place(engine))
     if dist.get_rank() == 0:
-        layout = {"tp": engine.layout.tp, "pp": engine.layout.pp, "dp": engine.dp_size, "places": places}
+        layout = {**checkpoint_layout(engine), "places": places}
         write_checkpoint_meta(engine, path, "megatron", layout, engine._tied_names())
     torch.save(_rank_state(engine), os.path.join(path, f"rank{dist.get_rank()}.pt"))
     dist.barrier()
@@ -68,7 +86,7 @@ def save_checkpoint(engine, path: str) -> None:
 
 def load_checkpoint(engine, path: str) -> None:
     """Collective: this layout's checkpoint from each rank's own file, bit for bit; another's through HF names."""
-    if not resumes_natively(path, "megatron", {"tp": engine.layout.tp, "pp": engine.layout.pp, "dp": engine.dp_size}):
+    if not resumes_natively(path, "megatron", checkpoint_layout(engine)):
         return load_portable(engine, path)
     state = load_rank_file(os.path.join(path, f"rank{dist.get_rank()}.pt"))  # weights_only: no pickled code
     with torch.no_grad():
@@ -94,14 +112,14 @@ def load_portable(engine, path: str) -> None:
             f"{path} was written by another backend or layout: megatron's distributed optimizer "
             "(use_distributed_optimizer=true) resumes only its own layout's checkpoints"
         )
-    where = f"megatron TP={engine.layout.tp} PP={engine.layout.pp} DP={engine.dp_size}"
+    where = "megatron " + " ".join(f"{k.upper()}={v}" for k, v in checkpoint_layout(engine).items())
     state = read_portable_state(path, engine.architecture, list(engine.hf_meta), engine.optimizer is not None, where)
-    lo, tp_rank, pp_rank = engine.layout, engine.tp_rank, engine.pp_rank
+    lo, tp_rank, pp_rank, ep_rank = engine.layout, engine.tp_rank, engine.pp_rank, engine.ep_rank
 
     def shard(name: str, tensors: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
         if name.startswith("output_layer.") and lo.kind == "value":
             name = "value_head." + name.split(".", 1)[1]
-        return hf_to_megatron(name, tensors, lo, tp_rank, pp_rank).to(device=like.device, dtype=like.dtype)
+        return hf_to_megatron(name, tensors, lo, tp_rank, pp_rank, ep_rank).to(device=like.device, dtype=like.dtype)
 
     with torch.no_grad():
         for name, p in engine.module.named_parameters():

@@ -1,5 +1,6 @@
-"""The Megatron-core training engine: an HF Qwen2/Llama checkpoint mapped onto megatron's GPTModel, split by
-tensor parallelism (TP), pipeline parallelism (PP, 1F1B) and data parallelism (megatron DDP), trained with
+"""The Megatron-core training engine: an HF Qwen2/Qwen3/Llama (or Qwen3-MoE/Mixtral, experts split by expert
+parallelism) checkpoint mapped onto megatron's GPTModel, split by tensor parallelism (TP), pipeline parallelism
+(PP, 1F1B) and data parallelism (megatron DDP), trained with
 megatron's optimizer (torch AdamW underneath on CPU) under the LR schedule of backends/optim.py.
 
 Same contract as the FSDP/DeepSpeed engines (every public method is collective; see backends/base.py). Layout from
@@ -30,6 +31,7 @@ from backends.accumulation import Accumulation, finish_train_step, partition_bat
 from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, base_model_only, register_backend
 from backends.batching import restore_order
 from backends.checkpoint.hf_export import save_engine_hf
+from backends.checkpoint.hf_names import checkpoint_layout
 from backends.config import (
     DEFAULT_FORWARD,
     EngineConfig,
@@ -45,8 +47,9 @@ from backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 from backends.megatron.export import export_groups, gather_hf_buckets
 from backends.megatron.hf_mapping import layout_from_hf
 from backends.megatron.model import build_gpt_model, load_hf_weights, transformer_config
+from backends.megatron.moe_metrics import RouterMetrics
 from backends.megatron.ops import FusedHead, prepare_micro_batch, response_outputs, response_positions_only
-from backends.megatron.parallel import MegatronParallelConfig, init_model_parallel
+from backends.megatron.parallel import MegatronParallelConfig, expert_norm_groups, init_model_parallel
 from backends.optim import SCHEDULES, lr_multiplier, warmup_steps
 from backends.sequence.response_head import FUSED_OUTPUTS
 from scaletrain.protocol import DataProto
@@ -101,6 +104,7 @@ class MegatronEngine(TrainEngine):
         init_model_parallel(self.parallel, engine_config.seed, engine_config.collective_timeout_s)
         self.ps = ps
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
         self.tp_group, self.pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
         self.model = self._build_gpt_model(hf_state)
         del hf_state  # the full HF weights: free them before the optimizer state is allocated
@@ -112,12 +116,15 @@ class MegatronEngine(TrainEngine):
         self.global_step = 0
 
     def _read_hf_model(self) -> dict[str, torch.Tensor]:
-        """The HF checkpoint's state dict (config and names kept for save_hf); the HF model itself is dropped."""
+        """The HF model's state dict (config and names kept for save_hf); the model itself stays on the meta
+        device only, for the checkpoint layout of exports (backends/checkpoint/hf_names.py)."""
         torch.manual_seed(self.engine_config.seed)  # same fresh value head on every rank (as the other engines)
         hf_model = build_model(self.model_config)
         self.hf_config, self.architecture = hf_model.config, type(hf_model).__name__
         self.generation_config = getattr(hf_model, "generation_config", None)
-        return {k: v.detach() for k, v in hf_model.state_dict().items()}
+        state = {k: v.detach() for k, v in hf_model.state_dict().items()}  # the storage outlives the move to meta
+        self.layout_model = hf_model.to("meta")
+        return state
 
     def _build_gpt_model(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
         """This rank's shard of megatron's GPTModel with the HF weights (``self.module``); returns it wrapped for
@@ -125,28 +132,32 @@ class MegatronEngine(TrainEngine):
         model_config, engine_config = self.model_config, self.engine_config
         # a reward model (HF sequence classifier, head ``score``) runs as a value model: the same per-token head,
         # read at each row's last valid token (ops.response_outputs) instead of before each response token
+        parallel, coefs = self.parallel, (model_config.router_aux_loss_coef, model_config.router_z_loss_coef)
         self.layout = layout_from_hf(
             self.hf_config,
-            self.parallel.tensor_model_parallel_size,
-            self.parallel.pipeline_model_parallel_size,
+            parallel.tensor_model_parallel_size,
+            parallel.pipeline_model_parallel_size,
             "value" if model_config.kind == "reward" else model_config.kind,
+            parallel.expert_model_parallel_size,
+            parallel.etp,
         )
         self.tf_config = transformer_config(
             self.hf_config,
-            self.layout.tp,
-            self.layout.pp,
-            self.parallel.sequence_parallel,
+            self.layout,
+            parallel.sequence_parallel,
             torch_dtype(model_config.dtype),
             torch_dtype(engine_config.mixed_precision) if engine_config.mixed_precision else None,
             model_config.enable_gradient_checkpointing,
+            coefs,
         )
         model = build_gpt_model(self.hf_config, self.tf_config, self.layout, "score.bias" in hf_state)
-        load_hf_weights(model, hf_state, self.layout, self.tp_rank, self.pp_rank)
+        load_hf_weights(model, hf_state, self.layout, self.tp_rank, self.pp_rank, self.ep_rank)
         self.hf_meta = {k: (tuple(v.shape), v.dtype) for k, v in hf_state.items()}
         self.groups = export_groups(self.layout, list(hf_state))
         if self.device.type == "cuda":
             model.cuda(self.device)
         self.module = model  # the unwrapped GPTModel
+        self.router_metrics = RouterMetrics(model, self.device, coefs)
         if self.tf_config.bf16 and torch_dtype(model_config.dtype) != torch.bfloat16:
             from megatron.core.transformer.module import Float16Module
 
@@ -183,6 +194,7 @@ class MegatronEngine(TrainEngine):
         )
         # config_overrides={}: weight decay on every parameter, like torch AdamW in the other engines
         self.optimizer = get_megatron_optimizer(config, [self.model], config_overrides={})
+        expert_norm_groups(self.optimizer)
         self.tf_config.no_sync_func = self.model.no_sync
         self.tf_config.finalize_model_grads_func = finalize_model_grads
         self.tf_config.grad_scale_func = self.optimizer.scale_loss
@@ -333,7 +345,7 @@ class MegatronEngine(TrainEngine):
         model.train()
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        _, acc, results = self._run(mini_batch, outputs, loss_fn)
+        parts, acc, results = self._run(mini_batch, outputs, loss_fn)
         sums = None
         if self.ps.is_pipeline_last_stage():  # the loss exists there only; the DP group is last-stage ranks
             assert acc is not None  # _run builds it for a loss_fn
@@ -341,6 +353,7 @@ class MegatronEngine(TrainEngine):
                 acc.add(i, metrics.pop("loss"), metrics)
             sums = acc.metrics()
         result = finish_train_step(self._from_last_stage(sums), lr, self.global_step, self._grad_norm, optimizer.step)
+        result.update(self.router_metrics.step_metrics(len(parts)))
         optimizer.zero_grad()
         model.zero_grad_buffer()
         self.global_step += 1
@@ -363,10 +376,11 @@ class MegatronEngine(TrainEngine):
 
     # -------------------------------------------------------------------------------------------- weights
     def export_weights(self, bucket_bytes: int = 256 << 20) -> Buckets:
-        return gather_hf_buckets(self, bucket_bytes, skip=())
+        return checkpoint_layout(gather_hf_buckets(self, bucket_bytes, skip=()), self.layout_model)
 
     def save_hf(self, path: str, shard_bytes: int = 1 << 30) -> None:
-        save_engine_hf(self, path, gather_hf_buckets(self, shard_bytes, skip=self._tied_names()))
+        buckets = gather_hf_buckets(self, shard_bytes, skip=self._tied_names())
+        save_engine_hf(self, path, checkpoint_layout(buckets, self.layout_model))
 
     def _tied_names(self) -> tuple[str, ...]:
         """What an HF export leaves out: a tied causal LM's ``lm_head.weight`` (the embedding's)."""

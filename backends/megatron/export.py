@@ -3,7 +3,8 @@
 The HF state dict is walked in its own order as groups (the embedding, each decoder layer, the final norm, the
 head). For each group the owning PP stage all-gathers the TP shards of the group's Megatron parameters and maps
 them to HF tensors (backends/megatron/hf_mapping.py); each tensor is then broadcast over the pipeline group, so
-every rank holds at most one group (one layer) plus the current bucket, never the whole model.
+every rank holds at most one group (one layer) plus the current bucket, never the whole model. An expert's shards
+are all-gathered over the expert-TP group, then over the EP group (each EP rank holds other experts).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from backends.base import bucketed
 from backends.megatron.hf_mapping import Layout, is_tensor_parallel, megatron_to_hf, stage_parameter_names
+from backends.megatron.moe_mapping import fuse_experts, is_expert_parameter
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ def export_groups(lo: Layout, hf_names: list[str]) -> list[ExportGroup]:
             else ExportGroup(last, ("output_layer.weight",), ("lm_head.weight",))
         )
     covered = [n for g in groups for n in g.hf]
-    if covered != list(hf_names):
+    if sorted(covered) != sorted(hf_names):
         missing, extra = sorted(set(hf_names) - set(covered)), sorted(set(covered) - set(hf_names))
         raise ValueError(f"HF <-> megatron mapping does not cover the checkpoint: missing {missing}, extra {extra}")
     return groups
@@ -62,27 +64,50 @@ def _param(engine, name: str) -> torch.Tensor:
 
 
 def group_hf_tensors(group: ExportGroup, lo: Layout, shards_of) -> dict[str, torch.Tensor]:
-    """HF tensors of ``group`` from ``shards_of(name)``: the TP shards of each of its Megatron parameters, in TP-rank
-    order (one for a parameter every TP rank holds whole). The engine gathers them; the offline reader
-    (checkpoint_reader.py) reads them from the rank files."""
+    """HF tensors of ``group`` from ``shards_of(name, ep_rank)``: the TP shards of each of its Megatron parameters,
+    in TP-rank order (one for a parameter every TP rank holds whole; an expert's: the ETP shards of EP rank
+    ``ep_rank``, asked for each EP rank; a layer's experts are stacked into the fused HF tensors). The engine
+    gathers them; the offline reader (checkpoint_reader.py) reads them from the rank files."""
     out = {}
     for name in group.megatron:
-        out.update(megatron_to_hf(name, shards_of(name), lo, group.stage))
-    return out
+        for ep_rank in range(lo.ep if is_expert_parameter(name) else 1):
+            out.update(megatron_to_hf(name, shards_of(name, ep_rank), lo, group.stage, ep_rank))
+    return fuse_experts(out, lo.num_experts)
 
 
 def _gather_group(engine, group: ExportGroup) -> dict[str, torch.Tensor]:
     """HF tensors of ``group`` on its owning stage (TP all-gather per parameter)."""
 
-    def gathered(name: str) -> list[torch.Tensor]:
-        local = _param(engine, name).contiguous()
-        if not (is_tensor_parallel(name) and engine.layout.tp > 1):
-            return [local]
-        shards = [torch.empty_like(local) for _ in range(engine.layout.tp)]
-        dist.all_gather(shards, local, group=engine.tp_group)
-        return shards
+    lo, experts = engine.layout, {}
 
-    return group_hf_tensors(group, engine.layout, gathered)
+    def gathered(name: str, ep_rank: int) -> list[torch.Tensor]:
+        local = _param(engine, name).contiguous()
+        if is_expert_parameter(name):
+            if name not in experts:
+                experts[name] = _gather_expert(local, lo.etp, lo.ep)
+            return experts[name][ep_rank]
+        if not (is_tensor_parallel(name) and lo.tp > 1):
+            return [local]
+        return _all_gather(local, lo.tp, engine.tp_group)
+
+    return group_hf_tensors(group, lo, gathered)
+
+
+def _all_gather(local: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    shards = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(shards, local, group=group)
+    return shards
+
+
+def _gather_expert(local: torch.Tensor, etp: int, ep: int) -> list[list[torch.Tensor]]:
+    """[EP rank][ETP rank] shards of one local expert parameter (each EP rank's expert of the same local index)."""
+    from megatron.core import parallel_state as ps
+
+    per_etp = _all_gather(local, etp, ps.get_expert_tensor_parallel_group()) if etp > 1 else [local]
+    if ep == 1:
+        return [per_etp]
+    per_ep = [_all_gather(shard, ep, ps.get_expert_model_parallel_group()) for shard in per_etp]
+    return [[per_ep[t][e] for t in range(etp)] for e in range(ep)]
 
 
 def gather_hf_buckets(engine, bucket_bytes: int, skip=()):

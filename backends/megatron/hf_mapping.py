@@ -1,4 +1,5 @@
-"""HF Qwen2/Qwen3/Llama tensors <-> Megatron-core GPTModel parameters (local layer spec), per TP rank and PP stage.
+"""HF Qwen2/Qwen3/Llama tensors <-> Megatron-core GPTModel parameters (local layer spec), per TP rank and PP stage;
+the mixture-of-experts layers of Qwen3-MoE / Mixtral per EP and ETP rank through backends/megatron/moe_mapping.py.
 
 Pure tensor functions (no process groups), so the mapping is testable in one process for any (tp, pp) layout.
 ``check_mappable`` says which HF configs map (model types, activation, biases, RoPE); ``rope_settings`` turns the
@@ -29,6 +30,15 @@ from dataclasses import dataclass
 
 import torch
 
+from backends.megatron.moe_mapping import (
+    fuse_experts,
+    hf_to_moe,
+    is_expert_parameter,
+    is_moe_parameter,
+    moe_layer_names,
+    moe_to_hf,
+)
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -44,6 +54,9 @@ class Layout:
     pp: int = 1
     kind: str = "causal_lm"  # causal_lm | value
     qk_norm: bool = False  # Qwen3: RMSNorm of each query / key head before RoPE
+    num_experts: int = 0  # experts per MoE layer (0: a dense model); every layer is a MoE layer when > 0
+    ep: int = 1  # expert parallelism: ranks the experts of a layer are split over
+    etp: int = 1  # expert tensor parallelism: 1 or the TP size (each expert split as the dense MLP)
 
     @property
     def padded_vocab(self) -> int:
@@ -58,8 +71,8 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
-QK_NORM_MODEL_TYPES = ("qwen3",)
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "mixtral")
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 # megatron's llama3 RoPE scaling (RotaryEmbedding._apply_scaling) fixes these; only the factor is a parameter
 _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -70,23 +83,44 @@ def check_mappable(hf_config) -> None:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"the megatron backend maps model types {list(SUPPORTED_MODEL_TYPES)} (Qwen2 / Qwen3 / Llama "
-            f"causal LMs and their value heads), not model_type '{model_type}'"
+            f"the megatron backend maps model types {list(SUPPORTED_MODEL_TYPES)} (Qwen2 / Qwen3 / Llama / "
+            f"Qwen3-MoE / Mixtral causal LMs and their value heads), not model_type '{model_type}'"
         )
     problems = []
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         problems.append(f"hidden_act '{hf_config.hidden_act}' (supported: silu)")
     if getattr(hf_config, "mlp_bias", False):
         problems.append("mlp_bias=True (supported: no MLP bias)")
-    if model_type in ("llama", "qwen3") and getattr(hf_config, "attention_bias", False):
+    if model_type != "qwen2" and getattr(hf_config, "attention_bias", False):
         # their attention_bias also puts a bias on o_proj; megatron has a linear_proj bias only together with MLP
         # biases (add_bias_linear)
         problems.append(f"attention_bias=True (biases on q/k/v/o_proj; supported: none on {model_type})")
-    if getattr(hf_config, "use_sliding_window", False):
-        problems.append("use_sliding_window=True (supported: full attention)")
+    if getattr(hf_config, "use_sliding_window", False) or (
+        model_type == "mixtral" and getattr(hf_config, "sliding_window", None)
+    ):
+        problems.append("sliding-window attention (supported: full attention)")
+    problems += _moe_problems(hf_config)
     if problems:
         raise ValueError(f"the megatron backend cannot map this {model_type} model: {'; '.join(problems)}")
     rope_settings(hf_config)
+
+
+def _moe_problems(hf_config) -> list[str]:
+    """What of a MoE config the mapping (every layer routed, no router noise) does not carry."""
+    problems = []
+    if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) not in (1, None):
+        problems.append(
+            f"dense layers among the MoE ones (mlp_only_layers {hf_config.mlp_only_layers}, decoder_sparse_step "
+            f"{hf_config.decoder_sparse_step}; supported: every layer a MoE layer)"
+        )
+    if getattr(hf_config, "router_jitter_noise", 0.0):
+        problems.append(f"router_jitter_noise {hf_config.router_jitter_noise} (supported: 0)")
+    return problems
+
+
+def num_experts(hf_config) -> int:
+    """Experts per MoE layer of a mappable config (0: dense)."""
+    return int(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0)
 
 
 def rope_settings(hf_config) -> dict:
@@ -119,8 +153,11 @@ def rope_settings(hf_config) -> dict:
     return settings
 
 
-def layout_from_hf(hf_config, tp: int = 1, pp: int = 1, kind: str = "causal_lm") -> Layout:
-    """The mapping layout of an HF config (checked with ``check_mappable``) on a TP x PP grid."""
+def layout_from_hf(
+    hf_config, tp: int = 1, pp: int = 1, kind: str = "causal_lm", ep: int = 1, etp: int | None = None
+) -> Layout:
+    """The mapping layout of an HF config (checked with ``check_mappable``) on a TP x PP grid, its experts split
+    over ``ep`` ranks and ``etp`` (default: ``tp``) tensor-parallel ranks."""
     check_mappable(hf_config)
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -135,6 +172,9 @@ def layout_from_hf(hf_config, tp: int = 1, pp: int = 1, kind: str = "causal_lm")
         pp=pp,
         kind=kind,
         qk_norm=hf_config.model_type in QK_NORM_MODEL_TYPES,
+        num_experts=num_experts(hf_config),
+        ep=ep,
+        etp=tp if etp is None else etp,
     )
 
 
@@ -181,8 +221,11 @@ def _unfuse_qkv(fused, lo: Layout):
 
 
 # ------------------------------------------------------------------------------------------ HF -> megatron
-def hf_to_megatron(name: str, hf: dict[str, torch.Tensor], lo: Layout, tp_rank: int, pp_rank: int) -> torch.Tensor:
-    """This rank's shard of Megatron parameter ``name`` (local layer index) from the full HF tensors ``hf``."""
+def hf_to_megatron(
+    name: str, hf: dict[str, torch.Tensor], lo: Layout, tp_rank: int, pp_rank: int, ep_rank: int = 0
+) -> torch.Tensor:
+    """This rank's shard of Megatron parameter ``name`` (local layer index) from the full HF tensors ``hf``
+    (an expert's: of EP rank ``ep_rank``, split over ETP as ``lo.etp`` says)."""
     tp = lo.tp
     if name == "embedding.word_embeddings.weight":
         return _split(_pad_rows(hf["model.embed_tokens.weight"], lo.padded_vocab), tp, tp_rank)
@@ -198,6 +241,9 @@ def hf_to_megatron(name: str, hf: dict[str, torch.Tensor], lo: Layout, tp_rank: 
         raise KeyError(f"no HF source for megatron parameter '{name}'")
     layer = int(m.group(1)) + pp_rank * lo.layers_per_stage
     suffix, prefix = m.group(2), f"model.layers.{layer}."
+    if is_moe_parameter(suffix):
+        etp_rank = tp_rank if lo.etp > 1 else 0
+        return hf_to_moe(suffix, hf, prefix, (lo.num_experts, lo.ep, ep_rank, lo.etp, etp_rank))
     if suffix in _LAYER_HF:
         full = hf[prefix + _LAYER_HF[suffix]]
         if suffix in _ROW_PARALLEL:
@@ -214,8 +260,12 @@ def hf_to_megatron(name: str, hf: dict[str, torch.Tensor], lo: Layout, tp_rank: 
 
 
 # ------------------------------------------------------------------------------------------ megatron -> HF
-def megatron_to_hf(name: str, shards: list[torch.Tensor], lo: Layout, pp_rank: int) -> list[tuple[str, torch.Tensor]]:
-    """Full HF tensors from the TP shards (in TP-rank order) of Megatron parameter ``name`` of stage ``pp_rank``.
+def megatron_to_hf(
+    name: str, shards: list[torch.Tensor], lo: Layout, pp_rank: int, ep_rank: int = 0
+) -> list[tuple[str, torch.Tensor]]:
+    """Full HF tensors from the TP shards (in TP-rank order) of Megatron parameter ``name`` of stage ``pp_rank``
+    (an expert's: its ETP shards, of EP rank ``ep_rank``, giving a piece of the fused tensor that
+    ``moe_mapping.fuse_experts`` stacks).
 
     The output layer of a tied model maps to nothing (the embedding is exported as both names)."""
     if name == "embedding.word_embeddings.weight":
@@ -233,6 +283,8 @@ def megatron_to_hf(name: str, shards: list[torch.Tensor], lo: Layout, pp_rank: i
         raise KeyError(f"no HF name for megatron parameter '{name}'")
     layer = int(m.group(1)) + pp_rank * lo.layers_per_stage
     suffix, prefix = m.group(2), f"model.layers.{layer}."
+    if is_moe_parameter(suffix):
+        return moe_to_hf(suffix, shards, prefix, (lo.num_experts, lo.ep, ep_rank))
     if suffix in _LAYER_HF:
         full = torch.cat(shards, dim=1) if suffix in _ROW_PARALLEL else shards[0]
         return [(prefix + _LAYER_HF[suffix], full)]
@@ -254,7 +306,10 @@ def megatron_to_hf(name: str, shards: list[torch.Tensor], lo: Layout, pp_rank: i
 
 
 def is_tensor_parallel(name: str) -> bool:
-    """Whether the parameter is sharded over TP (else every TP rank holds the same full tensor)."""
+    """Whether the parameter is sharded over TP (else every TP rank holds the same full tensor); an expert's is
+    sharded over ETP instead (``is_expert_parameter``)."""
+    if is_expert_parameter(name):
+        return False
     return (
         name in ("embedding.word_embeddings.weight", "output_layer.weight")
         or ".linear_qkv." in name
@@ -275,12 +330,13 @@ def stage_parameter_names(lo: Layout, pp_rank: int, hf_names: list[str]) -> list
         names += (
             [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"] if lo.qk_norm else []
         )
-        names += [
-            p + "self_attention.linear_proj.weight",
-            p + "pre_mlp_layernorm.weight",
-            p + "mlp.linear_fc1.weight",
-            p + "mlp.linear_fc2.weight",
-        ]
+        names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight"]
+        mlp = (
+            moe_layer_names(lo.num_experts, lo.ep)
+            if lo.num_experts
+            else ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+        )
+        names += [p + n for n in mlp]
     if last:
         names.append("decoder.final_layernorm.weight")
         if lo.kind == "value":
@@ -290,16 +346,22 @@ def stage_parameter_names(lo: Layout, pp_rank: int, hf_names: list[str]) -> list
     return names
 
 
-def hf_to_rank(hf: dict[str, torch.Tensor], lo: Layout, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
+def hf_to_rank(
+    hf: dict[str, torch.Tensor], lo: Layout, tp_rank: int, pp_rank: int, ep_rank: int = 0
+) -> dict[str, torch.Tensor]:
     """All of one rank's Megatron parameters from full HF tensors."""
-    return {n: hf_to_megatron(n, hf, lo, tp_rank, pp_rank) for n in stage_parameter_names(lo, pp_rank, list(hf))}
+    names = stage_parameter_names(lo, pp_rank, list(hf))
+    return {n: hf_to_megatron(n, hf, lo, tp_rank, pp_rank, ep_rank) for n in names}
 
 
-def ranks_to_hf(shards: dict[tuple[int, int], dict[str, torch.Tensor]], lo: Layout) -> dict[str, torch.Tensor]:
-    """Full HF tensors from every rank's parameters ``shards[(tp_rank, pp_rank)]`` (the inverse of hf_to_rank)."""
+def ranks_to_hf(shards: dict[tuple[int, int, int], dict[str, torch.Tensor]], lo: Layout) -> dict[str, torch.Tensor]:
+    """Full HF tensors from every rank's parameters ``shards[(tp_rank, pp_rank, ep_rank)]`` (the inverse of
+    hf_to_rank)."""
     out = {}
     for pp_rank in range(lo.pp):
-        for name in shards[(0, pp_rank)]:
-            per_tp = [shards[(t, pp_rank)][name] for t in range(lo.tp)]
-            out.update(megatron_to_hf(name, per_tp, lo, pp_rank))
-    return out
+        for name in shards[(0, pp_rank, 0)]:
+            for ep_rank in range(lo.ep if is_expert_parameter(name) else 1):
+                tp_ranks = range(lo.etp if is_expert_parameter(name) else lo.tp)
+                per_tp = [shards[(t, pp_rank, ep_rank)][name] for t in tp_ranks]
+                out.update(megatron_to_hf(name, per_tp, lo, pp_rank, ep_rank))
+    return fuse_experts(out, lo.num_experts)

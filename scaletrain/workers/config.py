@@ -40,11 +40,12 @@ class MegatronConfig:
     """``actor_rollout_ref.actor.megatron.*`` / ``critic.megatron.*``: the Megatron layout of that role's engine
     (backend=megatron; ignored by the other backends). Unset (null) keys fall back to ``backend.extra.megatron``
     (the critic's to the actor's layout: colocated roles share megatron's per-process parallel state; the trainer
-    resolves the one layout before Ray starts), then to the engine's defaults (1, 1, false, false)."""
+    resolves the one layout before Ray starts), then to the engine's defaults (1, 1, false, false, 1, the TP size)."""
 
     # the layout a checkpoint is sharded for (tensor / pipeline sizes, the distributed optimizer) changes results
     EXECUTION_ONLY = ("sequence_parallel", "param_offload", "optimizer_offload", "grad_offload")
-    # a checkpoint resumes on other TP / PP sizes (through HF names: backends/checkpoint/portable.py)
+    # a checkpoint resumes on other TP / PP sizes (through HF names: backends/checkpoint/portable.py); the expert
+    # sizes (EP / ETP) are not among them: a run resumes on its own (a resume on others is not tested yet)
     LAYOUT_ONLY = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 
     tensor_model_parallel_size: int | None = None  # TP: ranks each layer's weights are split over; null:
@@ -55,6 +56,9 @@ class MegatronConfig:
     # null: backend.extra.megatron's, else false
     use_distributed_optimizer: bool | None = None  # shard the optimizer state over the DP ranks; null:
     # backend.extra.megatron's, else false
+    expert_model_parallel_size: int | None = None  # EP: ranks a mixture-of-experts layer's experts are split over;
+    # null: backend.extra.megatron's, else 1
+    expert_tensor_parallel_size: int | None = None  # ETP: 1 or the TP size; null: backend.extra.megatron's, else TP
 
     # verl's offload keys: megatron offload is not implemented, true fails before Ray (role_checks.py)
     param_offload: bool = False  # must stay false (true fails before Ray starts)
@@ -86,6 +90,8 @@ LAYOUT_KEYS = (
     "pipeline_model_parallel_size",
     "sequence_parallel",
     "use_distributed_optimizer",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
 )
 
 

@@ -115,13 +115,13 @@ def test_mapping_round_trip(arch, tied, kind):
     for tp in (1, 2):
         for pp in (1, 2):
             lo = layout_from_hf(config, tp, pp, kind)
-            shards = {(t, s): hf_to_rank(hf, lo, t, s) for t in range(tp) for s in range(pp)}
-            qkv = shards[(0, 0)]["decoder.layers.0.self_attention.linear_qkv.weight"]
-            q_norm = shards[(tp - 1, 0)].get("decoder.layers.0.self_attention.q_layernorm.weight")  # Qwen3's, whole
+            shards = {(t, s, 0): hf_to_rank(hf, lo, t, s) for t in range(tp) for s in range(pp)}
+            qkv = shards[(0, 0, 0)]["decoder.layers.0.self_attention.linear_qkv.weight"]
+            q_norm = shards[(tp - 1, 0, 0)].get("decoder.layers.0.self_attention.q_layernorm.weight")  # Qwen3's, whole
             assert (q_norm is not None) == (arch == "qwen3")
             assert q_norm is None or torch.equal(q_norm, hf["model.layers.0.self_attn.q_norm.weight"])
             assert qkv.shape == ((4 + 2 * 2) * 16 // tp, 64)
-            assert shards[(0, 0)]["embedding.word_embeddings.weight"].shape == (-(-99 // tp) * tp // tp, 64)
+            assert shards[(0, 0, 0)]["embedding.word_embeddings.weight"].shape == (-(-99 // tp) * tp // tp, 64)
             back = ranks_to_hf(shards, lo)
             assert sorted(back) == sorted(hf), (tp, pp, sorted(set(hf) ^ set(back)))
             for k, v in hf.items():

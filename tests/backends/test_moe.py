@@ -151,3 +151,51 @@ def test_models_that_only_rename_keep_their_names():
         assert not converts_layout(model)
         bucket = list(model.state_dict().items())
         assert next(iter(checkpoint_layout([bucket], model))) is bucket
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_megatron_mapping_round_trip_over_expert_layouts(architecture):
+    """backends/megatron/moe_mapping.py through hf_mapping: every (TP, PP, EP, ETP) split of the model's tensors
+    (fused experts) maps back to them exactly; EP rank e holds experts e*E/EP.. of each layer, an ETP shard the rows
+    of the gate and of the up projection ([gate_t; up_t]) as the checkpoint files name them, the router whole."""
+    from backends.checkpoint.hf_names import checkpoint_layout
+    from backends.megatron.export import export_groups
+    from backends.megatron.hf_mapping import hf_to_rank, layout_from_hf, ranks_to_hf
+
+    model = tiny_model(architecture)
+    hf = dict(model.state_dict())  # in memory: the experts fused
+    files = {k: v for b in checkpoint_layout([list(hf.items())], model) for k, v in b}  # per expert
+    experts = "mlp.experts" if architecture == "qwen3_moe" else "block_sparse_moe.experts"
+    gate = ("gate_proj", "up_proj") if architecture == "qwen3_moe" else ("w1", "w3")
+    for tp, pp, ep in [(1, 1, 1), (2, 1, 1), (1, 2, 2), (2, 2, 2), (1, 1, 4)]:
+        for etp in sorted({1, tp}):
+            lo = layout_from_hf(model.config, tp, pp, "causal_lm", ep, etp)
+            ranks = [(t, s, e) for t in range(tp) for s in range(pp) for e in range(ep)]
+            shards = {r: hf_to_rank(hf, lo, *r) for r in ranks}
+            back = ranks_to_hf(shards, lo)
+            assert sorted(back) == sorted(hf), (tp, pp, ep, etp, sorted(set(hf) ^ set(back)))
+            assert all(torch.equal(back[k], v) for k, v in hf.items()), (tp, pp, ep, etp)
+            assert sorted(n for g in export_groups(lo, list(hf)) for n in g.hf) == sorted(hf)
+            t, e = tp - 1, ep - 1
+            fc1 = shards[(t, 0, e)]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"]
+            first = e * 4 // ep  # the 4 experts' first on the last EP rank
+            want = [files[f"model.layers.0.{experts}.{first}.{p}.weight"].chunk(etp)[t if etp > 1 else 0] for p in gate]
+            assert torch.equal(fc1, torch.cat(want)), (tp, pp, ep, etp)
+            assert len([n for n in shards[(0, 0, 0)] if ".local_experts." in n]) == 2 * 4 // ep * (2 // pp)
+
+
+@pytest.mark.parametrize(
+    "architecture, overrides, message",
+    [
+        ("qwen3_moe", {"mlp_only_layers": [1]}, "dense layers among the MoE ones"),
+        ("qwen3_moe", {"decoder_sparse_step": 2}, "dense layers among the MoE ones"),
+        ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise 0.1"),
+        ("mixtral", {"sliding_window": 16}, "sliding-window attention"),
+    ],
+)
+def test_megatron_refuses_what_its_moe_mapping_does_not_carry(architecture, overrides, message):
+    from backends.megatron.hf_mapping import layout_from_hf
+    from scaletrain.models.tiny import tiny_config
+
+    with pytest.raises(ValueError, match=message):
+        layout_from_hf(tiny_config(architecture, len(vocab()), PAD_ID, 1, EOS_ID, **overrides))

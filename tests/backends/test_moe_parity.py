@@ -1,5 +1,6 @@
-"""Qwen3, Qwen3-MoE and Mixtral on the HF-model backends (FSDP2, DeepSpeed ZeRO-3; 2 gloo ranks each), and Qwen3 on
-megatron (TP=2, PP=2), against plain transformers (one process, fp32, eager attention), on tiny random-init models
+"""Qwen3, Qwen3-MoE and Mixtral on the HF-model backends (FSDP2, DeepSpeed ZeRO-3; 2 gloo ranks each) and on
+megatron (TP=2, PP=2, expert parallelism EP=2 on 2 ranks, EP=2 with TP=2 and whole experts (ETP=1) on 2, EP=2 x
+TP=2 on 4), against plain transformers (one process, fp32, eager attention), on tiny random-init models
 (scaletrain/models/tiny.py's ``test`` shape: 4 experts, top-2, in every layer of the MoE ones; random norm weights,
 Qwen3's per-head q/k norms included).
 
@@ -7,7 +8,10 @@ Qwen3's per-head q/k norms included).
   gradient norm of one actor-loss step. For the MoE models the step adds the router losses
   (``router_aux_loss_coef`` 0.01, ``router_z_loss_coef`` 0.001): transformers' own load-balancing loss
   (``output_router_logits``) and the z-loss of its router logits, per data-parallel rank's rows, weighted by the
-  rank's share of the response tokens (backends/accumulation.py).
+  rank's share of the response tokens (backends/accumulation.py). Megatron's router losses are its own (another
+  definition: backends/megatron/moe_metrics.py), so its parity runs without them against the step without router
+  terms, and ``router_losses`` (EP=2) checks that its coefficients act: the same policy loss, another gradient norm,
+  megatron's load-balancing loss within its range [1, experts] and a positive z-loss in the metrics.
 - Per backend and architecture: forward log-probs equal the reference (<= 1e-4); the step gives the reference loss,
   gradient norm and router metrics; after it, ``save_hf`` writes the checkpoint layout (per-expert tensors, as
   ``save_pretrained``) and ``from_pretrained`` of it gives every exported tensor bit for bit and the engine's own
@@ -31,12 +35,54 @@ from tests.backends.tiny import make_batch, make_tokenizer
 TOL = 1e-4
 LR = 1e-3
 AUX, Z = 0.01, 0.001
+MEGATRON_COEFS = (1.0, 0.1)  # large enough that their gradient moves the norm well past the parity tolerance
 ARCHITECTURES = {"qwen3": False, "qwen3_moe": True, "mixtral": False}  # -> use_remove_padding
-BACKENDS = ("fsdp", "deepspeed", "megatron_tp2", "megatron_pp2")
-MEGATRON = {"megatron_tp2": {"tensor_model_parallel_size": 2}, "megatron_pp2": {"pipeline_model_parallel_size": 2}}
-MEGATRON_ARCHITECTURES = ("qwen3",)  # megatron maps no mixture of experts yet
+BACKENDS = (
+    "fsdp",
+    "deepspeed",
+    "megatron_tp2",
+    "megatron_pp2",
+    "megatron_ep2",
+    "megatron_ep2_tp2",
+    "megatron_ep2_etp1",
+)
+MEGATRON = {
+    "megatron_tp2": {"tensor_model_parallel_size": 2},
+    "megatron_pp2": {"pipeline_model_parallel_size": 2},
+    "megatron_ep2": {"expert_model_parallel_size": 2},
+    "megatron_ep2_tp2": {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2},
+    # TP=2 for the dense layers, each expert whole (ETP=1) on one of the 2 EP ranks
+    "megatron_ep2_etp1": {
+        "expert_model_parallel_size": 2,
+        "tensor_model_parallel_size": 2,
+        "expert_tensor_parallel_size": 1,
+    },
+}
+# Mixtral differs from Qwen3-MoE in names only (the mapping's table): one megatron layout covers it
+MEGATRON_ARCHITECTURES = {
+    "megatron_tp2": ("qwen3", "qwen3_moe"),
+    "megatron_pp2": ("qwen3", "qwen3_moe"),
+    "megatron_ep2": ("qwen3_moe", "mixtral"),
+    "megatron_ep2_tp2": ("qwen3_moe",),
+    "megatron_ep2_etp1": ("qwen3_moe",),
+}
 CHECKS = ("forward", "train_step", "export_reload")
+EXTRA_CHECKS = {
+    ("megatron_ep2", "qwen3_moe"): ("checkpoint", "router_losses"),
+    ("megatron_ep2_tp2", "qwen3_moe"): ("checkpoint",),
+}
 WORLD = 2
+
+
+def world(backend: str) -> int:
+    return 4 if backend == "megatron_ep2_tp2" else WORLD
+
+
+def megatron_layout(backend: str, architecture: str) -> dict:
+    """The layout of a megatron case: a MoE model with TP runs sequence parallel (megatron trains it no other way)."""
+    layout = MEGATRON[backend]
+    tp = layout.get("tensor_model_parallel_size", 1) > 1
+    return {**layout, "sequence_parallel": True} if tp and moe(architecture) else layout
 
 
 def moe(architecture: str) -> bool:
@@ -64,6 +110,13 @@ def write_reference(model_dir: str, architecture: str, path: str) -> None:
     with torch.no_grad():
         before = ref.ref_outputs(model, batch)
     loss, _ = ref.actor_loss(ref.ref_outputs(model, batch), batch)
+    loss.backward()  # the step without router terms (megatron's parity)
+    plain = {
+        "loss_plain": float(loss),
+        "grad_norm_plain": float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)),
+    }
+    model.zero_grad()
+    loss, _ = ref.actor_loss(ref.ref_outputs(model, batch), batch)
     terms = {"router_aux_loss": 0.0, "router_z_loss": 0.0}
     if moe(architecture):
         total = ref.response_tokens(batch)
@@ -76,7 +129,7 @@ def write_reference(model_dir: str, architecture: str, path: str) -> None:
             terms["router_z_loss"] += weight * float(z)
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-    torch.save({**before, **terms, "loss": float(loss), "grad_norm": float(norm)}, path)
+    torch.save({**before, **terms, **plain, "loss": float(loss), "grad_norm": float(norm)}, path)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +156,7 @@ def backend_group(moe_models):
         for other in [b for b in groups if b != backend]:
             groups.pop(other).close()
         if backend not in groups:
-            groups[backend] = RankGroup("tests.backends.test_moe_parity", moe_models, WORLD, timeout_s=300)
+            groups[backend] = RankGroup("tests.backends.test_moe_parity", moe_models, world(backend), timeout_s=300)
         return groups[backend]
 
     yield group
@@ -117,8 +170,8 @@ def backend_group(moe_models):
         (b, a, c)
         for b in BACKENDS
         for a in ARCHITECTURES
-        for c in CHECKS
-        if b not in MEGATRON or a in MEGATRON_ARCHITECTURES
+        for c in CHECKS + EXTRA_CHECKS.get((b, a), ())
+        if b not in MEGATRON or a in MEGATRON_ARCHITECTURES[b]
     ],
 )
 def test_backend(backend, architecture, check, backend_group):
@@ -128,16 +181,22 @@ def test_backend(backend, architecture, check, backend_group):
 
 
 # ---------------------------------------------------------------------------------- set-up the checks share
-def engine_state(ctx, backend: str, architecture: str):
+def engine_state(ctx, backend: str, architecture: str, router_losses: bool | None = None):
+    """The engine of ``backend`` and ``architecture`` (with the router losses: by default on the HF backends'
+    MoE models only)."""
+    if router_losses is None:
+        router_losses = moe(architecture) and backend not in MEGATRON
+
     def build():
         from backends.base import get_backend
         from backends.config import EngineConfig, ModelConfig, OptimConfig
 
         settings = json.loads(open(os.path.join(ctx.inputs, "settings.json")).read())[architecture]
         reference = torch.load(settings["reference"])
-        coefs = dict(router_aux_loss_coef=AUX, router_z_loss_coef=Z) if moe(architecture) else {}
+        aux, z = (AUX, Z) if backend not in MEGATRON else MEGATRON_COEFS
+        coefs = dict(router_aux_loss_coef=aux, router_z_loss_coef=z) if router_losses else {}
         model = ModelConfig(path=settings["model_dir"], use_remove_padding=ARCHITECTURES[architecture], **coefs)
-        extra = {"megatron": MEGATRON[backend]} if backend in MEGATRON else {}
+        extra = {"megatron": megatron_layout(backend, architecture)} if backend in MEGATRON else {}
         engine_class = get_backend("megatron" if backend in MEGATRON else backend)
         config = EngineConfig(micro_batch_size_per_gpu=4, extra=extra)
         engine = engine_class(model, OptimConfig(lr=LR, grad_clip=1.0), config)
@@ -145,7 +204,7 @@ def engine_state(ctx, backend: str, architecture: str):
         before = {k: reference[k][rows] for k in ("log_probs", "entropy")}
         return SimpleNamespace(engine=engine, share=the_batch().select_idxs(rows), before=before, reference=reference)
 
-    return ctx.once(f"{backend}/{architecture}", build)
+    return ctx.once(f"{backend}/{architecture}/{router_losses}", build)
 
 
 def stepped(ctx, backend: str, architecture: str):
@@ -155,9 +214,13 @@ def stepped(ctx, backend: str, architecture: str):
         s = engine_state(ctx, backend, architecture)
         metrics = s.engine.train_step(s.share, ref.actor_loss, ("log_probs", "entropy"))
         want = s.reference
+        if backend in MEGATRON:  # without router losses: the plain step
+            want = {**want, "loss": want["loss_plain"], "grad_norm": want["grad_norm_plain"]}
         assert abs(metrics["loss"] - want["loss"]) <= TOL, (metrics["loss"], want["loss"])
         assert abs(metrics["grad_norm"] - want["grad_norm"]) <= TOL * want["grad_norm"], (metrics, want["grad_norm"])
-        if moe(architecture):
+        if backend in MEGATRON and moe(architecture):
+            assert "router_aux_loss" not in metrics and 1.0 <= metrics["router_load_imbalance"] <= 2.0, metrics
+        elif moe(architecture):
             for key in ("router_aux_loss", "router_z_loss"):
                 assert abs(metrics[key] - want[key]) <= 1e-5, (key, metrics[key], want[key])
             assert 1.0 <= metrics["router_load_imbalance"] <= 2.0, metrics
@@ -179,6 +242,48 @@ def check_forward(ctx, backend: str, architecture: str) -> None:
 
 def check_train_step(ctx, backend: str, architecture: str) -> None:
     stepped(ctx, backend, architecture)
+
+
+def check_checkpoint(ctx, backend: str, architecture: str) -> None:
+    """Expert-parallel checkpoint: the offline reader (the model merger's) gives the exported tensors bit for bit,
+    and a resume after another step brings back the saved weights (the same log-probs)."""
+    import torch.distributed as dist
+
+    from backends.checkpoint.meta import CHECKPOINT_READERS, read_checkpoint_meta
+    from backends.megatron.export import gather_hf_buckets
+    from tests.backends import reference as ref
+
+    engine, s = stepped(ctx, backend, architecture), engine_state(ctx, backend, architecture)
+    path = os.path.join(ctx.work, f"ckpt_{backend}_{architecture}")
+    engine.save(path)
+    saved = engine.forward(s.share, ("log_probs",)).batch["log_probs"]
+    # the reader gives the model's in-memory names (fused experts), as the engine's gathering does
+    exported = {name: t.clone() for bucket in gather_hf_buckets(engine, 1 << 20) for name, t in bucket}
+    verdict: list = [None]  # rank 0 reads; every rank fails with its verdict (none is left in a collective)
+    if ctx.rank == 0:
+        reader = CHECKPOINT_READERS.get("megatron")
+        read = {n: t for b in reader(path, read_checkpoint_meta(path), list(engine.hf_meta), 1 << 20) for n, t in b}
+        unequal = [n for n in exported if n not in read or not torch.equal(read[n], exported[n])]
+        verdict[0] = (unequal or sorted(set(read) ^ set(exported)))[:5] or None
+    dist.broadcast_object_list(verdict, src=0)
+    assert verdict[0] is None, f"the offline reader differs from the export: {verdict[0]}"
+    engine.train_step(s.share, ref.actor_loss, ("log_probs", "entropy"))
+    assert (engine.forward(s.share, ("log_probs",)).batch["log_probs"] - saved).abs().max() > 20 * TOL
+    engine.load(path)
+    assert torch.equal(engine.forward(s.share, ("log_probs",)).batch["log_probs"], saved)
+
+
+def check_router_losses(ctx, backend: str, architecture: str) -> None:
+    """Megatron with router_aux_loss_coef / router_z_loss_coef: its own losses join the gradient, not the policy
+    loss, and are logged."""
+    from tests.backends import reference as ref
+
+    s = engine_state(ctx, backend, architecture, router_losses=True)
+    metrics = s.engine.train_step(s.share, ref.actor_loss, ("log_probs", "entropy"))
+    want = s.reference
+    assert abs(metrics["loss"] - want["loss_plain"]) <= TOL, (metrics["loss"], want["loss_plain"])
+    assert abs(metrics["grad_norm"] - want["grad_norm_plain"]) > 20 * TOL * want["grad_norm_plain"], metrics
+    assert 1.0 - 1e-4 <= metrics["router_aux_loss"] <= 4.0 and metrics["router_z_loss"] > 0, metrics
 
 
 def check_export_reload(ctx, backend: str, architecture: str) -> None:

@@ -310,8 +310,8 @@ def _validate_engine_settings(cfg: PPOConfig, world: int) -> None:
 
 
 def _validate_router_losses(cfg: PPOConfig) -> None:
-    """The trained models' router-loss coefficients (backends/moe.py): >= 0, and non-zero only on the HF
-    engines and on a mixture-of-experts model (read from its config.json when on disk)."""
+    """The trained models' router-loss coefficients (backends/moe.py; megatron's own: backends/megatron/model.py):
+    >= 0, and non-zero only on a mixture-of-experts model (read from its config.json when on disk)."""
     arr = cfg.actor_rollout_ref
     sections: list[tuple[str, ModelSettings, str | None]] = [("actor_rollout_ref.model", arr.model, arr.model.path)]
     if cfg.use_critic:
@@ -325,8 +325,6 @@ def _validate_router_losses(cfg: PPOConfig) -> None:
             value = getattr(section, name)
             if not value:
                 continue
-            if cfg.backend.name == "megatron":
-                raise ConfigError(f"{key}.{name}={value}: router losses are applied by the fsdp and deepspeed backends")
             if path and os.path.isfile(os.path.join(path, "config.json")) and not num_experts(_hf_config(path, arr)):
                 raise ConfigError(f"{key}.{name}={value} but {path} is not a mixture-of-experts model: set it to 0")
 

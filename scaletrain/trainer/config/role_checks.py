@@ -112,7 +112,10 @@ def _validate_offload(cfg) -> None:
 
 def _validate_ref_layout(cfg) -> None:
     """The reference policy shares the actor's process and megatron's per-process parallel state."""
-    actor = cfg.actor_rollout_ref.actor.megatron.resolved(cfg.backend.extra)
+    try:
+        actor = cfg.actor_rollout_ref.actor.megatron.resolved(cfg.backend.extra)
+    except ValueError as exc:  # the layout's own checks name the key
+        raise ConfigError(f"actor_rollout_ref.actor.megatron: {exc}") from exc
     ref = cfg.actor_rollout_ref.ref.megatron
     for name in LAYOUT_KEYS:
         mine, theirs = getattr(ref, name), getattr(actor, name)

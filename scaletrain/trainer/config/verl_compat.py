@@ -90,7 +90,10 @@ def _longest_match(key: str, table: dict) -> str | None:
 
 
 def _dropped(key: str, value: str) -> bool:
-    """True for a verl key accepted and dropped; ConfigError naming what to use for one refused."""
+    """True for a verl key accepted and dropped; ConfigError naming what to use for one refused (a key renamed
+    exactly is neither, though it falls under a refused prefix)."""
+    if key in RENAMED:
+        return False
     prefix = _longest_match(key, UNSUPPORTED)
     if prefix is not None:
         rule: Unsupported = UNSUPPORTED[prefix]

@@ -131,6 +131,13 @@ RENAMED = {
     "actor_rollout_ref.actor.grad_clip": "actor_rollout_ref.actor.optim.grad_clip",
     "critic.grad_clip": "critic.optim.grad_clip",
     "actor_rollout_ref.rollout.multi_turn.tool_config_path": "actor_rollout_ref.rollout.multi_turn.tools_config_file",
+    # verl's megatron MoE scripts set megatron's router-loss coefficients in the TransformerConfig overrides;
+    # here they are the model's keys (the HF engines apply them too)
+    **{
+        f"{role}.megatron.override_transformer_config.moe_{verl}": f"{model}.router_{ours}"
+        for role, model in (("actor_rollout_ref.actor", "actor_rollout_ref.model"), ("critic", "critic.model"))
+        for verl, ours in (("aux_loss_coeff", "aux_loss_coef"), ("z_loss_coeff", "z_loss_coef"))
+    },
     "reward_model.num_workers": "reward.num_workers",
     "reward.reward_manager.name": "reward_model.reward_manager",
     "reward.reward_model.enable": "reward_model.enable",

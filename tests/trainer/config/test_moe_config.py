@@ -38,10 +38,6 @@ def test_off_by_default_and_passed_to_the_engines(models):
         (["actor_rollout_ref.model.router_aux_loss_coef=-0.1"], "router_aux_loss_coef must be a number >= 0, got -0.1"),
         (["actor_rollout_ref.model.router_z_loss_coef=true"], "router_z_loss_coef: expected float, got a boolean True"),
         (
-            ["actor_rollout_ref.model.router_aux_loss_coef=0.01", "backend=megatron"],
-            "router_aux_loss_coef=0.01: router losses are applied by the fsdp and deepspeed backends",
-        ),
-        (
             ["algorithm.adv_estimator=gae", "critic.model.router_z_loss_coef=0.1", "critic.model.path=DENSE"],
             "critic.model.router_z_loss_coef=0.1 but DENSE is not a mixture-of-experts model",
         ),
@@ -58,10 +54,22 @@ def test_careless_values_are_refused_naming_the_key(models, overrides, message):
     assert message.replace("DENSE", models["qwen3"]) in str(info.value)
 
 
-def test_megatron_takes_qwen3_and_refuses_a_mixture_of_experts_before_ray(models):
+def test_megatron_takes_qwen3_and_the_mixtures_of_experts_with_expert_parallelism_before_ray(models):
+    """Megatron maps Qwen3 and Qwen3-MoE (with router losses and EP); expert layouts it cannot run are refused
+    before Ray, naming the setting."""
     lengths = ["data.max_prompt_length=16", "data.max_response_length=16"]
     checked("backend=megatron", f"actor_rollout_ref.model.path={models['qwen3']}", *lengths)
-    with pytest.raises(
-        ConfigError, match="maps model types \\['qwen2', 'qwen3', 'llama'\\].*not model_type 'qwen3_moe'"
-    ):
-        checked("backend=megatron", f"actor_rollout_ref.model.path={models['qwen3_moe']}", *lengths)
+    moe = [f"actor_rollout_ref.model.path={models['qwen3_moe']}", *lengths]
+    ep = "actor_rollout_ref.actor.megatron.expert_model_parallel_size"
+    cfg = checked("backend=megatron", *moe, f"{ep}=2", "actor_rollout_ref.model.router_aux_loss_coef=0.01")
+    assert cfg.actor_rollout_ref.actor.megatron.resolved(cfg.backend.extra).expert_model_parallel_size == 2
+    refusals = {
+        f"{ep}=3": "world size 2 is not divisible by expert_tensor_parallel_size 1 x expert_model_parallel_size 3",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2": "needs megatron.sequence_parallel=true",
+        "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2": "must be 1 or the tensor_model_parallel_size",
+    }
+    for override, message in refusals.items():
+        with pytest.raises(ConfigError, match=message):
+            checked("backend=megatron", *moe, override)
+    with pytest.raises(ConfigError, match="expert_model_parallel_size 2 needs a mixture-of-experts model"):
+        checked("backend=megatron", f"actor_rollout_ref.model.path={models['qwen3']}", *lengths, f"{ep}=2")

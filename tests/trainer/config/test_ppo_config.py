@@ -189,6 +189,8 @@ def test_megatron_layout_keys_reach_the_engine_config():
         "pipeline_model_parallel_size": 2,
         "sequence_parallel": False,
         "use_distributed_optimizer": False,
+        "expert_model_parallel_size": 1,
+        "expert_tensor_parallel_size": None,
     }
     critic = CriticConfig(megatron=cfg.critic.megatron).engine_config(megatron)
     assert critic.extra["megatron"]["sequence_parallel"] is True

@@ -64,6 +64,13 @@ VERL_RAY_KEYS = ["ray_kwargs.ray_init.runtime_env.py_executable=null"]
                 "actor_rollout_ref.actor.optim.grad_clip=0.5",
             ],
         ),
+        (  # megatron's router-loss coefficients in verl's TransformerConfig overrides -> the model's keys
+            [
+                "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01",
+                "+critic.megatron.override_transformer_config.moe_z_loss_coeff=0.001",
+            ],
+            ["actor_rollout_ref.model.router_aux_loss_coef=0.01", "critic.model.router_z_loss_coef=0.001"],
+        ),
         (
             [
                 "trainer.use_legacy_worker_impl=auto",
