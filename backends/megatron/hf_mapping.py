@@ -38,6 +38,7 @@ from backends.megatron.moe_mapping import (
     moe_layer_names,
     moe_to_hf,
 )
+from backends.moe import num_experts
 
 
 @dataclass(frozen=True)
@@ -116,11 +117,6 @@ def _moe_problems(hf_config) -> list[str]:
     if getattr(hf_config, "router_jitter_noise", 0.0):
         problems.append(f"router_jitter_noise {hf_config.router_jitter_noise} (supported: 0)")
     return problems
-
-
-def num_experts(hf_config) -> int:
-    """Experts per MoE layer of a mappable config (0: dense)."""
-    return int(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0)
 
 
 def rope_settings(hf_config) -> dict:

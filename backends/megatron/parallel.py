@@ -91,7 +91,7 @@ class MegatronParallelConfig:
             )
 
     def _validate_experts(self, hf_config) -> None:
-        from backends.megatron.hf_mapping import num_experts
+        from backends.moe import num_experts
 
         ep, experts = self.expert_model_parallel_size, num_experts(hf_config)
         if ep > 1 and not experts:
