@@ -157,6 +157,7 @@ class BackendTraits:
     reshards_on_resume: bool = False  # its checkpoints resume on another layout or backend, and it resumes
     # theirs (the built-ins: backends/checkpoint/portable.py; fsdp's own on any DP size through DCP)
     ulysses: bool = False  # ulysses_sequence_parallel_size > 1 splits sequences (backends/sequence/ulysses.py)
+    packs: bool = True  # model.use_remove_padding packs a micro-batch's valid tokens (else it runs padded)
 
 
 # the built-ins' traits (their modules load lazily); register_backend records a new backend's
@@ -164,7 +165,11 @@ BACKEND_TRAITS = {
     "fsdp": BackendTraits(reshards_on_resume=True, ulysses=True),
     "deepspeed": BackendTraits(reshards_on_resume=True, ulysses=True),
     "megatron": BackendTraits(
-        offload=False, lora=False, check="backends.megatron.checks:check_engine_settings", reshards_on_resume=True
+        offload=False,
+        lora=False,
+        check="backends.megatron.checks:check_engine_settings",
+        reshards_on_resume=True,
+        packs=False,  # megatron-core's packed (THD) attention is Transformer Engine's, CUDA only
     ),
 }
 

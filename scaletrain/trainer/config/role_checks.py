@@ -5,12 +5,15 @@ the key and what to use instead."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import fields
 
 from backends.base import BACKEND_TRAITS, backend_traits
 from backends.config import ModelSettings
 from scaletrain.utils.typed_config import ConfigError
 from scaletrain.workers.config import LAYOUT_KEYS
+
+logger = logging.getLogger(__name__)
 
 # verl's actor_rollout_ref.actor.strategy / critic.strategy -> this project's backend
 STRATEGIES = {"fsdp": "fsdp", "fsdp2": "fsdp", "deepspeed": "deepspeed", "megatron": "megatron"}
@@ -28,10 +31,30 @@ def validate_roles(cfg) -> None:
     _validate_offload(cfg)
     _validate_ref_layout(cfg)
     _validate_sequence_parallel(cfg)
+    _note_unpacked(cfg)
     if not cfg.data.return_raw_chat and cfg.actor_rollout_ref.rollout.use_agent_loop:
         raise ConfigError(
             "data.return_raw_chat=false: the agent loops (rollout.mode=async / multi_turn.enable) "
             "start from the rows' chat messages; set it true"
+        )
+
+
+def _note_unpacked(cfg) -> None:
+    """``use_remove_padding=true`` on a backend that does not pack (megatron): the run goes on padded, said once at
+    start rather than refused, since verl's megatron scripts set the key."""
+    if backend_traits(cfg.backend.name).packs:
+        return
+    sections = {
+        "actor_rollout_ref.model": cfg.actor_rollout_ref.model,
+        "critic.model": cfg.critic.model,
+        "reward_model.model": cfg.reward_model.model,
+    }
+    for key in [k for k, model in sections.items() if model.use_remove_padding]:
+        logger.warning(
+            "%s.use_remove_padding=true: the %s backend runs padded micro-batches, it does not pack (megatron-core's "
+            "packed attention needs Transformer Engine on CUDA)",
+            key,
+            cfg.backend.name,
         )
 
 

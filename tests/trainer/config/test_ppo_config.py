@@ -335,3 +335,23 @@ def test_ulysses_sizes_reach_the_engine_configs():
             "data.train_batch_size=2",
             "actor_rollout_ref.rollout.n=2",
         )
+
+
+def test_remove_padding_on_megatron_is_said_not_silently_dropped(caplog):
+    """megatron runs padded micro-batches: use_remove_padding=true (verl's megatron scripts set it) is accepted and
+    said once at the start, naming the key; fsdp packs, nothing is said."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="scaletrain")
+    checked(
+        "backend=megatron", "critic.model.use_remove_padding=true", "actor_rollout_ref.model.use_remove_padding=true"
+    )
+    said = [r.getMessage() for r in caplog.records if "runs padded micro-batches" in r.getMessage()]
+    assert [m.split("=")[0] for m in said] == [
+        "actor_rollout_ref.model.use_remove_padding",
+        "critic.model.use_remove_padding",
+    ]
+    assert all("the megatron backend" in m for m in said), said
+    caplog.clear()
+    checked("backend=fsdp", "actor_rollout_ref.model.use_remove_padding=true")
+    assert not [r for r in caplog.records if "runs padded micro-batches" in r.getMessage()]
