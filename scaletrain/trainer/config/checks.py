@@ -255,7 +255,7 @@ def _validate_paths(cfg: PPOConfig) -> None:
             check_causal_lm(model_path, "actor_rollout_ref.model.path")
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        validate_rollout_model(cfg.actor_rollout_ref.rollout, model_path)
+        validate_rollout_model(cfg.actor_rollout_ref.rollout, model_path, device=cfg.trainer.device)
 
 
 def _validate_generation_outputs(trainer: TrainerSection) -> None:

