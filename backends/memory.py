@@ -59,6 +59,7 @@ class ModelShape:
     vocab: int
     kv_dim: int  # key/value heads x head dim (the KV cache's width per layer)
     heads: int = 1  # attention heads
+    expert_params: int = 0  # of ``params``, the routed experts' (a mixture of experts; megatron splits them over EP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,8 @@ class TrainLayout:
     tp: int = 1
     pp: int = 1
     sp: int = 1  # Ulysses sequence parallelism
+    ep: int = 1  # megatron: expert parallelism (a mixture of experts' experts split over EP x ETP x PP)
+    etp: int | None = None  # megatron: expert tensor parallelism (None: the TP size)
     distributed_optimizer: bool = False  # megatron: the optimizer state split over DP too
     weight_bytes: int = 4  # the model's dtype
     compute_bytes: int = 4  # activations (2 with bf16 mixed precision)
@@ -100,12 +103,7 @@ def state_bytes(shape: ModelShape, layout: TrainLayout) -> tuple[dict[str, int],
     """(on the device, on the host) bytes a role keeps on one rank between steps: parameters, optimizer state and
     the gradient buffers that persist (megatron's float32 buffer, DeepSpeed's partition and reduce bucket)."""
     if layout.backend == "megatron":
-        model_split = layout.tp * layout.pp
-        params = shape.params * layout.weight_bytes // model_split
-        trainable = shape.trainable // model_split
-        optim_split = layout.dp if layout.distributed_optimizer else 1
-        device = {"parameters": params, "optimizer": trainable * 4 * ADAM_STATES // optim_split}
-        device["gradients"] = trainable * 4
+        device = _megatron_states(shape, layout)
     else:
         trainable = shape.trainable // layout.dp
         device = {
@@ -123,6 +121,24 @@ def state_bytes(shape: ModelShape, layout: TrainLayout) -> tuple[dict[str, int],
     if layout.optimizer_offload and "optimizer" in device:
         host["optimizer"] = device.pop("optimizer")
     return device, host
+
+
+def _megatron_states(shape: ModelShape, layout: TrainLayout) -> dict[str, int]:
+    """Megatron's parameters, optimizer state and float32 gradient buffer on one rank: the dense part split over
+    TP x PP (the optimizer's over DP too with the distributed optimizer), the experts over ETP x EP x PP (and
+    expert DP)."""
+    expert_split = (layout.etp or layout.tp) * layout.ep * layout.pp
+    experts = shape.expert_params
+    expert_trainable = experts if shape.trainable == shape.params else 0
+    params = (shape.params - experts) // (layout.tp * layout.pp) + experts // expert_split
+    dense = (shape.trainable - expert_trainable) // (layout.tp * layout.pp)
+    expert = expert_trainable // expert_split
+    dp, expert_dp = (layout.dp, max(1, layout.world // expert_split)) if layout.distributed_optimizer else (1, 1)
+    return {
+        "parameters": params * layout.weight_bytes,
+        "optimizer": (dense * 4 * ADAM_STATES) // dp + (expert * 4 * ADAM_STATES) // expert_dp,
+        "gradients": (dense + expert) * 4,
+    }
 
 
 def freed_gradients(shape: ModelShape, layout: TrainLayout) -> int:
@@ -236,6 +252,7 @@ def model_shape(model_config, config=None) -> ModelShape:
         if lora_enabled(model_config):
             model = wrap_lora(model, dataclasses.replace(model_config, lora_adapter_path=None))
     params = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -248,4 +265,5 @@ def model_shape(model_config, config=None) -> ModelShape:
         vocab=text.vocab_size,
         kv_dim=kv_heads * head_dim,
         heads=text.num_attention_heads,
+        expert_params=experts,
     )

@@ -173,6 +173,8 @@ def _layout(cfg: PPOConfig, section, model, fsdp_config, cuda: bool, trains: boo
         world=cfg.world_size,
         tp=(meg.tensor_model_parallel_size or 1) if megatron else 1,
         pp=(meg.pipeline_model_parallel_size or 1) if megatron else 1,
+        ep=(meg.expert_model_parallel_size or 1) if megatron else 1,
+        etp=meg.expert_tensor_parallel_size if megatron else None,
         sp=getattr(section, "ulysses_sequence_parallel_size", 1) or 1,
         distributed_optimizer=bool(meg.use_distributed_optimizer),
         weight_bytes=2 if half else 4,

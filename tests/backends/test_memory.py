@@ -32,6 +32,31 @@ def test_states_follow_each_backends_sharding_and_offload():
     assert frozen == {"parameters": 2000}
 
 
+def test_megatron_splits_a_mixture_of_experts_experts_over_expert_parallelism():
+    """600 of the 1000 parameters are experts: TP=2 halves the dense 400; EP=2 x ETP=2 quarters the experts; the
+    distributed optimizer splits the dense moments over DP=2, the experts' over expert DP (4 / (2 x 2) = 1)."""
+    moe = dataclasses.replace(SHAPE, expert_params=600)
+    ep, _ = mem.state_bytes(moe, mem.TrainLayout(backend="megatron", world=4, tp=2, ep=2))
+    assert ep == {"parameters": (200 + 150) * 4, "optimizer": 350 * 8, "gradients": 350 * 4}
+    etp1, _ = mem.state_bytes(moe, mem.TrainLayout(backend="megatron", world=4, tp=2, ep=2, etp=1))
+    assert etp1["parameters"] == (200 + 300) * 4  # each expert whole on its EP rank
+    dist_opt, _ = mem.state_bytes(moe, mem.TrainLayout("megatron", 4, tp=2, ep=2, distributed_optimizer=True))
+    assert dist_opt["optimizer"] == 200 * 8 // 2 + 150 * 8
+    dense, _ = mem.state_bytes(moe, mem.TrainLayout(backend="megatron", world=4, tp=2))
+    assert dense["parameters"] == (200 + 300) * 4  # EP=1: the experts split as the dense layers
+
+
+def test_a_mixture_of_experts_counts_its_experts():
+    from backends.config import ModelConfig
+    from tests.backends.test_moe import tiny_model
+
+    for architecture in ("qwen3_moe", "mixtral"):
+        model = tiny_model(architecture)
+        shape = mem.model_shape(ModelConfig(path="unused"), model.config)
+        experts = sum(p.numel() for layer in model.model.layers for p in layer.mlp.experts.parameters())
+        assert shape.expert_params == experts > 0 and shape.params > experts, (architecture, shape)
+
+
 def test_recompute_and_sequence_parallel_shrink_activations():
     deep = dataclasses.replace(SHAPE, layers=8)
     layout = mem.TrainLayout(backend="fsdp", world=2)
