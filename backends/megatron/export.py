@@ -48,7 +48,7 @@ def export_groups(lo: Layout, hf_names: list[str]) -> list[ExportGroup]:
             else ExportGroup(last, ("output_layer.weight",), ("lm_head.weight",))
         )
     covered = [n for g in groups for n in g.hf]
-    if sorted(covered) != sorted(hf_names):
+    if covered != list(hf_names):
         missing, extra = sorted(set(hf_names) - set(covered)), sorted(set(covered) - set(hf_names))
         raise ValueError(f"HF <-> megatron mapping does not cover the checkpoint: missing {missing}, extra {extra}")
     return groups
