@@ -43,3 +43,54 @@ def checkpoint_layout(
     for bucket in buckets:
         reverted = revert_weight_conversion(hf_model, dict(bucket))  # pyright: ignore[reportArgumentType]
         yield list(reverted.items())
+
+
+class InMemoryLayout:
+    """The inverse of ``checkpoint_layout`` for an engine that loads synced weights into a transformers model (the
+    HF rollout): checkpoint-layout (name, tensor) pairs written into the model's in-memory parameters. Each
+    checkpoint tensor's elements go where ``revert_weight_conversion`` took them from, found by reverting a tensor
+    of element indices, so every conversion that only moves elements (split, stack, transpose, concatenate)
+    inverts exactly; the pieces of one fused tensor may arrive in different buckets."""
+
+    def __init__(self, hf_model: nn.Module):
+        self.model = hf_model
+        params = hf_model.state_dict()
+        self.owner = {name: name for name in params}  # checkpoint name -> in-memory name
+        if converts_layout(hf_model):
+            from transformers.core_model_loading import revert_weight_conversion
+
+            self.owner = {}
+            for name, tensor in params.items():  # names only: reverted on the meta device
+                for piece in revert_weight_conversion(hf_model, {name: tensor.to("meta")}):  # pyright: ignore
+                    self.owner[piece] = name
+
+    @torch.no_grad()
+    def load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """Write ``bucket`` into the model; KeyError naming the checkpoint names the model has no place for."""
+        unknown = [name for name, _ in bucket if name not in self.owner]
+        if unknown:
+            raise KeyError(f"update_weights: the HF model has no weights named {unknown}")
+        direct = {name: t for name, t in bucket if self.owner[name] == name}
+        self.model.load_state_dict(direct, strict=False)
+        moved: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        for name, tensor in bucket:
+            if name not in direct:
+                moved.setdefault(self.owner[name], []).append((name, tensor))
+        params = self.model.state_dict() if moved else {}  # read now: moving the model replaces its tensors
+        for owner, pieces in moved.items():
+            self._scatter(owner, params[owner], pieces)
+
+    def _scatter(self, owner: str, target: torch.Tensor, pieces: list[tuple[str, torch.Tensor]]) -> None:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        assert target.is_contiguous(), f"{owner}: in-memory parameter is not contiguous"  # view(-1) writes through
+        index = torch.arange(target.numel(), device=target.device).view(target.shape)
+        positions = revert_weight_conversion(self.model, {owner: index})  # pyright: ignore[reportArgumentType]
+        flat = target.view(-1)
+        for name, tensor in pieces:
+            where = positions[name]
+            if tuple(where.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"update_weights: {name} has shape {tuple(tensor.shape)}, the model {tuple(where.shape)}"
+                )
+            flat[where.reshape(-1)] = tensor.reshape(-1).to(device=flat.device, dtype=flat.dtype)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from backends.checkpoint.hf_names import InMemoryLayout
 from backends.hf_model import torch_dtype
 from backends.rollout.base import WAKE_TAGS, RolloutConfig, RolloutEngine, SamplingConfig, register_rollout
 from backends.rollout.layout import build_rollout_output, eos_token_ids, mask_after_eos, pad_token_id
@@ -61,7 +62,7 @@ class HFRolloutEngine(RolloutEngine):
         self.model = model.to(self.device).eval()  # pyright: ignore[reportArgumentType]
         self.eos_ids = eos_token_ids(tokenizer, config.model_path)
         self.pad_id = pad_token_id(tokenizer, self.eos_ids)
-        self._names = set(self.model.state_dict().keys())
+        self._layout = InMemoryLayout(self.model)  # synced weights arrive in the checkpoint layout
 
     # ------------------------------------------------------------------------------------------------ generate
     def _generation_config(self, sampling: SamplingConfig):
@@ -132,10 +133,7 @@ class HFRolloutEngine(RolloutEngine):
     @torch.no_grad()
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
         for bucket in buckets:
-            unknown = [name for name, _ in bucket if name not in self._names]
-            if unknown:
-                raise KeyError(f"update_weights: the HF model has no weights named {unknown}")
-            self.model.load_state_dict(dict(bucket), strict=False)
+            self._layout.load(bucket)
 
     def sleep(self) -> None:
         if self.device.type == "cuda":

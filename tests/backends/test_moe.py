@@ -137,6 +137,34 @@ def test_the_export_layout_is_save_pretrained_s(architecture, tmp_path):
     assert not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in exported)
 
 
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_the_hf_rollout_loads_synced_experts_in_the_checkpoint_layout(tmp_path, architecture):
+    """The HF rollout holds transformers' fused experts and receives the sync's per-expert tensors (the checkpoint
+    layout): every tensor lands where it belongs, with a fused tensor's pieces split over buckets; a wrong shape and
+    an unknown name are refused naming the tensor."""
+    from backends.base import bucketed
+    from backends.checkpoint.hf_names import checkpoint_layout
+    from backends.rollout.base import RolloutConfig, get_rollout
+    from tests.backends.tiny import make_tokenizer
+
+    tiny_model(architecture, seed=0).save_pretrained(tmp_path)
+    engine = get_rollout("hf")(RolloutConfig(model_path=str(tmp_path), dtype="float32"), make_tokenizer())
+    trained = tiny_model(architecture, seed=1)
+    items = [(n, t.numel() * t.element_size(), lambda t=t: t) for n, t in trained.state_dict().items()]
+    buckets = [list(b) for b in checkpoint_layout(bucketed(items, 2048), trained)]
+    engine.update_weights(buckets)
+    mine, wanted = engine.model.state_dict(), trained.state_dict()
+    assert sorted(mine) == sorted(wanted) and any(k.endswith("experts.gate_up_proj") for k in mine)
+    assert all(torch.equal(mine[k], v) for k, v in wanted.items()), [
+        k for k, v in wanted.items() if not torch.equal(mine[k], v)
+    ]
+    expert = next(n for b in buckets for n, _ in b if n.endswith(("experts.2.down_proj.weight", "experts.2.w2.weight")))
+    with pytest.raises(ValueError, match=expert.replace(".", "\\.")):
+        engine.update_weights([[(expert, torch.zeros(3, 3))]])
+    with pytest.raises(KeyError, match="experts.9"):
+        engine.update_weights([[(expert.replace("experts.2", "experts.9"), torch.zeros(3, 3))]])
+
+
 def test_models_that_only_rename_keep_their_names():
     from transformers import Qwen2_5_VLForConditionalGeneration
 
