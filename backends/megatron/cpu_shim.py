@@ -19,6 +19,9 @@ pinned version. The items (the code below refers to their numbers):
    ``sequence_parallel=True`` (so their gradients are all-reduced over the TP group like Megatron's own norms).
 8. optimizers check ``param.type() == 'torch.cuda.FloatTensor'`` -> ``Tensor.type()`` without arguments reports
    the CUDA type string for CPU tensors.
+9. gloo sends contiguous tensors only: under PP x TP (sequence parallel) a mixture-of-experts stage's training
+   output reaches the pipeline's ``isend`` non-contiguous (RuntimeError on that stage, the next one left waiting in
+   its ``irecv``) -> the same mode sends a contiguous copy (a send's buffer is read, never written).
 """
 
 from __future__ import annotations
@@ -42,8 +45,12 @@ def _is_cuda(device) -> bool:
     return isinstance(device, torch.device) and device.type == "cuda"
 
 
+_SENDS = (torch.distributed.isend, torch.distributed.send)
+
+
 class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrites a "cuda" ``device`` argument (keyword, or the first positional of ``Tensor.to``) to "cpu"."""
+    """Rewrites a "cuda" ``device`` argument (keyword, or the first positional of ``Tensor.to``) to "cpu"; sends a
+    non-contiguous tensor's contiguous copy (item 9)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -51,6 +58,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             kwargs = {**kwargs, "device": "cpu"}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
+        if func in _SENDS and args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
+            args = (args[0].contiguous(), *args[1:])  # 9
         return func(*args, **kwargs)
 
 

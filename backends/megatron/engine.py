@@ -47,7 +47,7 @@ from backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 from backends.megatron.export import export_groups, gather_hf_buckets
 from backends.megatron.hf_mapping import layout_from_hf
 from backends.megatron.model import build_gpt_model, load_hf_weights, transformer_config
-from backends.megatron.moe_metrics import RouterMetrics
+from backends.megatron.moe_metrics import RouterMetrics, router_padding
 from backends.megatron.ops import FusedHead, prepare_micro_batch, response_outputs, response_positions_only
 from backends.megatron.parallel import MegatronParallelConfig, expert_norm_groups, init_model_parallel
 from backends.optim import SCHEDULES, lr_multiplier, warmup_steps
@@ -246,6 +246,8 @@ class MegatronEngine(TrainEngine):
                 {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}},
             )
 
+        shard_padding = self.parallel.sequence_parallel and not self.ps.is_pipeline_first_stage()
+
         def forward_step(data_iterator, model):
             i, micro, prepared = next(data_iterator)
             with self._response_head(prepared, at_predictions, (outputs, temperature) if fused else None):
@@ -253,6 +255,7 @@ class MegatronEngine(TrainEngine):
                     input_ids=prepared["input_ids"].to(self.device),
                     position_ids=prepared["position_ids"].to(self.device),
                     attention_mask=None,
+                    **router_padding(prepared["padding_mask"], self.layout, self.tp_rank, shard_padding),
                 )
             return output, partial(loss_func, i, micro, prepared)
 

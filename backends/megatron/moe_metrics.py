@@ -1,9 +1,10 @@
 """The megatron engine's router metrics for a mixture-of-experts model (layer 1), named as the HF engines'
-(backends/moe.py) but measured on megatron's routers:
+(backends/moe.py) but measured on megatron's routers, and the padding mask that keeps pads out of them
+(``router_padding``):
 
 - ``router_load_imbalance``: per MoE layer and training micro-batch, the busiest expert's routed tokens over the mean
-  (1.0: even), from the routing map a forward hook on each megatron ``TopKRouter`` sees; averaged over every layer
-  and micro-batch of every rank.
+  (1.0: even), from the routing map a forward hook on each megatron ``TopKRouter`` sees, pads left out (the
+  engine's ``padding_mask``); averaged over every layer and micro-batch of every rank.
 - ``router_aux_loss`` / ``router_z_loss`` (only while their coefficient is set): megatron-core's own per-layer
   load-balancing loss (E * sum_e f_e P_e with f_e the share of the k routing slots sent to expert e, Switch's loss
   divided by k) and z-loss (mean squared log-sum-exp of the router logits), as its loss tracker records them,
@@ -20,6 +21,17 @@ import torch.distributed as dist
 _TRACKED = {"load_balancing_loss": "router_aux_loss", "z_loss": "router_z_loss"}
 
 
+def router_padding(padding: torch.Tensor, layout, tp_rank: int, shard: bool) -> dict[str, torch.Tensor]:
+    """A MoE model's ``padding_mask`` argument (True at pads; {} for a dense model): megatron's routers leave pads
+    out of their load-balancing and z-losses (RouterMetrics out of the load). Megatron scatters it over the
+    sequence-parallel ranks on the first pipeline stage only; ``shard``: a later stage's, cut here."""
+    if not layout.num_experts:
+        return {}
+    if shard:
+        padding = padding.chunk(layout.tp, dim=1)[tp_rank].contiguous()
+    return {"padding_mask": padding}
+
+
 class RouterMetrics:
     """Collects the step's router statistics of a megatron GPTModel (no-op for a dense model)."""
 
@@ -31,13 +43,19 @@ class RouterMetrics:
         self.routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
         self.imbalance: list[torch.Tensor] = []
         for router in self.routers:
-            router.register_forward_hook(self._record)
+            router.register_forward_hook(self._record, with_kwargs=True)
 
-    def _record(self, module, args, output) -> None:
+    def _record(self, module, args, kwargs, output) -> None:
         # once per training micro-batch: under activation recompute the first forward runs without grad
         if not (module.training and torch.is_grad_enabled()):
             return
-        load = output[1].sum(dim=0).float()  # (tokens, experts) routing map -> tokens per expert
+        routed = output[1]  # (tokens, experts) routing map, tokens in megatron's (sequence, batch) order
+        padding = (
+            args[1] if len(args) > 1 else kwargs.get("padding_mask")
+        )  # MoELayer's: (sequence, batch), True at pads
+        if padding is not None:
+            routed = routed[~padding.reshape(-1)]
+        load = routed.sum(dim=0).float()  # tokens per expert
         self.imbalance.append(load.max() / load.mean().clamp_min(1e-12))
 
     def step_metrics(self, micro_batches: int) -> dict[str, float]:

@@ -114,8 +114,11 @@ def prepare_micro_batch(tensors: dict[str, torch.Tensor], rows: int, seq_multipl
     model_ids[:b, :T] = rolled_ids
     predict_at = (torch.arange(R, device=dev)[None, :] + (T - R - 1) - first[:, None]).clamp(min=0)
     last = T - 1 - mask.flip(-1).argmax(-1)  # last valid column of each row
+    padding = torch.ones((rows, S), dtype=torch.bool, device=dev)  # True at pads: megatron's MoE routers skip them
+    padding[:b, :T] = ~rolled_mask.bool()
     return {
         "input_ids": model_ids,
+        "padding_mask": padding,
         "position_ids": torch.arange(S, device=dev)[None, :].expand(rows, S).contiguous(),
         "predict_at": predict_at,
         "resp_valid": mask[:, T - R :].bool(),

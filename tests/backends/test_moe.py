@@ -33,16 +33,22 @@ def tiny_model(architecture: str, seed: int = 0, **overrides):
     return model
 
 
-def hf_router_terms(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' load-balancing loss of the padded batch and the z-loss of its router logits at real tokens."""
+def routed_forward(model, batch):
+    """transformers' forward of the padded batch with every MoE layer's router logits (``out.router_logits``, one
+    (tokens, experts) tensor per layer, tokens in the batch's row-major order) and its load-balancing loss."""
     b = batch.batch
-    out = model(
+    return model(
         input_ids=b["input_ids"],
         attention_mask=b["attention_mask"],
         position_ids=b["position_ids"],
         output_router_logits=True,
     )
-    mask = b["attention_mask"].reshape(-1).bool()
+
+
+def hf_router_terms(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' load-balancing loss of the padded batch and the z-loss of its router logits at real tokens."""
+    out = routed_forward(model, batch)
+    mask = batch.batch["attention_mask"].reshape(-1).bool()
     z = torch.stack([torch.logsumexp(lg[mask].float(), -1).square().mean() for lg in out.router_logits]).mean()
     return out.aux_loss, z
 

@@ -1,6 +1,6 @@
 """Qwen3, Qwen3-MoE and Mixtral on the HF-model backends (FSDP2, DeepSpeed ZeRO-3; 2 gloo ranks each) and on
 megatron (TP=2, PP=2, expert parallelism EP=2 on 2 ranks, EP=2 with TP=2 and whole experts (ETP=1) on 2, EP=2 x
-TP=2 on 4), against plain transformers (one process, fp32, eager attention), on tiny random-init models
+TP=2 and PP=2 x TP=2 on 4), against plain transformers (one process, fp32, eager attention), on tiny random-init models
 (scaletrain/models/tiny.py's ``test`` shape: 4 experts, top-2, in every layer of the MoE ones; random norm weights,
 Qwen3's per-head q/k norms included).
 
@@ -11,7 +11,9 @@ Qwen3's per-head q/k norms included).
   rank's share of the response tokens (backends/accumulation.py). Megatron's router losses are its own (another
   definition: backends/megatron/moe_metrics.py), so its parity runs without them against the step without router
   terms, and ``router_losses`` (EP=2) checks that its coefficients act: the same policy loss, another gradient norm,
-  megatron's load-balancing loss within its range [1, experts] and a positive z-loss in the metrics.
+  and megatron's load-balancing loss, z-loss and load imbalance in the metrics equal to its definitions computed
+  from transformers' router logits at the real tokens (the batch is padded; megatron's routers get the padding
+  mask); the plain step's load imbalance equals it too wherever a router sees whole sequences (no TP).
 - Per backend and architecture: forward log-probs equal the reference (<= 1e-4); the step gives the reference loss,
   gradient norm and router metrics; after it, ``save_hf`` writes the checkpoint layout (per-expert tensors, as
   ``save_pretrained``) and ``from_pretrained`` of it gives every exported tensor bit for bit and the engine's own
@@ -29,7 +31,7 @@ import torch
 
 from tests.backends.multirank import assert_close
 from tests.backends.rank_group import RankGroup
-from tests.backends.test_moe import hf_router_terms, tiny_model
+from tests.backends.test_moe import hf_router_terms, routed_forward, tiny_model
 from tests.backends.tiny import make_batch, make_tokenizer
 
 TOL = 1e-4
@@ -45,6 +47,7 @@ BACKENDS = (
     "megatron_ep2",
     "megatron_ep2_tp2",
     "megatron_ep2_etp1",
+    "megatron_pp2_tp2",
 )
 MEGATRON = {
     "megatron_tp2": {"tensor_model_parallel_size": 2},
@@ -57,6 +60,8 @@ MEGATRON = {
         "tensor_model_parallel_size": 2,
         "expert_tensor_parallel_size": 1,
     },
+    # the second stage's routers get their sequence shard of the padding mask from the engine, not from megatron
+    "megatron_pp2_tp2": {"pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 2},
 }
 # Mixtral differs from Qwen3-MoE in names only (the mapping's table): one megatron layout covers it
 MEGATRON_ARCHITECTURES = {
@@ -65,6 +70,7 @@ MEGATRON_ARCHITECTURES = {
     "megatron_ep2": ("qwen3_moe", "mixtral"),
     "megatron_ep2_tp2": ("qwen3_moe",),
     "megatron_ep2_etp1": ("qwen3_moe",),
+    "megatron_pp2_tp2": ("qwen3_moe",),
 }
 CHECKS = ("forward", "train_step", "export_reload")
 EXTRA_CHECKS = {
@@ -75,7 +81,7 @@ WORLD = 2
 
 
 def world(backend: str) -> int:
-    return 4 if backend == "megatron_ep2_tp2" else WORLD
+    return 4 if backend in ("megatron_ep2_tp2", "megatron_pp2_tp2") else WORLD
 
 
 def megatron_layout(backend: str, architecture: str) -> dict:
@@ -129,7 +135,30 @@ def write_reference(model_dir: str, architecture: str, path: str) -> None:
             terms["router_z_loss"] += weight * float(z)
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    if moe(architecture):  # megatron's definitions, per rank (its rows), averaged over the ranks
+        with torch.no_grad():
+            per_rank = [megatron_router_terms(model, batch.select_idxs(rank_rows(r))) for r in range(WORLD)]
+        terms.update({f"megatron_{k}": sum(t[k] for t in per_rank) / WORLD for k in per_rank[0]})
     torch.save({**before, **terms, **plain, "loss": float(loss), "grad_norm": float(norm)}, path)
+
+
+def megatron_router_terms(model, batch) -> dict[str, float]:
+    """megatron-core's router terms of ``batch`` at its real tokens, from transformers' router logits, averaged over
+    the layers (backends/megatron/moe_metrics.py): the load-balancing loss E / (k T^2) sum_e P_e n_e (P_e the summed
+    softmax scores of expert e, n_e its top-k assignments, T the tokens), the z-loss mean logsumexp^2 and the load
+    imbalance max_e n_e / mean_e n_e."""
+    out, config = routed_forward(model, batch), model.config
+    real = batch.batch["attention_mask"].reshape(-1).bool()
+    experts, k = config.num_experts, config.num_experts_per_tok
+    aux, z, imbalance = [], [], []
+    for logits in out.router_logits:
+        logits = logits[real].float()
+        scores = logits.softmax(-1)
+        n = torch.zeros_like(scores).scatter(1, scores.topk(k, dim=-1).indices, 1.0).sum(0)
+        aux.append(float(experts / (k * len(logits) ** 2) * (scores.sum(0) * n).sum()))
+        z.append(float(torch.logsumexp(logits, -1).square().mean()))
+        imbalance.append(float(n.max() / n.mean()))
+    return {name: sum(v) / len(v) for name, v in (("aux", aux), ("z", z), ("imbalance", imbalance))}
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +249,9 @@ def stepped(ctx, backend: str, architecture: str):
         assert abs(metrics["grad_norm"] - want["grad_norm"]) <= TOL * want["grad_norm"], (metrics, want["grad_norm"])
         if backend in MEGATRON and moe(architecture):
             assert "router_aux_loss" not in metrics and 1.0 <= metrics["router_load_imbalance"] <= 2.0, metrics
+            if "tensor_model_parallel_size" not in MEGATRON[backend]:  # whole sequences on each router: exact
+                imbalance = (metrics["router_load_imbalance"], want["megatron_imbalance"])
+                assert abs(imbalance[0] - imbalance[1]) <= 1e-4 * imbalance[1], imbalance
         elif moe(architecture):
             for key in ("router_aux_loss", "router_z_loss"):
                 assert abs(metrics[key] - want[key]) <= 1e-5, (key, metrics[key], want[key])
@@ -283,7 +315,10 @@ def check_router_losses(ctx, backend: str, architecture: str) -> None:
     want = s.reference
     assert abs(metrics["loss"] - want["loss_plain"]) <= TOL, (metrics["loss"], want["loss_plain"])
     assert abs(metrics["grad_norm"] - want["grad_norm_plain"]) > 20 * TOL * want["grad_norm_plain"], metrics
-    assert 1.0 - 1e-4 <= metrics["router_aux_loss"] <= 4.0 and metrics["router_z_loss"] > 0, metrics
+    # megatron's own terms, at the real tokens only (the batch is padded: counting the pads changes each of them)
+    for key in ("aux", "z", "imbalance"):
+        metric = "router_load_imbalance" if key == "imbalance" else f"router_{key}_loss"
+        assert abs(metrics[metric] - want[f"megatron_{key}"]) <= 1e-4 * want[f"megatron_{key}"], (metric, metrics, want)
 
 
 def check_export_reload(ctx, backend: str, architecture: str) -> None:
