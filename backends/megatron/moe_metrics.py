@@ -50,9 +50,8 @@ class RouterMetrics:
         if not (module.training and torch.is_grad_enabled()):
             return
         routed = output[1]  # (tokens, experts) routing map, tokens in megatron's (sequence, batch) order
-        padding = (
-            args[1] if len(args) > 1 else kwargs.get("padding_mask")
-        )  # MoELayer's: (sequence, batch), True at pads
+        # the MoE layer's padding mask, (sequence, batch), True at pads
+        padding = args[1] if len(args) > 1 else kwargs.get("padding_mask")
         if padding is not None:
             routed = routed[~padding.reshape(-1)]
         load = routed.sum(dim=0).float()  # tokens per expert
