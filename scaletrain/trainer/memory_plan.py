@@ -167,16 +167,17 @@ def _layout(cfg: PPOConfig, section, model, fsdp_config, cuda: bool, trains: boo
     model, engine = resolve_precision(model_config(model, model.path), engine, "cuda" if cuda else "cpu", trains)
     half = model.dtype in ("bfloat16", "float16")
     zero = backend.extra.get("deepspeed_config", {}).get("zero_optimization", {})
-    megatron = backend.name == "megatron"
+    # megatron: the layout its engine resolves (the role's keys over backend.extra.megatron's, their defaults)
+    split = meg.resolved(backend.extra) if backend.name == "megatron" else None
     return mem.TrainLayout(
         backend=backend.name,
         world=cfg.world_size,
-        tp=(meg.tensor_model_parallel_size or 1) if megatron else 1,
-        pp=(meg.pipeline_model_parallel_size or 1) if megatron else 1,
-        ep=(meg.expert_model_parallel_size or 1) if megatron else 1,
-        etp=meg.expert_tensor_parallel_size if megatron else None,
+        tp=split.tensor_model_parallel_size if split else 1,
+        pp=split.pipeline_model_parallel_size if split else 1,
+        ep=split.expert_model_parallel_size if split else 1,
+        etp=split.etp if split else None,
         sp=getattr(section, "ulysses_sequence_parallel_size", 1) or 1,
-        distributed_optimizer=bool(meg.use_distributed_optimizer),
+        distributed_optimizer=bool(split and split.use_distributed_optimizer),
         weight_bytes=2 if half else 4,
         compute_bytes=2 if engine.mixed_precision or half else 4,
         trains=trains,

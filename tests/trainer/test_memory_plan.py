@@ -82,6 +82,20 @@ def test_phases_follow_the_layout_and_offload():
     assert "actor parameters" not in moved.phases["generate"] and "actor parameters (generate)" in moved.host
 
 
+def test_megatrons_plan_takes_the_layout_its_engine_resolves():
+    """The role's megatron keys and backend.extra.megatron's fallbacks both reach the plan, as they reach the engine
+    (scaletrain/workers/config.py MegatronConfig.resolved)."""
+    plan = {
+        name: memory_plan(resolved("backend=megatron", *keys), budget=1 << 40).phases["actor update"]
+        for name, keys in {
+            "tp1": [],
+            "role": ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
+            "extra": ["backend.extra.megatron.tensor_model_parallel_size=2"],
+        }.items()
+    }
+    assert plan["role"]["actor parameters"] == plan["extra"]["actor parameters"] < plan["tp1"]["actor parameters"]
+
+
 def test_a_model_the_plan_cannot_read_warns_and_the_run_goes_on_or_fails_under_error(tmp_path, caplog):
     """A checkpoint whose config transformers cannot build: the plan gives way under warn (a training run must not
     fail for its check), and under error says why."""
