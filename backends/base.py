@@ -165,7 +165,6 @@ BACKEND_TRAITS = {
     "fsdp": BackendTraits(reshards_on_resume=True, ulysses=True),
     "deepspeed": BackendTraits(reshards_on_resume=True, ulysses=True),
     "megatron": BackendTraits(
-        offload=False,
         lora=False,
         check="backends.megatron.checks:check_engine_settings",
         reshards_on_resume=True,

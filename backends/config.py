@@ -111,10 +111,10 @@ class BackendSettings:
 
     mixed_precision: str | None = "auto"  # auto: bfloat16 compute for trained models on CUDA, off on CPU | null
     # (weights stay in the model's dtype, gradients are reduced in float32)
-    param_offload: bool = False  # fsdp, deepspeed: parameters in CPU memory when unused (PPO: a role's
-    # fsdp_config.param_offload overrides it); megatron does not offload
-    optimizer_offload: bool = False  # fsdp, deepspeed: optimizer state in CPU memory when unused (PPO: a role's
-    # fsdp_config.optimizer_offload overrides it); megatron does not offload
+    param_offload: bool = False  # parameters in CPU memory when unused (PPO: a role's fsdp_config.param_offload
+    # overrides it, on megatron its megatron.param_offload)
+    optimizer_offload: bool = False  # optimizer state in CPU memory when unused (PPO: a role's
+    # fsdp_config.optimizer_offload overrides it, on megatron its megatron.optimizer_offload)
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific settings: megatron (its layout keys),
     # deepspeed_config (merged over the generated DeepSpeed config)
 
@@ -129,6 +129,7 @@ class EngineConfig(BackendSettings):
     entropy_chunk_size: int = 1024
     ulysses_sequence_parallel_size: int = 1  # fsdp, deepspeed: ranks splitting each packed sequence (Ulysses,
     # backends/sequence/ulysses.py); the data-parallel size is then the world over it
+    grad_offload: bool = False  # megatron: its gradient buffers freed between updates (a role's megatron.grad_offload)
     seed: int = 1
     collective_timeout_s: float = 600.0  # a collective waiting longer (a peer died) fails
 

@@ -79,6 +79,7 @@ class TrainLayout:
     trains: bool = True  # False: a forward-only role (reference policy, reward model)
     param_offload: bool = False
     optimizer_offload: bool = False
+    grad_offload: bool = False  # megatron: its gradient buffer freed between updates (back for each step)
     reduce_bucket: int = DEEPSPEED_REDUCE_BUCKET  # deepspeed: zero_optimization.reduce_bucket_size
     head_chunk_rows: int = EngineConfig.entropy_chunk_size  # the fused head's rows per chunk at most
 
@@ -120,6 +121,8 @@ def state_bytes(shape: ModelShape, layout: TrainLayout) -> tuple[dict[str, int],
         host["parameters"] = device.pop("parameters")
     if layout.optimizer_offload and "optimizer" in device:
         host["optimizer"] = device.pop("optimizer")
+    if layout.grad_offload and layout.backend == "megatron":
+        device.pop("gradients", None)  # freed, not kept on the host: a step zeroes it first
     return device, host
 
 
@@ -183,6 +186,8 @@ def step_peak(shape: ModelShape, layout: TrainLayout, micro: MicroBatchShape) ->
     grads = freed_gradients(shape, layout)
     if grads > sum(step.values()):
         step = {"gradients": grads}
+    if layout.trains and layout.grad_offload and layout.backend == "megatron":
+        step["gradients"] = _megatron_states(shape, layout)["gradients"]  # back for the whole step
     return {name: n for name, n in step.items() if n}
 
 

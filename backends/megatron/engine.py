@@ -48,8 +48,10 @@ from backends.megatron.export import export_groups, gather_hf_buckets
 from backends.megatron.hf_mapping import layout_from_hf
 from backends.megatron.model import build_gpt_model, load_hf_weights, transformer_config
 from backends.megatron.moe_metrics import RouterMetrics, router_padding
+from backends.megatron.offload import MegatronOffload
 from backends.megatron.ops import FusedHead, prepare_micro_batch, response_outputs, response_positions_only
-from backends.megatron.parallel import MegatronParallelConfig, expert_norm_groups, init_model_parallel
+from backends.megatron.optimizer import wrap_for_training
+from backends.megatron.parallel import MegatronParallelConfig, init_model_parallel
 from backends.optim import SCHEDULES, lr_multiplier, warmup_steps
 from backends.sequence.response_head import FUSED_OUTPUTS
 from scaletrain.protocol import DataProto
@@ -112,8 +114,11 @@ class MegatronEngine(TrainEngine):
         if optim_config is None:
             self.model.requires_grad_(False)
         else:
-            self._build_optimizer(optim_config)
+            self.model, self.optimizer = wrap_for_training(self.model, self.tf_config, self.parallel, optim_config)
         self.global_step = 0
+        flags = (engine_config.param_offload, engine_config.grad_offload, engine_config.optimizer_offload)
+        self.offloading = MegatronOffload(self.module, self.model, self.optimizer, flags)
+        self.offloading.offload_per_flags()
 
     def _read_hf_model(self) -> dict[str, torch.Tensor]:
         """The HF model's state dict (config and names kept for save_hf); the model itself stays on the meta
@@ -164,40 +169,6 @@ class MegatronEngine(TrainEngine):
             # bf16 compute: megatron casts the model to bf16 and keeps fp32 main weights in its optimizer
             model = Float16Module(self.tf_config, model)
         return model
-
-    def _build_optimizer(self, optim: OptimConfig) -> None:
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=self.parallel.use_distributed_optimizer,
-        )
-        self.model = DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=self.model)
-        config = OptimizerConfig(
-            optimizer="adam",
-            lr=optim.lr,
-            min_lr=0.0,
-            weight_decay=optim.weight_decay,
-            adam_beta1=optim.betas[0],
-            adam_beta2=optim.betas[1],
-            adam_eps=optim.eps,
-            clip_grad=optim.grad_clip if optim.grad_clip > 0 else 0.0,
-            bf16=self.tf_config.bf16,
-            params_dtype=self.tf_config.params_dtype,
-            use_distributed_optimizer=self.parallel.use_distributed_optimizer,
-        )
-        # config_overrides={}: weight decay on every parameter, like torch AdamW in the other engines
-        self.optimizer = get_megatron_optimizer(config, [self.model], config_overrides={})
-        expert_norm_groups(self.optimizer)
-        self.tf_config.no_sync_func = self.model.no_sync
-        self.tf_config.finalize_model_grads_func = finalize_model_grads
-        self.tf_config.grad_scale_func = self.optimizer.scale_loss
 
     # ------------------------------------------------------------------------------------------ properties
     @property
@@ -326,7 +297,7 @@ class MegatronEngine(TrainEngine):
         outputs = check_outputs(self.model_config.kind, outputs)
         base_model_only(options, has_adapter=False)  # refuses a request for the base model: there are no adapters
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self._on_device(optimizer=False):
             parts, _, results = self._run(batch, outputs, None, options.micro_batching)
         tensors = None
         if self.ps.is_pipeline_last_stage():
@@ -338,8 +309,11 @@ class MegatronEngine(TrainEngine):
         """Metrics like the FSDP engine's: the whole mini-batch's ``loss`` and loss_fn metrics (all DP ranks), the
         global ``grad_norm`` (before clipping), the ``lr`` of this step and ``step_skipped``; the step-or-skip tail is
         the one every engine shares (backends/accumulation.py)."""
+        with self._on_device(optimizer=True):
+            return self._train_step(mini_batch, loss_fn, check_outputs(self.model_config.kind, outputs))
+
+    def _train_step(self, mini_batch: DataProto, loss_fn: LossFn, outputs: tuple[str, ...]) -> dict:
         optim, optimizer, model = self._trainable()
-        outputs = check_outputs(self.model_config.kind, outputs)
         lr = optim.lr * lr_multiplier(
             self.global_step, warmup_steps(optim), optim.total_steps, optim.lr_scheduler, optim.min_lr_ratio
         )
@@ -379,11 +353,15 @@ class MegatronEngine(TrainEngine):
 
     # -------------------------------------------------------------------------------------------- weights
     def export_weights(self, bucket_bytes: int = 256 << 20) -> Buckets:
-        return checkpoint_layout(gather_hf_buckets(self, bucket_bytes, skip=()), self.layout_model)
+        with self._on_device(optimizer=False):
+            for bucket in checkpoint_layout(gather_hf_buckets(self, bucket_bytes, skip=()), self.layout_model):
+                # a tensor may view a parameter (one not split over TP): a copy outlives the parameters' offload
+                yield [(name, t.clone()) for name, t in bucket] if self.engine_config.param_offload else bucket
 
     def save_hf(self, path: str, shard_bytes: int = 1 << 30) -> None:
-        buckets = gather_hf_buckets(self, shard_bytes, skip=self._tied_names())
-        save_engine_hf(self, path, checkpoint_layout(buckets, self.layout_model))
+        with self._on_device(optimizer=False):
+            buckets = gather_hf_buckets(self, shard_bytes, skip=self._tied_names())
+            save_engine_hf(self, path, checkpoint_layout(buckets, self.layout_model))
 
     def _tied_names(self) -> tuple[str, ...]:
         """What an HF export leaves out: a tied causal LM's ``lm_head.weight`` (the embedding's)."""
@@ -391,7 +369,27 @@ class MegatronEngine(TrainEngine):
 
     # -------------------------------------------------------------------------------------------- checkpoint
     def save(self, path: str) -> None:
-        save_checkpoint(self, path)
+        with self._on_device(optimizer=True):
+            save_checkpoint(self, path)
 
     def load(self, path: str) -> None:
-        load_checkpoint(self, path)
+        with self._on_device(optimizer=True):
+            load_checkpoint(self, path)
+
+    # -------------------------------------------------------------------------------------------- offload
+    def offload(self) -> None:
+        """Parameters, gradient buffers and optimizer state off the device (backends/megatron/offload.py)."""
+        self.offloading.offload_all()
+
+    def onload(self) -> None:
+        self.offloading.onload(optimizer=True)
+
+    @contextlib.contextmanager
+    def _on_device(self, optimizer: bool):
+        """The state a call needs on the device for its duration (the gradients and optimizer state when
+        ``optimizer``), then what the offload flags keep off the device offloaded again."""
+        self.offloading.onload(optimizer)
+        try:
+            yield
+        finally:
+            self.offloading.offload_per_flags()

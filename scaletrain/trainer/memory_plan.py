@@ -31,6 +31,7 @@ from backends.config import resolve_precision
 from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.trainer.config.worker_configs import engine_config, model_config
 from scaletrain.utils.typed_config import ConfigError
+from scaletrain.workers.config import with_offload
 
 logger = logging.getLogger(__name__)
 
@@ -135,11 +136,14 @@ def _train_roles(cfg: PPOConfig, shape: mem.ModelShape, cuda: bool) -> Iterator[
     arr = cfg.actor_rollout_ref
     frozen = replace(shape, trainable=0)
     actor = arr.actor
-    yield "actor", (shape, _layout(cfg, actor, arr.model, actor.fsdp_config, cuda, True), _micro(cfg, actor))
+    yield (
+        "actor",
+        (shape, _layout(cfg, actor, arr.model, (actor.fsdp_config, actor.megatron), cuda, True), _micro(cfg, actor)),
+    )
     if actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         lora = arr.model.lora_rank > 0  # the reference policy is the actor's base with the adapters off
         if not lora:
-            ref_layout = _layout(cfg, actor, arr.model, arr.ref.fsdp_config, cuda, False)
+            ref_layout = _layout(cfg, actor, arr.model, (arr.ref.fsdp_config, arr.ref.megatron), cuda, False)
             yield "ref", (frozen, ref_layout, _micro(cfg, actor))
     if cfg.use_critic:
         critic = cfg.critic
@@ -149,21 +153,22 @@ def _train_roles(cfg: PPOConfig, shape: mem.ModelShape, cuda: bool) -> Iterator[
         if critic.model.lora_rank == 0:
             critic_shape = replace(critic_shape, trainable=critic_shape.params)
         critic_shape = replace(critic_shape, vocab=1)  # a value head, no vocabulary
-        layout = _layout(cfg, critic, critic.model, critic.model.fsdp_config, cuda, True)
+        layout = _layout(cfg, critic, critic.model, (critic.model.fsdp_config, critic.megatron), cuda, True)
         yield "critic", (critic_shape, layout, _micro(cfg, critic))
     rm = cfg.reward_model
     if rm.enable and not rm.enable_resource_pool and rm.model.path:
         rm_shape = replace(mem.model_shape(model_config(rm.model, rm.model.path)), trainable=0)
         yield (
             "reward model",
-            (rm_shape, _layout(cfg, actor, rm.model, rm.model.fsdp_config, cuda, False), _micro(cfg, actor)),
+            (rm_shape, _layout(cfg, actor, rm.model, (rm.model.fsdp_config, None), cuda, False), _micro(cfg, actor)),
         )
 
 
-def _layout(cfg: PPOConfig, section, model, fsdp_config, cuda: bool, trains: bool) -> mem.TrainLayout:
-    """A role's layout on one rank, its precision and offload resolved as its engine resolves them."""
+def _layout(cfg: PPOConfig, section, model, offload: tuple, cuda: bool, trains: bool) -> mem.TrainLayout:
+    """A role's layout on one rank (``section``'s megatron layout; ``offload``: the role's fsdp_config and megatron
+    sections, workers/config.py with_offload), its precision and offload resolved as its engine resolves them."""
     backend, meg = cfg.backend, section.megatron
-    engine = fsdp_config.applied(engine_config(backend, cfg.trainer.seed))
+    engine = with_offload(engine_config(backend, cfg.trainer.seed), backend.name, *offload)
     model, engine = resolve_precision(model_config(model, model.path), engine, "cuda" if cuda else "cpu", trains)
     half = model.dtype in ("bfloat16", "float16")
     zero = backend.extra.get("deepspeed_config", {}).get("zero_optimization", {})
@@ -183,6 +188,7 @@ def _layout(cfg: PPOConfig, section, model, fsdp_config, cuda: bool, trains: boo
         trains=trains,
         param_offload=engine.param_offload,
         optimizer_offload=engine.optimizer_offload,
+        grad_offload=engine.grad_offload,
         reduce_bucket=int(zero.get("reduce_bucket_size", mem.DEEPSPEED_REDUCE_BUCKET)),
         head_chunk_rows=engine.entropy_chunk_size,
     )
@@ -270,9 +276,9 @@ def _remedies(cfg: PPOConfig) -> Iterator[tuple[str, PPOConfig]]:
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={half}",
             _with(cfg, actor=replace(actor, ppo_micro_batch_size_per_gpu=half)),
         )
-    if cfg.backend.name != "megatron" and not cfg.backend.optimizer_offload:
+    if not cfg.backend.optimizer_offload:
         yield "backend.optimizer_offload=true", replace(cfg, backend=replace(cfg.backend, optimizer_offload=True))
-    if cfg.backend.name != "megatron" and not cfg.backend.param_offload:
+    if not cfg.backend.param_offload:
         yield "backend.param_offload=true", replace(cfg, backend=replace(cfg.backend, param_offload=True))
     if cfg.trainer.device == "cuda" and rollout.name == "vllm" and rollout.gpu_memory_utilization > 0.3:
         yield (

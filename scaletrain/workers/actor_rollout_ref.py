@@ -83,14 +83,8 @@ class ActorRolloutRefWorker(Worker):
     def init_model(self) -> None:
         cfg, setup = self.config, self.setup
         backend = get_backend(setup.backend)
-        engine_cfg = replace(
-            cfg.actor.fsdp_config.applied(cfg.engine_config(setup)),
-            micro_batch_size_per_gpu=cfg.actor.ppo_micro_batch_size_per_gpu,
-            use_dynamic_bsz=cfg.actor.use_dynamic_bsz,
-            max_token_len_per_gpu=cfg.actor.ppo_max_token_len_per_gpu,
-        )
         if "actor" in self.parts:
-            self.actor = backend(setup.model, cfg.actor.optim, engine_cfg)
+            self.actor = backend(setup.model, cfg.actor.optim, cfg.actor_engine_config(setup))
             declare_engine_mesh(self, self.actor)
             self._mini_rows = rows_per_rank(
                 cfg.actor.ppo_mini_batch_size, cfg.rollout.n, self.actor.dp_size, "actor.ppo_mini_batch_size"
@@ -109,7 +103,7 @@ class ActorRolloutRefWorker(Worker):
                 logger.info("reference policy: the actor's base model with its LoRA adapters disabled (no ref engine)")
             return
         model = replace(policy, lora_rank=0, lora_adapter_path=None) if policy.lora_rank else policy
-        self.ref = backend(model, None, cfg.ref.fsdp_config.applied(cfg.engine_config(self.setup)))
+        self.ref = backend(model, None, cfg.ref_engine_config(self.setup))
         if self.rank == 0:
             logger.info("reference policy: a separate frozen engine of %s", model.path)
         if self.actor is None:

@@ -60,10 +60,12 @@ class MegatronConfig:
     # null: backend.extra.megatron's, else 1
     expert_tensor_parallel_size: int | None = None  # ETP: 1 or the TP size; null: backend.extra.megatron's, else TP
 
-    # verl's offload keys: megatron offload is not implemented, true fails before Ray (role_checks.py)
-    param_offload: bool = False  # must stay false (true fails before Ray starts)
-    optimizer_offload: bool = False  # must stay false (true fails before Ray starts)
-    grad_offload: bool = False  # must stay false (true fails before Ray starts)
+    # verl's megatron offload keys (backends/megatron/offload.py): the state leaves the device between the calls
+    # that use it (true with another backend fails before Ray: its fsdp_config keys are the ones it reads)
+    param_offload: bool | None = None  # the role's parameters in CPU memory when unused; null: backend.param_offload
+    optimizer_offload: bool | None = None  # Adam's state and the float32 main weights; null:
+    # backend.optimizer_offload
+    grad_offload: bool | None = None  # the float32 gradient buffers, freed between updates; null: false
 
     def merged(self, extra: dict[str, Any]) -> dict[str, Any]:
         """``extra["megatron"]`` with this section's set layout keys on top."""
@@ -76,6 +78,12 @@ class MegatronConfig:
             }
         )
         return out
+
+    def offload_applied(self, engine: EngineConfig) -> EngineConfig:
+        """``engine`` with this section's set offload keys on top."""
+        return replace(
+            engine, **{name: getattr(self, name) for name in OFFLOAD_KEYS if getattr(self, name) is not None}
+        )
 
     def resolved(self, extra: dict[str, Any]):
         """The engine's layout (a MegatronParallelConfig) from ``merged(extra)``, its defaults filling the rest;
@@ -93,6 +101,20 @@ LAYOUT_KEYS = (
     "expert_model_parallel_size",
     "expert_tensor_parallel_size",
 )
+
+
+OFFLOAD_KEYS = ("param_offload", "optimizer_offload", "grad_offload")
+
+
+def with_offload(
+    engine: EngineConfig, backend: str, fsdp_config: FSDPConfig, megatron: MegatronConfig | None
+) -> EngineConfig:
+    """``engine`` with a role's offload keys on top: on backend=megatron its ``megatron`` section's (none for the
+    reward model: the backend section's then), on the others its ``fsdp_config``'s; the config checks refuse the
+    other backend's keys set true."""
+    if backend == "megatron":
+        return megatron.offload_applied(engine) if megatron is not None else engine
+    return fsdp_config.applied(engine)
 
 
 def with_megatron(engine: EngineConfig, backend: str, section: MegatronConfig) -> EngineConfig:
@@ -349,6 +371,20 @@ class ActorRolloutRefConfig:
         megatron layout and Ulysses size (the ref's are the actor's)."""
         engine = with_megatron(setup.engine, setup.backend, self.actor.megatron)
         return replace(engine, ulysses_sequence_parallel_size=self.actor.ulysses_sequence_parallel_size)
+
+    def actor_engine_config(self, setup: EngineSetup) -> EngineConfig:
+        """The actor engine's settings: ``engine_config``'s with the actor's offload keys and micro-batching."""
+        actor = self.actor
+        return replace(
+            with_offload(self.engine_config(setup), setup.backend, actor.fsdp_config, actor.megatron),
+            micro_batch_size_per_gpu=actor.ppo_micro_batch_size_per_gpu,
+            use_dynamic_bsz=actor.use_dynamic_bsz,
+            max_token_len_per_gpu=actor.ppo_max_token_len_per_gpu,
+        )
+
+    def ref_engine_config(self, setup: EngineSetup) -> EngineConfig:
+        """The reference engine's settings: ``engine_config``'s with the ref's offload keys."""
+        return with_offload(self.engine_config(setup), setup.backend, self.ref.fsdp_config, self.ref.megatron)
 
 
 @dataclass

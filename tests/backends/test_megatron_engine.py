@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -181,8 +182,30 @@ def test_layout(group_of, layout, check):
 
 
 # ---------------------------------------------------------------------------------- set-up the checks share
+OFFLOAD_ALL = dict(param_offload=True, grad_offload=True, optimizer_offload=True)
+
+
 def exported(engine, bucket_bytes=1 << 30):
     return {k: v for bucket in engine.export_weights(bucket_bytes) for k, v in bucket}
+
+
+def assert_offloaded(engine):
+    """Between calls, an engine offloading everything holds no bytes in its parameters, their gradient buffers
+    (``main_grad``) or its optimizer's parameters and state (read from megatron's own objects)."""
+    held = {}
+    for name, p in engine.module.named_parameters():
+        held[name] = p.untyped_storage().nbytes()
+        if getattr(p, "main_grad", None) is not None:
+            held[f"{name}.main_grad"] = p.main_grad.untyped_storage().nbytes()
+    optimizers = [] if engine.optimizer is None else [engine.optimizer]
+    for i, part in enumerate(getattr(engine.optimizer, "chained_optimizers", optimizers)):
+        for j, p in enumerate(q for group in part.optimizer.param_groups for q in group["params"]):
+            held[f"optimizer {i} param {j}"] = p.untyped_storage().nbytes()
+            for key, value in part.optimizer.state.get(p, {}).items():
+                if key != "step":
+                    held[f"optimizer {i} param {j} {key}"] = value.untyped_storage().nbytes()
+    left = [f"{name}: {n} bytes" for name, n in held.items() if n]
+    assert held and not left, f"{len(left)} of {len(held)} still hold bytes: {left[:4]}"
 
 
 def layout_state(ctx, layout):
@@ -297,10 +320,10 @@ def _extra_engine(ctx, layout):
 
     s, name = layout_state(ctx, layout), EXTRA_ENGINE[layout]
     model_config, overrides = {
-        "bf16": (ModelConfig(path=s.model_dir), dict(mixed_precision="bfloat16")),
+        "bf16": (ModelConfig(path=s.model_dir), dict(mixed_precision="bfloat16", **OFFLOAD_ALL)),
         "dynamic_bsz": (ModelConfig(path=s.model_dir), dict(use_dynamic_bsz=True, max_token_len_per_gpu=40)),
         "recompute": (ModelConfig(path=s.model_dir, enable_gradient_checkpointing=True), {}),
-        "forward_only": (ModelConfig(path=s.model_dir), {}),
+        "forward_only": (ModelConfig(path=s.model_dir), OFFLOAD_ALL),  # the flags a ref may set: no optimizer
     }[name]
     config = EngineConfig(**{"micro_batch_size_per_gpu": s.micro, "extra": {"megatron": s.settings}, **overrides})
     other = s.Megatron(model_config, None if name == "forward_only" else s.optim, config)
@@ -317,8 +340,10 @@ def _extra_engine(ctx, layout):
 
 
 def check_bf16(ctx, layout):
+    """bf16 compute, with every offload on (bf16's float32 main weights are the optimizer's own storage)."""
     s = layout_state(ctx, layout)
-    _, metrics, weights = _extra_engine(ctx, layout)
+    other, metrics, weights = _extra_engine(ctx, layout)
+    assert_offloaded(other)
     assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(s.ref_norm), "bf16 grad_norm", tol=0.05 * s.ref_norm)
     assert max((v - s.ref_sd[k]).abs().max().item() for k, v in weights.items()) < 3 * s.optim.lr
 
@@ -358,11 +383,13 @@ def check_forward_only(ctx, layout):
 
     other, _, _ = _extra_engine(ctx, layout)
     assert not any(p.requires_grad for p in other.module.parameters())
+    assert_offloaded(other)
     try:
         other.train_step(layout_state(ctx, layout).share, ref.actor_loss)
         raise AssertionError("train_step on a forward-only engine must fail")
     except RuntimeError:
         pass
+    assert_offloaded(other)
 
 
 def check_llama(ctx, layout):
@@ -438,13 +465,21 @@ def check_resume_exact(ctx, layout):
     later = [make_batch(8, 12, 10, seed=seed).select_idxs(s.rows) for seed in (2, 3)]
     engine.save(ckpt)  # after step 1
     draw = torch.rand(4)
+    engine.offload()  # what the colocated rollout calls: every state off the device, then back
+    assert_offloaded(engine)
+    engine.onload()
     first = [engine.train_step(b, ref.actor_loss, ("log_probs", "entropy")) for b in later]
     first_weights = exported(engine)
-    fresh = s.Megatron(ModelConfig(path=s.model_dir), s.optim, s.engine_config)
+    # the resumed engine offloads everything between calls: its steps must still equal the first engine's
+    fresh = s.Megatron(ModelConfig(path=s.model_dir), s.optim, replace(s.engine_config, **OFFLOAD_ALL))
     fresh.load(ckpt)
     assert torch.equal(torch.rand(4), draw), "RNG state not restored"
     assert fresh.global_step == 1
-    second = [fresh.train_step(b, ref.actor_loss, ("log_probs", "entropy")) for b in later]
+    assert_offloaded(fresh)
+    second = []
+    for b in later:
+        second.append(fresh.train_step(b, ref.actor_loss, ("log_probs", "entropy")))
+        assert_offloaded(fresh)
     for a, b in zip(first, second):
         assert a == b, (a, b)
     assert first[1]["lr"] < first[0]["lr"] < s.optim.lr, first  # the cosine schedule resumed

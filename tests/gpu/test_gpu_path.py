@@ -50,7 +50,7 @@ def test_ppo_update_matches_reference_on_cuda(backend, tmp_path):
     save_tiny_qwen2(str(tmp_path / "model"), seed=0, initializer_range=0.1)
     (tmp_path / "backend").write_text(backend)
     results = launch("tests.gpu.test_gpu_path", tmp_path, 1, timeout_s=300)
-    for check in ("update_fp32", "update_bf16"):
+    for check in ("update_fp32", "update_bf16", *(["offload_frees_memory"] if backend == "megatron" else [])):
         assert_ranks_passed(results, check)
 
 
@@ -98,6 +98,25 @@ def _update_checks(work: str, rank: int, results: dict) -> None:
         metrics, _ = step("auto", "auto")  # the CUDA default: fp32 master weights, bf16 compute
         assert abs(metrics["loss"] - ref_loss) <= 5e-2 * abs(ref_loss), (metrics["loss"], ref_loss)
         assert abs(metrics["grad_norm"] - ref_norm) <= 5e-2 * ref_norm, (metrics["grad_norm"], ref_norm)
+
+    if Path(work, "backend").read_text() == "megatron":
+
+        @rank_check(results, "offload_frees_memory")
+        def _():
+            offload = dict(param_offload=True, grad_offload=True, optimizer_offload=True)
+            config = EngineConfig(micro_batch_size_per_gpu=4, **offload)
+            engine = backend(ModelConfig(path=model_dir), optim, config)  # bf16 compute, fp32 main weights
+            engine.train_step(batch, reference.actor_loss, ("log_probs", "entropy"))
+            between = torch.cuda.memory_allocated()  # after the step: everything offloaded again
+            engine.onload()
+            held = torch.cuda.memory_allocated()
+            engine.offload()
+            params = sum(p.numel() for p in engine.module.parameters())
+            # bf16 weights (2 bytes), fp32 main weights, gradients and Adam's two moments (4 each)
+            freed = held - between
+            record("megatron offload freed MiB (tiny model)", freed / 2**20)
+            assert freed >= 0.9 * params * 18, (freed, params)
+            assert torch.cuda.memory_allocated() <= between + (1 << 20), (torch.cuda.memory_allocated(), between)
 
 
 # ----------------------------------------------------------------------------------- vLLM after a weight sync

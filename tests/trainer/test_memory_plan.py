@@ -96,6 +96,25 @@ def test_megatrons_plan_takes_the_layout_its_engine_resolves():
     assert plan["role"]["actor parameters"] == plan["extra"]["actor parameters"] < plan["tp1"]["actor parameters"]
 
 
+def test_megatrons_offload_keys_move_its_lines_as_its_engine_moves_them():
+    """Each role's megatron offload keys reach the plan as they reach its engine (workers/config.py with_offload):
+    parameters and optimizer state on the host, the gradient buffer freed between updates and back for the step;
+    backend.param_offload is the default of the megatron keys left null."""
+    gae = ("backend=megatron", "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true")
+    base = memory_plan(resolved(*gae), budget=1 << 40)
+    keys = [f"actor_rollout_ref.actor.megatron.{name}_offload=true" for name in ("param", "optimizer", "grad")]
+    plan = memory_plan(resolved(*gae, *keys, "actor_rollout_ref.ref.megatron.param_offload=true"), budget=1 << 40)
+    update, resident = plan.phases["actor update"], plan.phases["log-probs"]
+    assert plan.host["actor parameters"] == base.phases["actor update"]["actor parameters"]
+    assert plan.host["actor optimizer"] == base.phases["actor update"]["actor optimizer"]
+    assert plan.host["ref parameters"] == base.phases["actor update"]["ref parameters"]
+    assert "actor gradients" not in resident and "actor gradients" not in plan.host
+    assert update["gradients"] == base.phases["log-probs"]["actor gradients"]  # the step's own
+    assert resident["critic gradients"] == base.phases["log-probs"]["critic gradients"]  # the critic's keys: off
+    fallback = memory_plan(resolved(*gae, "backend.param_offload=true"), budget=1 << 40)
+    assert {"actor parameters", "ref parameters", "critic parameters"} <= set(fallback.host)
+
+
 def test_a_model_the_plan_cannot_read_warns_and_the_run_goes_on_or_fails_under_error(tmp_path, caplog):
     """A checkpoint whose config transformers cannot build: the plan gives way under warn (a training run must not
     fail for its check), and under error says why."""

@@ -11,7 +11,7 @@ from dataclasses import fields
 from backends.base import BACKEND_TRAITS, backend_traits
 from backends.config import ModelSettings
 from scaletrain.utils.typed_config import ConfigError
-from scaletrain.workers.config import LAYOUT_KEYS
+from scaletrain.workers.config import LAYOUT_KEYS, OFFLOAD_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -93,43 +93,61 @@ def _validate_strategies(cfg) -> None:
             )
 
 
-def _offload_keys(cfg) -> list[tuple[str, bool]]:
+def _fsdp_offload_keys(cfg) -> list[tuple[str, str, bool]]:
+    """(role prefix, key, value) of each fsdp_config offload key (backends fsdp and deepspeed)."""
     arr = cfg.actor_rollout_ref
     sections = {
-        "actor_rollout_ref.actor.fsdp_config": arr.actor.fsdp_config,
-        "actor_rollout_ref.ref.fsdp_config": arr.ref.fsdp_config,
-        "critic.model.fsdp_config": cfg.critic.model.fsdp_config,
-        "reward_model.model.fsdp_config": cfg.reward_model.model.fsdp_config,
+        "actor_rollout_ref.actor": arr.actor.fsdp_config,
+        "actor_rollout_ref.ref": arr.ref.fsdp_config,
+        "critic.model": cfg.critic.model.fsdp_config,
+        "reward_model.model": cfg.reward_model.model.fsdp_config,
     }
-    keys = [
-        (f"{prefix}.{f.name}", getattr(section, f.name))
+    return [
+        (prefix, f"{prefix}.fsdp_config.{f.name}", getattr(section, f.name))
         for prefix, section in sections.items()
         for f in fields(section)
     ]
-    keys += [(f"backend.{name}", getattr(cfg.backend, name)) for name in ("param_offload", "optimizer_offload")]
-    return keys
+
+
+def _megatron_offload_keys(cfg) -> list[tuple[str, str, bool]]:
+    """(role prefix, key, value) of each megatron offload key (backend megatron)."""
+    arr = cfg.actor_rollout_ref
+    sections = {"actor_rollout_ref.actor": arr.actor, "actor_rollout_ref.ref": arr.ref, "critic": cfg.critic}
+    return [
+        (prefix, f"{prefix}.megatron.{name}", getattr(section.megatron, name))
+        for prefix, section in sections.items()
+        for name in OFFLOAD_KEYS
+    ]
 
 
 def _validate_offload(cfg) -> None:
-    arr = cfg.actor_rollout_ref
-    megatron = {
-        "actor_rollout_ref.actor.megatron": arr.actor.megatron,
-        "actor_rollout_ref.ref.megatron": arr.ref.megatron,
-        "critic.megatron": cfg.critic.megatron,
-    }
-    for prefix, section in megatron.items():
-        for name in ("param_offload", "optimizer_offload", "grad_offload"):
-            if getattr(section, name):
-                raise ConfigError(
-                    f"{prefix}.{name}=true: offloading is not implemented for the megatron backend; "
-                    f"use backend=fsdp (or deepspeed) with *.fsdp_config.{name}, or set it false"
-                )
-    if not backend_traits(cfg.backend.name).offload:
-        for key, value in _offload_keys(cfg):
+    """Each backend reads its own offload keys: a set-true key of another backend would be silently dropped."""
+    backend = cfg.backend.name
+    if not backend_traits(backend).offload:
+        shared = [
+            (None, f"backend.{name}", getattr(cfg.backend, name)) for name in ("param_offload", "optimizer_offload")
+        ]
+        for _, key, value in _fsdp_offload_keys(cfg) + _megatron_offload_keys(cfg) + shared:
             if value:
+                offloading = ", ".join(name for name, traits in BACKEND_TRAITS.items() if traits.offload)
+                raise ConfigError(f"{key}=true: the {backend} backend does not offload ({offloading} do); set it false")
+    elif backend == "megatron":
+        for prefix, key, value in _fsdp_offload_keys(cfg):
+            if value:
+                name = key.rsplit(".", 1)[1]
+                where = "backend" if prefix == "reward_model.model" else f"{prefix.removesuffix('.model')}.megatron"
                 raise ConfigError(
-                    f"{key}=true: the {cfg.backend.name} backend does not offload "
-                    f"({', '.join(name for name, traits in BACKEND_TRAITS.items() if traits.offload)} do); set it false"
+                    f"{key}=true: fsdp_config applies to backend=fsdp|deepspeed; on megatron set {where}.{name}"
+                )
+    else:
+        for prefix, key, value in _megatron_offload_keys(cfg):
+            if value:
+                name = key.rsplit(".", 1)[1]
+                if name == "grad_offload":
+                    raise ConfigError(f"{key}=true applies to backend=megatron; {backend} has no gradient offload")
+                fsdp_prefix = "critic.model" if prefix == "critic" else prefix
+                raise ConfigError(
+                    f"{key}=true applies to backend=megatron; on {backend} set {fsdp_prefix}.fsdp_config.{name}"
                 )
 
 

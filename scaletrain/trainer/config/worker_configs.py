@@ -67,13 +67,13 @@ def ppo_worker_configs(
 
 def _critic_config(cfg: PPOConfig, plan: RunPlan, engine: EngineConfig) -> tuple[CriticConfig, EngineSetup]:
     """The critic worker's arguments: its section (the optimizer's step count from the plan) and its setup."""
-    from scaletrain.workers.config import EngineSetup
+    from scaletrain.workers.config import EngineSetup, with_offload
 
     c, arr = cfg.critic, cfg.actor_rollout_ref
     setup = EngineSetup(
         model=model_config(c.model, c.model.path or arr.model.path, kind="value"),  # null: the actor's model
         backend=cfg.backend.name,
-        engine=c.model.fsdp_config.applied(engine),
+        engine=with_offload(engine, cfg.backend.name, c.model.fsdp_config, c.megatron),
         rollout_n=arr.rollout.n,
     )
     return replace(c, optim=replace(c.optim, total_steps=plan.critic_optim_steps)), setup
@@ -81,7 +81,7 @@ def _critic_config(cfg: PPOConfig, plan: RunPlan, engine: EngineConfig) -> tuple
 
 def _reward_model_config(cfg: PPOConfig, engine: EngineConfig) -> tuple[RewardModelConfig, EngineSetup] | None:
     """The reward-model worker's arguments: its section and its setup; None when the reward model is off."""
-    from scaletrain.workers.config import EngineSetup
+    from scaletrain.workers.config import EngineSetup, with_offload
 
     rm = cfg.reward_model
     if not rm.enable:
@@ -89,6 +89,6 @@ def _reward_model_config(cfg: PPOConfig, engine: EngineConfig) -> tuple[RewardMo
     setup = EngineSetup(
         model=model_config(rm.model, rm.model.path, kind="reward"),
         backend=cfg.backend.name,
-        engine=rm.model.fsdp_config.applied(engine),
+        engine=with_offload(engine, cfg.backend.name, rm.model.fsdp_config, None),
     )
     return rm, setup

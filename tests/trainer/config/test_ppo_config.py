@@ -78,14 +78,29 @@ def test_yaml_defaults_build_and_validate():
             ["actor_rollout_ref.actor.strategy=megatron"],
             "actor_rollout_ref.actor.strategy=megatron selects backend megatron, but backend.name is fsdp",
         ),
-        (
+        (  # each backend reads its own offload keys: the other's set true would be dropped silently
             ["actor_rollout_ref.actor.megatron.param_offload=true"],
-            "actor_rollout_ref.actor.megatron.param_offload=true: offloading is not implemented "
-            "for the megatron backend",
+            "actor_rollout_ref.actor.megatron.param_offload=true applies to backend=megatron; on fsdp set "
+            "actor_rollout_ref.actor.fsdp_config.param_offload",
+        ),
+        (
+            ["backend=deepspeed", "critic.megatron.optimizer_offload=true"],
+            "critic.megatron.optimizer_offload=true applies to backend=megatron; on deepspeed set "
+            "critic.model.fsdp_config.optimizer_offload",
+        ),
+        (
+            ["actor_rollout_ref.actor.megatron.grad_offload=true"],
+            "actor_rollout_ref.actor.megatron.grad_offload=true applies to backend=megatron; fsdp has no gradient",
         ),
         (
             ["backend=megatron", "actor_rollout_ref.actor.fsdp_config.param_offload=true"],
-            "actor_rollout_ref.actor.fsdp_config.param_offload=true: the megatron backend does not offload",
+            "actor_rollout_ref.actor.fsdp_config.param_offload=true: fsdp_config applies to backend=fsdp|deepspeed; "
+            "on megatron set actor_rollout_ref.actor.megatron.param_offload",
+        ),
+        (
+            ["backend=megatron", "reward_model.model.fsdp_config.param_offload=true"],
+            "reward_model.model.fsdp_config.param_offload=true: fsdp_config applies to backend=fsdp|deepspeed; "
+            "on megatron set backend.param_offload",
         ),
         (
             ["backend=megatron", "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"],
@@ -220,6 +235,34 @@ def test_megatron_layout_keys_reach_the_engine_config():
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
     )
     assert gae.backend.extra["megatron"]["tensor_model_parallel_size"] == 2
+
+
+def test_each_roles_offload_keys_reach_its_engine_config():
+    """The engine each role builds gets its own offload keys: on megatron its megatron section's (null: the backend
+    section's), on fsdp its fsdp_config's; the reward model on megatron the backend section's."""
+    from scaletrain.trainer.config.plan import plan_run
+    from scaletrain.trainer.config.worker_configs import ppo_worker_configs
+
+    def engines(*overrides):
+        cfg = checked("algorithm.adv_estimator=gae", *overrides)
+        (arr, setup), critic, _ = ppo_worker_configs(cfg, plan_run(cfg, 64, None))
+        assert critic is not None
+        return arr.actor_engine_config(setup), arr.ref_engine_config(setup), critic[1].engine
+
+    def offload(engine):
+        return engine.param_offload, engine.optimizer_offload, engine.grad_offload
+
+    actor, ref, critic = engines(
+        "backend=megatron",
+        "actor_rollout_ref.actor.megatron.optimizer_offload=true",
+        "actor_rollout_ref.actor.megatron.grad_offload=true",
+        "actor_rollout_ref.ref.megatron.param_offload=true",
+        "critic.megatron.param_offload=false",
+        "backend.param_offload=true",
+    )
+    assert (offload(actor), offload(ref), offload(critic)) == ((True, True, True), (True, False, False), (False,) * 3)
+    actor, ref, critic = engines("actor_rollout_ref.actor.fsdp_config.param_offload=true")
+    assert (offload(actor), offload(ref), offload(critic)) == ((True, False, False), (False,) * 3, (False,) * 3)
 
 
 def test_model_path_must_be_a_causal_lm(tmp_path):
