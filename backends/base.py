@@ -153,6 +153,7 @@ class BackendTraits:
 
     offload: bool = True  # param_offload / optimizer_offload keep parameters / optimizer state in CPU memory
     lora: bool = True  # model.lora_rank > 0 trains LoRA adapters on a frozen base
+    lora_value: bool = True  # ... on a value model too (critic.model.lora_rank > 0)
     check: str | None = None  # "module:function" checking a role's engine settings (check_engine_settings)
     reshards_on_resume: bool = False  # its checkpoints resume on another layout or backend, and it resumes
     # theirs (the built-ins: backends/checkpoint/portable.py; fsdp's own on any DP size through DCP)
@@ -165,8 +166,8 @@ BACKEND_TRAITS = {
     "fsdp": BackendTraits(reshards_on_resume=True, ulysses=True),
     "deepspeed": BackendTraits(reshards_on_resume=True, ulysses=True),
     "megatron": BackendTraits(
-        lora=False,
-        check="backends.megatron.checks:check_engine_settings",
+        lora_value=False,  # its LoRA adapts the policy's decoder linears (backends/megatron/lora.py)
+        check="backends.megatron.parallel:check_engine_settings",
         reshards_on_resume=True,
         packs=False,  # megatron-core's packed (THD) attention is Transformer Engine's, CUDA only
     ),

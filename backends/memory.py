@@ -134,7 +134,8 @@ def _megatron_states(shape: ModelShape, layout: TrainLayout) -> dict[str, int]:
     experts = shape.expert_params
     expert_trainable = experts if shape.trainable == shape.params else 0
     params = (shape.params - experts) // (layout.tp * layout.pp) + experts // expert_split
-    dense = (shape.trainable - expert_trainable) // (layout.tp * layout.pp)
+    # LoRA adapters (trainable < params) are whole on every TP rank (backends/megatron/lora.py)
+    dense = (shape.trainable - expert_trainable) // ((layout.tp if shape.trainable == shape.params else 1) * layout.pp)
     expert = expert_trainable // expert_split
     dp, expert_dp = (layout.dp, max(1, layout.world // expert_split)) if layout.distributed_optimizer else (1, 1)
     return {

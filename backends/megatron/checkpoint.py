@@ -107,6 +107,11 @@ def load_checkpoint(engine, path: str) -> None:
 def load_portable(engine, path: str) -> None:
     """Collective: resume checkpoint ``path`` written by another backend or layout (backends/checkpoint/
     portable.py): each rank maps the full HF tensors of the parameters and of Adam's moments to its shards."""
+    if engine.lora is not None:
+        raise ValueError(
+            f"{path} was written by another backend or layout: a LoRA engine on megatron resumes only its own "
+            "layout's checkpoints"
+        )
     if engine.optimizer is not None and engine.parallel.use_distributed_optimizer:
         raise ValueError(
             f"{path} was written by another backend or layout: megatron's distributed optimizer "

@@ -71,6 +71,11 @@ def read_megatron_checkpoint(
     each, one export group at a time."""
     from transformers import AutoConfig
 
+    if meta["lora"] is not None:
+        raise ValueError(
+            f"{path} holds LoRA adapters trained on megatron: reading them offline is not implemented; the run's "
+            "save_hf (checkpoint.save_contents with hf_model) writes the adapter directory"
+        )
     layout = meta["layout"]
     config = AutoConfig.from_pretrained(os.path.join(path, HF_META_DIR))
     tp = layout["tp"]

@@ -15,6 +15,7 @@ returns the same; the controller keeps TP rank 0 of the last stage (``collects_o
 
 Weights are read from the HF checkpoint on every rank (each keeps its shards; backends/megatron/hf_mapping.py).
 Checkpoints: backends/megatron/checkpoint.py (one file per rank; another layout's or backend's through HF names).
+Offload between calls: backends/megatron/offload.py; LoRA adapters on a causal LM: backends/megatron/lora.py.
 CPU: backends/megatron/cpu_shim.py is applied before megatron-core is first used.
 """
 
@@ -22,15 +23,15 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import parametrize
 
 from backends.accumulation import Accumulation, finish_train_step, partition_batch, require_trainable
-from backends.base import MODEL_INPUTS, Buckets, LossFn, TrainEngine, base_model_only, register_backend
+from backends.base import Buckets, LossFn, TrainEngine, base_model_only, bucketed, register_backend
 from backends.batching import restore_order
-from backends.checkpoint.hf_export import save_engine_hf
+from backends.checkpoint.hf_export import collective_write, save_engine_hf
 from backends.checkpoint.hf_names import checkpoint_layout
 from backends.config import (
     DEFAULT_FORWARD,
@@ -43,27 +44,28 @@ from backends.config import (
 )
 from backends.dist import init_distributed, local_device
 from backends.hf_model import build_model, check_outputs, torch_dtype
+from backends.lora_weights import adapter_config_dict, write_adapter_dir
 from backends.megatron.checkpoint import load_checkpoint, save_checkpoint
-from backends.megatron.export import export_groups, gather_hf_buckets
+from backends.megatron.export import export_groups, gather_hf_buckets, stage_rank
 from backends.megatron.hf_mapping import layout_from_hf
+from backends.megatron.lora import MegatronLora, attach_lora, split_peft_model
 from backends.megatron.model import build_gpt_model, load_hf_weights, transformer_config
 from backends.megatron.moe_metrics import RouterMetrics, router_padding
 from backends.megatron.offload import MegatronOffload
-from backends.megatron.ops import FusedHead, prepare_micro_batch, response_outputs, response_positions_only
+from backends.megatron.ops import from_last_stage, head_mode, prepared_micros, response_head, response_outputs
 from backends.megatron.optimizer import wrap_for_training
 from backends.megatron.parallel import MegatronParallelConfig, init_model_parallel
 from backends.optim import SCHEDULES, lr_multiplier, warmup_steps
-from backends.sequence.response_head import FUSED_OUTPUTS
 from scaletrain.protocol import DataProto
 
 
 def _check_supported(model_config: ModelConfig, optim_config: OptimConfig | None) -> None:
     if model_config.kind not in ("causal_lm", "value", "reward"):
         raise ValueError(f"the megatron backend runs causal_lm, value and reward models, not '{model_config.kind}'")
-    if model_config.lora_rank > 0:
+    if model_config.lora_rank > 0 and model_config.kind != "causal_lm":
         raise ValueError(
-            "LoRA is supported on the fsdp and deepspeed backends; the megatron backend trains all weights: set "
-            "model.lora_rank=0 or pick backend=fsdp|deepspeed"
+            f"model.lora_rank={model_config.lora_rank}: the megatron backend trains LoRA adapters on a causal LM "
+            f"(the policy); a {model_config.kind} model with LoRA runs on backend=fsdp|deepspeed"
         )
     if model_config.attn_implementation:
         raise ValueError(
@@ -123,8 +125,10 @@ class MegatronEngine(TrainEngine):
     def _read_hf_model(self) -> dict[str, torch.Tensor]:
         """The HF model's state dict (config and names kept for save_hf); the model itself stays on the meta
         device only, for the checkpoint layout of exports (backends/checkpoint/hf_names.py)."""
-        torch.manual_seed(self.engine_config.seed)  # same fresh value head on every rank (as the other engines)
+        torch.manual_seed(self.engine_config.seed)  # same fresh value head / adapters on every rank (as the others)
         hf_model = build_model(self.model_config)
+        self.peft = split_peft_model(hf_model) if self.model_config.lora_rank > 0 else None  # the adapters apart
+        hf_model = self.peft.model if self.peft is not None else hf_model
         self.hf_config, self.architecture = hf_model.config, type(hf_model).__name__
         self.generation_config = getattr(hf_model, "generation_config", None)
         state = {k: v.detach() for k, v in hf_model.state_dict().items()}  # the storage outlives the move to meta
@@ -158,6 +162,9 @@ class MegatronEngine(TrainEngine):
         model = build_gpt_model(self.hf_config, self.tf_config, self.layout, "score.bias" in hf_state)
         load_hf_weights(model, hf_state, self.layout, self.tp_rank, self.pp_rank, self.ep_rank)
         self.hf_meta = {k: (tuple(v.shape), v.dtype) for k, v in hf_state.items()}
+        shapes = {k: shape for k, (shape, _) in self.hf_meta.items()}
+        place = (self.layout, self.tp_rank, self.pp_rank)
+        self.lora = None if self.peft is None else attach_lora(model, self.peft, shapes, place)
         self.groups = export_groups(self.layout, list(hf_state))
         if self.device.type == "cuda":
             model.cuda(self.device)
@@ -200,7 +207,7 @@ class MegatronEngine(TrainEngine):
         n = len(micros)
         # every stage and TP rank of a DP rank holds the same rows, so all agree on the weights
         acc = Accumulation(loss_fn, [m[1] for m in micros], self.device, dp_group) if loss_fn is not None else None
-        at_predictions, fused = self._head_mode(outputs)
+        at_predictions, fused = head_mode(self, outputs)
 
         def loss_func(i, micro, prepared, output):
             kind, vocab = self.model_config.kind, self.layout.vocab_size
@@ -221,7 +228,7 @@ class MegatronEngine(TrainEngine):
 
         def forward_step(data_iterator, model):
             i, micro, prepared = next(data_iterator)
-            with self._response_head(prepared, at_predictions, (outputs, temperature) if fused else None):
+            with response_head(self, prepared, at_predictions, (outputs, temperature) if fused else None):
                 output = model(
                     input_ids=prepared["input_ids"].to(self.device),
                     position_ids=prepared["position_ids"].to(self.device),
@@ -242,68 +249,28 @@ class MegatronEngine(TrainEngine):
         )
         return parts, acc, results
 
-    def _head_mode(self, outputs: tuple[str, ...]) -> tuple[bool, bool]:
-        """(whether the LM head runs on the positions predicting response tokens only, whether fused with the
-        log-probs and entropy): a causal LM's last stage, fused when nothing else is asked (ops.py)."""
-        at = self.response_head_only and self.model_config.kind == "causal_lm" and self.ps.is_pipeline_last_stage()
-        return at, at and set(outputs) <= set(FUSED_OUTPUTS)
-
-    def _response_head(self, prepared: dict, at_predictions: bool, fused: tuple[tuple[str, ...], float] | None):
-        """A context in which the LM head computes the logits of the positions predicting response tokens only,
-        or with ``fused`` (the outputs, the temperature) their log-probs and entropy (ops.response_positions_only);
-        nothing when ``at_predictions`` is False."""
-        if not at_predictions:
-            return contextlib.nullcontext()
-        head: Any = self.module.output_layer
-        spec = None
-        if fused is not None:
-            outputs, temperature = fused
-            chunk, vocab = self.engine_config.entropy_chunk_size, self.layout.vocab_size
-            entropy = "entropy" in outputs
-            spec = FusedHead(prepared["responses"], temperature, entropy, chunk, self.tp_group, self.tp_rank, vocab)
-        return response_positions_only(head, prepared, self.parallel.sequence_parallel, self.tp_group, spec)
-
     def _prepared_micros(self, batch: DataProto, parts) -> list[tuple[int, DataProto, dict[str, torch.Tensor]]]:
-        """(index, micro-batch, its model inputs) per part: padded to equal rows with PP > 1 (the pipeline needs one
-        shape) and to a multiple of TP in length with sequence parallelism."""
+        """ops.prepared_micros with this engine's padding: equal rows with PP > 1 (the pipeline needs one shape),
+        lengths a multiple of TP with sequence parallelism."""
         rows = max(len(p) for p in parts) if self.layout.pp > 1 else 0
         seq_multiple = self.layout.tp if self.parallel.sequence_parallel else 1
-        keys = [k for k in MODEL_INPUTS if k in batch.tensors.keys()]
-        micros = []
-        for i, part in enumerate(parts):
-            micro = batch.select_idxs(part).to(self.device)  # the loss reads its tensors beside the model's outputs
-            prepared = prepare_micro_batch(
-                {k: micro.tensors[k] for k in keys},
-                max(rows, len(part)),
-                seq_multiple,
-                pad_id=getattr(self.hf_config, "pad_token_id", None) or 0,
-            )
-            micros.append((i, micro, prepared))
-        return micros
-
-    def _from_last_stage(self, obj: Any) -> Any:
-        """``obj`` of the last PP stage, on every stage of this rank's pipeline."""
-        if self.layout.pp == 1:
-            return obj
-        holder = [obj]
-        last = self.ps.get_pipeline_model_parallel_last_rank()
-        # megatron annotates its group getters loosely (int / list for other layouts); here it is a ProcessGroup
-        dist.broadcast_object_list(holder, src=last, group=self.pp_group)  # pyright: ignore[reportArgumentType]
-        return holder[0]
+        pad_id = getattr(self.hf_config, "pad_token_id", None) or 0
+        return prepared_micros(batch, parts, self.device, rows, seq_multiple, pad_id)
 
     def forward(
         self, batch: DataProto, outputs: tuple[str, ...] = ("log_probs",), options: ForwardOptions = DEFAULT_FORWARD
     ) -> DataProto:
         outputs = check_outputs(self.model_config.kind, outputs)
-        base_model_only(options, has_adapter=False)  # refuses a request for the base model: there are no adapters
+        base_only = base_model_only(options, self.has_adapter)  # an engine without adapters refuses base_model
         self.model.eval()
-        with torch.no_grad(), self._on_device(optimizer=False):
+        adapters_off = self.lora.disabled(base_only) if self.lora is not None else contextlib.nullcontext()
+        with torch.no_grad(), self._on_device(optimizer=False), adapters_off, parametrize.cached():
             parts, _, results = self._run(batch, outputs, None, options.micro_batching)
         tensors = None
         if self.ps.is_pipeline_last_stage():
             order = restore_order(parts)
             tensors = {k: torch.cat([r[0][k].float().cpu() for r in results])[order] for k in outputs}
-        return DataProto.from_dict(self._from_last_stage(tensors))
+        return DataProto.from_dict(from_last_stage(self, tensors))
 
     def train_step(self, mini_batch: DataProto, loss_fn: LossFn, outputs: tuple[str, ...] = ("log_probs",)) -> dict:
         """Metrics like the FSDP engine's: the whole mini-batch's ``loss`` and loss_fn metrics (all DP ranks), the
@@ -323,13 +290,15 @@ class MegatronEngine(TrainEngine):
         model.zero_grad_buffer()
         optimizer.zero_grad()
         parts, acc, results = self._run(mini_batch, outputs, loss_fn)
+        if self.lora is not None and self.layout.tp > 1:
+            self.lora.reduce_grads(self.tp_group)  # each TP rank's backward saw its shard of the adapters' deltas
         sums = None
         if self.ps.is_pipeline_last_stage():  # the loss exists there only; the DP group is last-stage ranks
             assert acc is not None  # _run builds it for a loss_fn
             for i, (_, metrics) in enumerate(results):
                 acc.add(i, metrics.pop("loss"), metrics)
             sums = acc.metrics()
-        result = finish_train_step(self._from_last_stage(sums), lr, self.global_step, self._grad_norm, optimizer.step)
+        result = finish_train_step(from_last_stage(self, sums), lr, self.global_step, self._grad_norm, optimizer.step)
         result.update(self.router_metrics.step_metrics(len(parts)))
         optimizer.zero_grad()
         model.zero_grad_buffer()
@@ -358,10 +327,40 @@ class MegatronEngine(TrainEngine):
                 # a tensor may view a parameter (one not split over TP): a copy outlives the parameters' offload
                 yield [(name, t.clone()) for name, t in bucket] if self.engine_config.param_offload else bucket
 
-    def save_hf(self, path: str, shard_bytes: int = 1 << 30) -> None:
+    def save_hf(self, path: str, shard_bytes: int = 1 << 30, merged: bool = False) -> None:
+        """The HF model (config + safetensors + tokenizer files), written by rank 0; collective. With LoRA: the PEFT
+        adapter directory, or with ``merged`` the merged model."""
+        if self.lora is not None and not merged:
+            adapter = self.export_adapter(shard_bytes)
+            write = partial(
+                write_adapter_dir, path, adapter, self.adapter_config(), tokenizer_dir=self.model_config.path
+            )
+            collective_write(write, what="the LoRA adapter export")
+            return
         with self._on_device(optimizer=False):
             buckets = gather_hf_buckets(self, shard_bytes, skip=self._tied_names())
             save_engine_hf(self, path, checkpoint_layout(buckets, self.layout_model))
+
+    # ------------------------------------------------------------------------------------------------ LoRA
+    @property
+    def has_adapter(self) -> bool:
+        return self.lora is not None
+
+    def export_adapter(self, bucket_bytes: int = 256 << 20) -> Buckets:
+        if self.lora is None:
+            return super().export_adapter(bucket_bytes)
+        return self._adapter_buckets(self.lora, bucket_bytes)
+
+    def _adapter_buckets(self, lora: MegatronLora, bucket_bytes: int) -> Buckets:
+        with self._on_device(optimizer=False):
+            pp_group = self.pp_group if self.layout.pp > 1 else None
+            yield from bucketed(lora.items(self.device, pp_group, stage_rank), bucket_bytes)
+
+    def adapter_bytes(self) -> int:
+        return 0 if self.lora is None else self.lora.nbytes()
+
+    def adapter_config(self) -> dict:
+        return super().adapter_config() if self.lora is None else adapter_config_dict(self.lora.config)
 
     def _tied_names(self) -> tuple[str, ...]:
         """What an HF export leaves out: a tied causal LM's ``lm_head.weight`` (the embedding's)."""

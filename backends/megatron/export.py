@@ -60,7 +60,11 @@ def module_name(name: str) -> str:
 
 
 def _param(engine, name: str) -> torch.Tensor:
-    return engine.module.get_parameter(module_name(name)).detach()
+    """Parameter ``name`` as the model computes with it: a LoRA-adapted weight reads W + its adapters' delta
+    (backends/megatron/lora.py), the merged weight."""
+    module, _, attribute = module_name(name).rpartition(".")
+    with torch.no_grad():
+        return getattr(engine.module.get_submodule(module), attribute).detach()
 
 
 def group_hf_tensors(group: ExportGroup, lo: Layout, shards_of) -> dict[str, torch.Tensor]:
@@ -129,13 +133,13 @@ def _hf_tensors(engine):
             else:
                 t = torch.empty(shape, dtype=dtype, device=engine.device)
             if pp > 1:
-                dist.broadcast(t, src=_stage_rank(group.stage), group=engine.pp_group)
+                dist.broadcast(t, src=stage_rank(group.stage), group=engine.pp_group)
             if tuple(t.shape) != shape:
                 raise ValueError(f"exported {name} has shape {tuple(t.shape)}, the HF model {shape}")
             yield name, t
 
 
-def _stage_rank(stage: int) -> int:
+def stage_rank(stage: int) -> int:
     """Global rank of ``stage`` in this rank's pipeline group."""
     from megatron.core import parallel_state as ps
 

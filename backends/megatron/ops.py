@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from backends.base import MODEL_INPUTS
 from backends.sequence.response_head import FUSED_OUTPUTS, VocabShard, head_log_probs
 
 PADDED_LOGIT = -1e30  # logits of vocabulary padding rows: zero probability, no NaN in p * logit
@@ -226,3 +227,51 @@ def response_outputs(
     if "sum_pi_squared" in outputs:
         result["sum_pi_squared"] = vocab_parallel_sum_pi_squared(logits, tp_group) * valid_f
     return result
+
+
+def prepared_micros(
+    batch, parts, device: torch.device, rows: int, seq_multiple: int, pad_id: int
+) -> list[tuple[int, Any, dict[str, torch.Tensor]]]:
+    """(index, micro-batch on ``device``, its model inputs) per part of ``batch``: ``prepare_micro_batch`` with at
+    least ``rows`` rows and lengths a multiple of ``seq_multiple``."""
+    keys = [k for k in MODEL_INPUTS if k in batch.tensors.keys()]
+    micros = []
+    for i, part in enumerate(parts):
+        micro = batch.select_idxs(part).to(device)  # the loss reads its tensors beside the model's outputs
+        prepared = prepare_micro_batch({k: micro.tensors[k] for k in keys}, max(rows, len(part)), seq_multiple, pad_id)
+        micros.append((i, micro, prepared))
+    return micros
+
+
+def head_mode(engine, outputs: tuple[str, ...]) -> tuple[bool, bool]:
+    """(whether the megatron engine's LM head runs on the positions predicting response tokens only, whether fused
+    with the log-probs and entropy): a causal LM's last stage, fused when nothing else is asked."""
+    at = engine.response_head_only and engine.model_config.kind == "causal_lm" and engine.ps.is_pipeline_last_stage()
+    return at, at and set(outputs) <= set(FUSED_OUTPUTS)
+
+
+def response_head(engine, prepared: dict, at_predictions: bool, fused: tuple[tuple[str, ...], float] | None):
+    """A context in which the engine's LM head computes the logits of the positions predicting response tokens only,
+    or with ``fused`` (the outputs, the temperature) their log-probs and entropy (``response_positions_only``);
+    nothing when ``at_predictions`` is False."""
+    if not at_predictions:
+        return contextlib.nullcontext()
+    spec = None
+    if fused is not None:
+        outputs, temperature = fused
+        chunk, vocab = engine.engine_config.entropy_chunk_size, engine.layout.vocab_size
+        tp = (engine.tp_group, engine.tp_rank)
+        spec = FusedHead(prepared["responses"], temperature, "entropy" in outputs, chunk, *tp, vocab)
+    head: Any = engine.module.output_layer
+    return response_positions_only(head, prepared, engine.parallel.sequence_parallel, engine.tp_group, spec)
+
+
+def from_last_stage(engine, obj: Any) -> Any:
+    """``obj`` of the last PP stage, on every stage of the engine's pipeline (small: metrics, (B, R) outputs)."""
+    if engine.layout.pp == 1:
+        return obj
+    holder = [obj]
+    last = engine.ps.get_pipeline_model_parallel_last_rank()
+    # megatron annotates its group getters loosely (int / list for other layouts); here it is a ProcessGroup
+    dist.broadcast_object_list(holder, src=last, group=engine.pp_group)  # pyright: ignore[reportArgumentType]
+    return holder[0]

@@ -1,6 +1,7 @@
-"""Megatron parallel layout: the typed ``engine_config.extra["megatron"]`` settings, their validation, and the
-set-up of megatron-core's parallel state (TP x PP x DP over the torch.distributed world, order tp-dp-pp as
-megatron's default "tp-cp-ep-dp-pp"). A mixture-of-experts model's experts are split over EP ranks (and ETP = 1 or
+"""Megatron parallel layout: the typed ``engine_config.extra["megatron"]`` settings, their validation (and the
+backend's check of a role's settings before anything is built, ``check_engine_settings``), and the set-up of
+megatron-core's parallel state (TP x PP x DP over the torch.distributed world, order tp-dp-pp as megatron's default
+"tp-cp-ep-dp-pp"). A mixture-of-experts model's experts are split over EP ranks (and ETP = 1 or
 TP), which megatron lays out as "etp-ep-edp-pp" over the same world: the dense layers' DP is unchanged, the experts'
 data parallelism is world / (ETP x EP x PP).
 """
@@ -151,14 +152,15 @@ def init_model_parallel(config: MegatronParallelConfig, seed: int, timeout_s: fl
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def expert_norm_groups(optimizer) -> None:
-    """megatron-core 0.16.1 gives every optimizer of its chain the dense TP group for the gradient norm's
-    duplicate test (``tp_group``, set after construction: its "TODO(M4)"); the expert optimizer's copies are over the
-    expert-TP group instead. With ETP=1 under TP=2 each rank holds experts of its own, and the norm left out those
-    of dense TP rank 1 (measured: 3.6135 for 3.6163). Call after ``get_megatron_optimizer``."""
-    from megatron.core import parallel_state as ps
+def check_engine_settings(extra: dict[str, Any], world_size: int, hf_config: Any = None) -> MegatronParallelConfig:
+    """The backend's check of a role's engine settings before anything is built (the backend registry exposes it:
+    backends/base.py ``check_engine_settings``): the layout ``extra`` asks for on ``world_size`` ranks (ValueError /
+    TypeError naming the setting when megatron cannot run it on this world or model; ``hf_config`` None: the model is
+    not on disk yet, its checks skipped), and the HF <-> megatron mapping reproduces the model."""
+    from backends.megatron.hf_mapping import check_mappable
 
-    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        groups = inner.optimizer.param_groups
-        if groups and all(g.get("is_expert_parallel", False) for g in groups):
-            inner.tp_group = ps.get_expert_tensor_parallel_group()
+    layout = MegatronParallelConfig.from_extra(extra)
+    layout.validate(world_size, hf_config)
+    if hf_config is not None:
+        check_mappable(hf_config)
+    return layout

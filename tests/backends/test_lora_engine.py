@@ -1,7 +1,8 @@
 """LoRA adapter training on the FSDP2 and DeepSpeed ZeRO-3 engines (backends/lora.py, backends/lora_weights.py).
 
-Fast checks: the ModelConfig keys are validated, the Megatron backend refuses LoRA, and the merged / adapter exports
-of a single-process PEFT model equal PEFT's own ``merge_and_unload`` / adapter state dict.
+Fast checks: the ModelConfig keys are validated, the Megatron backend refuses LoRA on a value model (its LoRA on a
+causal LM: tests/backends/test_megatron_engine.py), and the merged / adapter exports of a single-process PEFT model
+equal PEFT's own ``merge_and_unload`` / adapter state dict.
 
 Slow checks: one 2-rank gloo launch per backend (tests/backends/multirank.py) runs every check of
 tests/backends/lora_checks.py against a single-process PEFT reference (same LoraConfig, same seed so the adapter
@@ -68,12 +69,14 @@ def test_base_model_refused_without_adapters():
         base_model_only(ForwardOptions(base_model=True), has_adapter=False)
 
 
-def test_megatron_refuses_lora():
+def test_megatron_refuses_lora_on_a_value_model():
+    """Megatron's LoRA adapts a causal LM (backends/megatron/lora.py; its checks: tests/backends/test_megatron_engine.py
+    ``lora``); a value model's fails naming the backends that train it."""
     from backends.base import get_backend
     from backends.config import EngineConfig
 
-    with pytest.raises(ValueError, match="LoRA is supported on the fsdp and deepspeed backends"):
-        get_backend("megatron")(lora_model_config("/m"), None, EngineConfig())
+    with pytest.raises(ValueError, match="megatron backend trains LoRA adapters on a causal LM .*backend=fsdp"):
+        get_backend("megatron")(lora_model_config("/m", kind="value"), None, EngineConfig())
 
 
 @pytest.mark.parametrize("kind", ["causal_lm", "value"])

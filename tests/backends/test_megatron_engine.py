@@ -10,8 +10,10 @@
   -> load -> next steps are bit-exact. Each layout also builds one more engine for another path: bf16 compute (TP=2),
   dynamic batch size with unequal micro-batches padded for the pipeline + a skipped non-finite step + an empty batch
   refused (PP=2), activation recompute (DP=2), and a forward-only reference policy (TP=2 x PP=2); TP=2 also checks a
-  Llama model's log-probs. PP=2 and DP=2 also check exact loss aggregation (tests/backends/exactness.py: 1 vs 4
-  micro-batches vs dynamic batch sizes, to 1e-6 relative; the reference loss is a token-mean over the whole batch).
+  Llama model's log-probs. TP=2 (sequence parallel), PP=2 and TP=2 x PP=2 train LoRA adapters against a
+  single-process PEFT step (``check_lora``). PP=2 and DP=2 also check exact loss aggregation
+  (tests/backends/exactness.py: 1 vs 4 micro-batches vs dynamic batch sizes, to 1e-6 relative; the reference loss is
+  a token-mean over the whole batch).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ CHECKS = {
         *(["resume_exact"] if layout in ("tp2_sp", "dp2_distopt", "tp2_pp2") else []),
         *(["tampered_checkpoint_refused"] if layout == "tp2_sp" else []),
         *(["save_hf"] if layout == "pp2" else []),
+        *(["lora"] if layout in ("tp2_sp", "pp2", "tp2_pp2") else []),
         "convert",
     ]
     for layout in LAYOUTS
@@ -525,3 +528,87 @@ def check_convert(ctx, layout):
     stage of DP rank 0 mapped back to the HF tensors."""
     engine, s = stepped(ctx, layout), layout_state(ctx, layout)
     assert_converts(engine, s.share, os.path.join(ctx.work, f"convert_{layout}"), ctx.rank)
+
+
+def _trained_adapter(ctx, model_dir: str) -> str:
+    """A PEFT adapter directory with random A and B (PEFT's fresh B is zero, which would leave A's gradient untested),
+    the same on every rank (seeded; each rank writes its own copy)."""
+    from tests.backends import lora_checks as lc
+
+    path = os.path.join(ctx.work, f"adapter_rank{ctx.rank}")
+    if not os.path.isdir(path):
+        peft = lc.peft_reference(model_dir)
+        torch.manual_seed(5)
+        with torch.no_grad():
+            for name, p in peft.named_parameters():
+                if ".lora_B." in name:
+                    p.normal_(0.0, 0.05)
+        peft.save_pretrained(path)
+    return path
+
+
+def check_lora(ctx, layout):
+    """LoRA on megatron (backends/megatron/lora.py) against a single-process PEFT reference step from the same trained
+    adapter (tests/backends/lora_checks.py: torch AdamW on the adapters): loss, grad norm and every adapter after the
+    step; only the adapters train; the merged export equals PEFT's merge_and_unload; the base-model forward (adapters
+    off) is the HF model's before and after the step; the adapter directory of save_hf loads in PEFT with the trained
+    adapters; save -> load -> the next step is bit-exact."""
+    import copy
+
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from backends.config import ForwardOptions
+    from tests.backends import lora_checks as lc
+    from tests.backends import reference as ref
+    from tests.backends.tiny import make_batch
+
+    s = layout_state(ctx, layout)
+    adapter_dir = _trained_adapter(ctx, s.model_dir)
+    base = AutoModelForCausalLM.from_pretrained(s.model_dir, dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+    loss, norm = lc.adapter_step(peft, s.batch, ref.actor_loss, ref.ref_outputs, s.optim)
+    ref_adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft).items()}
+    merged = copy.deepcopy(peft).merge_and_unload().state_dict()
+    model_config = lc.lora_model_config(s.model_dir, lora_adapter_path=adapter_dir)
+    engine = s.Megatron(model_config, s.optim, s.engine_config)
+    base_model = ForwardOptions(base_model=True)
+
+    metrics = engine.train_step(s.share, ref.actor_loss, ("log_probs", "entropy"))
+    assert_close(torch.tensor(metrics["loss"]), torch.tensor(loss), "lora loss")
+    assert_close(torch.tensor(metrics["grad_norm"]), torch.tensor(norm), "lora grad_norm")
+    adapter = {k: v for bucket in engine.export_adapter(4096) for k, v in bucket}
+    assert list(adapter) == list(ref_adapter), "adapter names differ from PEFT's"
+    assert engine.adapter_bytes() == sum(v.numel() * v.element_size() for v in adapter.values())
+    for k, v in adapter.items():
+        assert_close(v, ref_adapter[k], f"adapter {k}")
+    trainable = [n for n, p in engine.module.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable), trainable
+    weights = exported(engine)
+    assert list(weights) == list(merged)
+    for k, v in weights.items():
+        assert_close(v, merged[k], f"merged {k}")
+    after = engine.forward(s.share, ("log_probs",), base_model).batch["log_probs"]
+    assert_close(after, s.before["log_probs"], "base-model log_probs after the step")
+
+    hf_dir = os.path.join(ctx.work, f"lora_hf_{layout}")
+    engine.save_hf(hf_dir)
+    if ctx.rank == 0:
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(s.model_dir), hf_dir)
+        saved = get_peft_model_state_dict(loaded)
+        assert list(saved) == list(ref_adapter)
+        for k, v in saved.items():
+            assert_close(v, ref_adapter[k], f"saved adapter {k}")
+
+    ckpt = os.path.join(ctx.work, f"lora_ckpt_{layout}")
+    engine.save(ckpt)
+    later = make_batch(8, 12, 10, seed=2).select_idxs(s.rows)
+    first = engine.train_step(later, ref.actor_loss, ("log_probs", "entropy"))
+    fresh = s.Megatron(model_config, s.optim, s.engine_config)
+    fresh.load(ckpt)
+    second = fresh.train_step(later, ref.actor_loss, ("log_probs", "entropy"))
+    assert first == second, (first, second)
+    again = {k: v for bucket in fresh.export_adapter() for k, v in bucket}
+    for k, v in {k: v for bucket in engine.export_adapter() for k, v in bucket}.items():
+        assert torch.equal(v, again[k]), k

@@ -1,8 +1,8 @@
-"""GRPO with LoRA through the real CLI (the first test) and in-process runs of it (fsdp and deepspeed; vLLM with
-the adapter-only sync, colocated and split placement; the hf engine with the merged sync; KL loss): only the adapters
-train, the reference log-probs are the actor's with its adapters disabled, the sync moves the adapter's bytes alone,
-checkpoints hold the adapter and resume exactly, and the exports load (the PEFT adapter directory with PEFT, the
-merged model with transformers)."""
+"""GRPO with LoRA through the real CLI (the first test) and in-process runs of it (fsdp, deepspeed and megatron;
+vLLM with the adapter-only sync, colocated and split placement; the hf engine with the merged sync; KL loss): only
+the adapters train, the reference log-probs are the actor's with its adapters disabled, the sync moves the adapter's
+bytes alone, checkpoints hold the adapter and resume exactly, and the exports load (the PEFT adapter directory with
+PEFT, the merged model with transformers)."""
 
 from __future__ import annotations
 
@@ -98,6 +98,31 @@ def test_grpo_with_lora_on_deepspeed_and_merged_sync_on_the_hf_engine(ray_cluste
     full_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
     assert rows[1]["perf/weight_sync_bytes"] >= full_bytes  # every weight, not the adapter alone
     assert (run_dir / "hf" / "adapter_config.json").exists() and not (run_dir / "hf_merged").exists()
+
+
+def test_grpo_with_lora_on_megatron_tp2_and_the_vllm_adapter_sync(ray_cluster, task, tmp_path):
+    """Megatron TP=2 trains the adapters (backends/megatron/lora.py): the reference is the actor with its adapters
+    off, vLLM serves the adapter the engine exports (its log-probs are the trainer's), the sync moves the adapter
+    alone, and the run's exports load (the PEFT adapter directory with PEFT, the merged model with transformers)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run_dir, reward_file = tmp_path / "megatron", tmp_path / "reward.py"
+    reward_file.write_text(REWARD_FILE)
+    megatron = ["backend=megatron", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]
+    run_in_process(task, run_dir, 2, [*megatron, *LORA, f"custom_reward_function.path={reward_file}"])
+    rows = metrics(run_dir)
+    assert abs(rows[1]["actor/kl_loss"]) < 1e-6 and rows[2]["actor/kl_loss"] > 1e-6
+    assert rows[2]["rollout_corr/log_prob_abs_diff_mean"] < 1e-3
+    adapter = state(run_dir / "hf")
+    assert rows[2]["perf/weight_sync_bytes"] == sum(t.numel() * t.element_size() for t in adapter.values())
+    assert any(t.abs().sum() > 0 for k, t in adapter.items() if ".lora_B." in k)  # trained
+    base = AutoModelForCausalLM.from_pretrained(task["model"], dtype=torch.float32)
+    base_state = {k: v.clone() for k, v in base.state_dict().items()}
+    PeftModel.from_pretrained(base, str(run_dir / "hf"))
+    merged = AutoModelForCausalLM.from_pretrained(str(run_dir / "hf_merged"), dtype=torch.float32).state_dict()
+    changed = {k for k, v in merged.items() if not torch.equal(v, base_state[k])}
+    assert changed and all(k.endswith("proj.weight") for k in changed), sorted(changed)
 
 
 def test_lora_on_split_placement_pushes_the_adapter_and_resumes_exactly(ray_cluster, task, tmp_path, caplog):

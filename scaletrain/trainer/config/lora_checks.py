@@ -1,7 +1,8 @@
 """LoRA in the PPO trainer (layer 4): the checks before Ray starts and the weight-sync mode's fallback.
 
 ``actor_rollout_ref.model.lora_rank > 0`` (and/or ``critic.model.lora_rank``) trains adapters on a frozen base
-(backends/lora.py, fsdp and deepspeed). Two things follow in the trainer:
+(backends/lora.py on fsdp and deepspeed, backends/megatron/lora.py on megatron: the actor's only). Two things
+follow in the trainer:
 
 - the reference policy is the actor's own base model, its adapters disabled for the ref log-prob pass
   (``ActorRolloutRefWorker.compute_ref_log_prob``): no second copy of the model is built. With
@@ -65,6 +66,12 @@ def validate_lora(cfg: PPOConfig) -> None:
             raise ConfigError(
                 f"{key}.lora_rank={section.lora_rank}: LoRA is not supported by backend={cfg.backend.name}; "
                 f"set {key}.lora_rank=0 or use backend={supported}"
+            )
+        if section.lora_rank > 0 and key == "critic.model" and not backend_traits(cfg.backend.name).lora_value:
+            supported = " | ".join(name for name, traits in BACKEND_TRAITS.items() if traits.lora_value)
+            raise ConfigError(
+                f"critic.model.lora_rank={section.lora_rank}: backend={cfg.backend.name} trains LoRA adapters on the "
+                f"policy only; set critic.model.lora_rank=0 or use backend={supported}"
             )
         path = section.lora_adapter_path
         if path is not None and not os.path.isfile(os.path.join(path, "adapter_config.json")):

@@ -72,13 +72,10 @@ def test_lora_sync_fallback(overrides, expected):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (
-            ["backend=megatron", "actor_rollout_ref.model.lora_rank=8"],
-            "actor_rollout_ref.model.lora_rank=8: LoRA is not supported by backend=megatron",
-        ),
-        (
+        (  # megatron's LoRA adapts the policy (backends/megatron/lora.py), not a value model
             ["backend=megatron", "algorithm.adv_estimator=gae", "critic.model.lora_rank=4"],
-            "critic.model.lora_rank=4: LoRA is not supported by backend=megatron",
+            "critic.model.lora_rank=4: backend=megatron trains LoRA adapters on the policy only; set "
+            "critic.model.lora_rank=0 or use backend=fsdp | deepspeed",
         ),
         (["actor_rollout_ref.rollout.lora_sync=both"], "actor_rollout_ref.rollout.lora_sync must be one of"),
         (["actor_rollout_ref.rollout.lora_sync=adapter"], "lora_sync=adapter: it needs actor_rollout_ref.model"),
@@ -109,14 +106,16 @@ def test_refusals_name_the_key(overrides, message):
 
 def test_a_backend_states_what_it_supports_where_it_is_registered():
     """The checks read a backend's traits, not its name: a user's backend registered without LoRA or offload gets
-    megatron's refusals, naming it and the backends that do support them."""
+    the refusals, naming it and the backends that do support them."""
     from backends.base import BackendTraits, TrainEngine, backend_traits, register_backend
 
     @register_backend("test_only_plain", traits=BackendTraits(offload=False, lora=False))
     class PlainEngine(TrainEngine):  # never built: the checks need only its registration
         pass
 
-    assert not backend_traits("megatron").lora and backend_traits("fsdp").lora and backend_traits("deepspeed").offload
+    assert backend_traits("megatron").lora and not backend_traits("megatron").lora_value
+    assert backend_traits("fsdp").lora_value and backend_traits("deepspeed").offload
+    checked("backend=megatron", "actor_rollout_ref.model.lora_rank=8")  # the policy's adapters: accepted
     with pytest.raises(ConfigError, match="lora_rank=8: LoRA is not supported by backend=test_only_plain; .*fsdp"):
         checked("backend.name=test_only_plain", "actor_rollout_ref.model.lora_rank=8")
     # the list names every backend that offloads (another test's registered backends too, in the same process)
