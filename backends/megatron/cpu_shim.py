@@ -22,6 +22,9 @@ pinned version. The items (the code below refers to their numbers):
 9. gloo sends contiguous tensors only: under PP x TP (sequence parallel) a mixture-of-experts stage's training
    output reaches the pipeline's ``isend`` non-contiguous (RuntimeError on that stage, the next one left waiting in
    its ``irecv``) -> the same mode sends a contiguous copy (a send's buffer is read, never written).
+10. megatron-core >= 0.17 (not the pinned 0.16.1) asks ``torch.cuda.current_stream()`` in DDP's ``start_grad_sync``
+   on every gradient sync, to wait for CUDA-graph events (none on CPU) -> a stream whose waits do nothing. With it,
+   0.19.2 (Python >= 3.12) passed the megatron engine and MoE parity tests on CPU (docs/backends.md).
 """
 
 from __future__ import annotations
@@ -63,6 +66,19 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _NullStream:
+    """Item 10: the stream megatron-core >= 0.17 waits on for CUDA-graph events; on CPU there are none."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 def apply_cpu_shim() -> bool:
     """Apply the patches (idempotent); returns True when they are (or were already) in effect."""
     global _applied, _mode
@@ -81,6 +97,7 @@ def apply_cpu_shim() -> bool:
     torch.cuda.current_device = lambda: "cpu"  # 1
     torch.cuda.synchronize = lambda *a, **k: None  # 2
     torch.Tensor.cuda = lambda self, *a, **k: self  # 3
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()  # 10
     _mode = _CudaToCpuMode()  # 4
     _mode.__enter__()  # stays pushed for the life of the process
     _patch_causal_masks()  # built inside autograd.Function.forward under recompute, where modes are off
