@@ -47,10 +47,6 @@ class StorageStash:
         self.collect, self.keep = collect, keep
         self.moved: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] = []
 
-    @property
-    def offloaded(self) -> bool:
-        return bool(self.moved)
-
     def offload(self) -> None:
         if self.moved:
             return
