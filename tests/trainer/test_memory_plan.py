@@ -115,6 +115,17 @@ def test_megatrons_offload_keys_move_its_lines_as_its_engine_moves_them():
     assert {"actor parameters", "ref parameters", "critic parameters"} <= set(fallback.host)
 
 
+def test_megatrons_lora_adapters_are_whole_on_every_tensor_parallel_rank():
+    """LoRA on megatron keeps A and B whole on each TP rank (backends/megatron/lora.py): TP=2 halves the frozen
+    weights' line but not the adapters' optimizer state and gradients."""
+    lora = ("backend=megatron", "actor_rollout_ref.model.lora_rank=8", "trainer.n_gpus_per_node=2")
+    one = memory_plan(resolved(*lora), budget=1 << 40).phases["actor update"]
+    two = memory_plan(resolved(*lora, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"), 1 << 40)
+    two_tp = two.phases["actor update"]
+    assert two_tp["actor parameters"] < one["actor parameters"]
+    assert two_tp["actor optimizer"] == one["actor optimizer"] > 0
+
+
 def test_a_model_the_plan_cannot_read_warns_and_the_run_goes_on_or_fails_under_error(tmp_path, caplog):
     """A checkpoint whose config transformers cannot build: the plan gives way under warn (a training run must not
     fail for its check), and under error says why."""
