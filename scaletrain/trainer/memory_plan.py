@@ -31,7 +31,7 @@ from backends.config import resolve_precision
 from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.trainer.config.worker_configs import engine_config, model_config
 from scaletrain.utils.typed_config import ConfigError
-from scaletrain.workers.config import with_offload
+from scaletrain.workers.model_sections import with_offload
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,8 @@ def _train_roles(cfg: PPOConfig, shape: mem.ModelShape, cuda: bool) -> Iterator[
 
 def _layout(cfg: PPOConfig, section, model, offload: tuple, cuda: bool, trains: bool) -> mem.TrainLayout:
     """A role's layout on one rank (``section``'s megatron layout; ``offload``: the role's fsdp_config and megatron
-    sections, workers/config.py with_offload), its precision and offload resolved as its engine resolves them."""
+    sections, workers/model_sections.py with_offload), its precision and offload resolved as its engine resolves
+    them."""
     backend, meg = cfg.backend, section.megatron
     engine = with_offload(engine_config(backend, cfg.trainer.seed), backend.name, *offload)
     model, engine = resolve_precision(model_config(model, model.path), engine, "cuda" if cuda else "cpu", trains)

@@ -84,7 +84,7 @@ def test_phases_follow_the_layout_and_offload():
 
 def test_megatrons_plan_takes_the_layout_its_engine_resolves():
     """The role's megatron keys and backend.extra.megatron's fallbacks both reach the plan, as they reach the engine
-    (scaletrain/workers/config.py MegatronConfig.resolved)."""
+    (scaletrain/workers/model_sections.py MegatronConfig.resolved)."""
     plan = {
         name: memory_plan(resolved("backend=megatron", *keys), budget=1 << 40).phases["actor update"]
         for name, keys in {
@@ -97,9 +97,9 @@ def test_megatrons_plan_takes_the_layout_its_engine_resolves():
 
 
 def test_megatrons_offload_keys_move_its_lines_as_its_engine_moves_them():
-    """Each role's megatron offload keys reach the plan as they reach its engine (workers/config.py with_offload):
-    parameters and optimizer state on the host, the gradient buffer freed between updates and back for the step;
-    backend.param_offload is the default of the megatron keys left null."""
+    """Each role's megatron offload keys reach the plan as they reach its engine (workers/model_sections.py
+    with_offload): parameters and optimizer state on the host, the gradient buffer freed between updates and back
+    for the step; backend.param_offload is the default of the megatron keys left null."""
     gae = ("backend=megatron", "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true")
     base = memory_plan(resolved(*gae), budget=1 << 40)
     keys = [f"actor_rollout_ref.actor.megatron.{name}_offload=true" for name in ("param", "optimizer", "grad")]

@@ -21,7 +21,7 @@ from scaletrain.workers import (
     EngineSetup,
     RolloutWorkerConfig,
 )
-from scaletrain.workers.config import MegatronConfig
+from scaletrain.workers.model_sections import MegatronConfig
 from tests.backends.tiny import make_tokenizer, save_tiny_qwen2
 from tests.controller.workers import started_group
 from tests.workers.test_role_workers import PLEN, prompt_batch

@@ -22,7 +22,8 @@ from scaletrain.trainer.config.ppo_config import PPOConfig, TrainerSection, file
 from scaletrain.trainer.config.rollout_checks import validate_rollout, validate_rollout_model
 from scaletrain.trainer.config.vision_checks import validate_vision_language
 from scaletrain.utils.typed_config import ConfigError
-from scaletrain.workers.config import CHECKPOINT_CONTENTS, CheckpointContents, with_megatron
+from scaletrain.workers.config import CHECKPOINT_CONTENTS, CheckpointContents
+from scaletrain.workers.model_sections import with_megatron
 
 WORKER_ROLES = ("actor_rollout", "critic", "rm", "rollout")  # the PPO trainer's worker groups (init_workers;
 # rollout: the split placement's pool)

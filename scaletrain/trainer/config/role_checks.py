@@ -11,7 +11,7 @@ from dataclasses import fields
 from backends.base import BACKEND_TRAITS, backend_traits
 from backends.config import ModelSettings
 from scaletrain.utils.typed_config import ConfigError
-from scaletrain.workers.config import LAYOUT_KEYS, OFFLOAD_KEYS
+from scaletrain.workers.model_sections import LAYOUT_KEYS, OFFLOAD_KEYS
 
 logger = logging.getLogger(__name__)
 

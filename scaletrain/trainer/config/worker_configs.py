@@ -67,7 +67,8 @@ def ppo_worker_configs(
 
 def _critic_config(cfg: PPOConfig, plan: RunPlan, engine: EngineConfig) -> tuple[CriticConfig, EngineSetup]:
     """The critic worker's arguments: its section (the optimizer's step count from the plan) and its setup."""
-    from scaletrain.workers.config import EngineSetup, with_offload
+    from scaletrain.workers.config import EngineSetup
+    from scaletrain.workers.model_sections import with_offload
 
     c, arr = cfg.critic, cfg.actor_rollout_ref
     setup = EngineSetup(
@@ -81,7 +82,8 @@ def _critic_config(cfg: PPOConfig, plan: RunPlan, engine: EngineConfig) -> tuple
 
 def _reward_model_config(cfg: PPOConfig, engine: EngineConfig) -> tuple[RewardModelConfig, EngineSetup] | None:
     """The reward-model worker's arguments: its section and its setup; None when the reward model is off."""
-    from scaletrain.workers.config import EngineSetup, with_offload
+    from scaletrain.workers.config import EngineSetup
+    from scaletrain.workers.model_sections import with_offload
 
     rm = cfg.reward_model
     if not rm.enable:

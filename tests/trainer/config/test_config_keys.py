@@ -27,7 +27,7 @@ NAMED_GETTERS = ("getattr", "option", "get_option")  # (obj, "field", ...) reads
 GENERIC_CONSUMERS = {
     "RolloutEngineSettings": "backends/rollout/base.py resolved_for / check (fields(RolloutEngineSettings))",
     "FSDPConfig": "scaletrain/workers/model_sections.py FSDPConfig.applied (fields(self))",
-    "MegatronConfig": "scaletrain/workers/config.py MegatronConfig.merged (LAYOUT_KEYS) and role_checks.py",
+    "MegatronConfig": "scaletrain/workers/model_sections.py MegatronConfig.merged (LAYOUT_KEYS) and role_checks.py",
     "CustomRewardFunction": "scaletrain/trainer/ppo_trainer.py to_dict(cfg.custom_reward_function)",
 }
 
