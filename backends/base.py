@@ -48,6 +48,11 @@ def base_model_only(options: ForwardOptions, has_adapter: bool) -> bool:
     return options.base_model
 
 
+def as_is(value: torch.Tensor) -> torch.Tensor:
+    """A ``bucketed`` getter that returns its tensor as it is (the caller gathers a whole bucket at once)."""
+    return value
+
+
 def bucketed(items: Iterable[tuple[str, int, Callable[[], torch.Tensor]]], bucket_bytes: int) -> Buckets:
     """Buckets of (name, tensor) of at most ``bucket_bytes`` (a larger tensor is a bucket of its own) from
     (name, nbytes, get) items. ``get`` (which may gather: collective) runs only after the previous bucket was

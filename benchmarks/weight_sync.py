@@ -7,6 +7,9 @@ model's state_dict, grouped into buckets of at most ``--bucket-mib``. Measured p
 - vllm: ``VLLMRolloutEngine.update_weights`` (in-process: vLLM's ``reload_weights`` re-fusing q/k/v and gate/up,
   re-packing for the CPU kernels, then a prefix-cache reset),
 - hf: ``HFRolloutEngine.update_weights`` (``load_state_dict(strict=False)`` per bucket),
+- vllm async: the agent loops' AsyncLLM, whose model runs in an engine-core process: through two reused
+  shared-memory slots (``checkpoint_engine.backend=shm``, ipc_transport.py) and through one safetensors file per
+  bucket in /dev/shm (``naive``); the most bytes the slots held is printed beside the whole model's,
 against the floor: ``copy_`` of every tensor into preallocated tensors of the same shapes (one memcpy).
 
 Export side, per training backend and layout (benchmarks/multirank.py; gloo ranks, 1 thread each): the time to
@@ -107,6 +110,7 @@ def main() -> None:
     vllm_ms = median_ms(lambda: vllm_engine.update_weights(buckets), reps)
     hf = HFRolloutEngine(config, tokenizer)
     hf_ms = median_ms(lambda: hf.update_weights(buckets), reps)
+    process_rows, slot_peak = engine_process_rows(config, tokenizer, buckets, reps, copy_ms)
 
     params = sum(p.numel() for p in trainer.model.parameters())
     print(
@@ -118,13 +122,40 @@ def main() -> None:
         ("vllm update_weights", vllm_ms, copy_ms, "memcpy"),
         ("hf update_weights", hf_ms, copy_ms, "memcpy"),
     ]
+    table += process_rows
     print_table(f"update_weights (median of {reps})", table)
+    print(
+        f"engine in another process: /dev/shm held at most {slot_peak / 2**20:.1f} MiB with shm (two slots), "
+        f"{total / 2**20:.1f} MiB (the whole model) with naive"
+    )
     for name, ms in [("memcpy", copy_ms), ("vllm", vllm_ms), ("hf", hf_ms)]:
         print(f"{name:<8}{total / 2**30 / (ms / 1e3):>8.2f} GiB/s")
     layouts = args.only if args.only is not None else (QUICK_LAYOUTS if args.quick else list(LAYOUTS))
     exports = export_rows(layouts, model_dir, reps, args.bucket_mib)
     emit_results([(f"weight sync {r[0]}", *r[1:]) for r in table + exports])
     shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def engine_process_rows(config, tokenizer, buckets, reps: int, copy_ms: float) -> tuple[list[tuple], int]:
+    """The agent loops' AsyncLLM (its model in an engine-core process): ``update_weights`` through the two reused
+    shared-memory slots (shm) and through one file per bucket in /dev/shm (naive), against memcpy; and the most
+    bytes the slots held."""
+    from dataclasses import replace
+
+    from backends.rollout.base import CheckpointEngineSettings
+    from backends.rollout.vllm_async import VLLMAsyncRolloutEngine
+
+    engine = VLLMAsyncRolloutEngine(config, tokenizer)
+    rows = []
+    try:
+        for backend in ("shm", "naive"):
+            engine.config = replace(config, checkpoint_engine=CheckpointEngineSettings(backend=backend))
+            ms = median_ms(lambda: engine.update_weights(buckets), reps)
+            rows.append((f"vllm async (engine process) update_weights, {backend}", ms, copy_ms, "memcpy"))
+        peak = engine.slots.peak_bytes if engine.slots is not None else 0
+    finally:
+        engine.close()
+    return rows, peak
 
 
 def export_rows(layouts: list[str], model_dir: str, reps: int, bucket_mib: float) -> list[tuple]:

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from backends.base import register_backend
+from backends.base import Buckets, as_is, bucketed, register_backend
 from backends.checkpoint.meta import resumes_natively, write_checkpoint_meta
 from backends.checkpoint.portable import PortableState
 from backends.checkpoint.safe_load import load_rank_file
@@ -161,6 +161,26 @@ class DeepSpeedEngine(HFTrainEngine):
     def _end_step(self, skipped: bool) -> None:
         if skipped:  # DeepSpeed advances the schedule only with an applied update; one advance per train_step
             self._schedule().step()
+
+    def _gathered_buckets(self, bucket_bytes: int, skip, adapter: bool) -> Buckets:
+        """Without LoRA: each bucket's partitioned parameters gathered together, one ``GatheredParameters`` (one
+        grouped all-gather) per bucket instead of one per parameter, and cloned out of it. With LoRA, the shared
+        path (its items merge or pick tensors as they are drawn)."""
+        if self.lora is not None:
+            yield from super()._gathered_buckets(bucket_bytes, skip, adapter)
+            return
+        import deepspeed
+
+        with self._on_device(optimizer=False):
+            state = [(n, v) for n, v in self.model.state_dict(keep_vars=True).items() if n not in skip]
+            sized = (
+                (n, math.prod(getattr(v, "ds_shape", v.shape)) * v.dtype.itemsize, partial(as_is, v)) for n, v in state
+            )
+            for bucket in bucketed(sized, bucket_bytes):
+                partitioned = [v for _, v in bucket if hasattr(v, "ds_id")]
+                with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+                    full = [(name, value.detach().clone()) for name, value in bucket]
+                yield full  # re-partitioned already: only the clones are held while the consumer loads them
 
     def _param_items(self) -> list[Item]:
         """The partitioned parameters in HF state_dict order; ``get`` gathers one (``GatheredParameters``)."""

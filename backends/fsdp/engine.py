@@ -31,7 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from backends.accumulation import require_trainable
-from backends.base import Buckets, bucketed, register_backend
+from backends.base import Buckets, as_is, bucketed, register_backend
 from backends.checkpoint.meta import resumes_natively, write_checkpoint_meta
 from backends.checkpoint.portable import PortableState
 from backends.config import EngineConfig, ModelConfig, OptimConfig
@@ -98,7 +98,7 @@ class FSDPEngine(HFTrainEngine):
             return
         with self._on_device(optimizer=False):
             state = [(n, v) for n, v in self.model.state_dict().items() if n not in skip]
-            sharded = ((n, v.numel() * v.element_size(), partial(_same, v)) for n, v in state)
+            sharded = ((n, v.numel() * v.element_size(), partial(as_is, v)) for n, v in state)
             for bucket in bucketed(sharded, bucket_bytes):
                 yield list(zip([n for n, _ in bucket], gather_full([v for _, v in bucket], self.group)))
 
@@ -189,7 +189,3 @@ class FSDPEngine(HFTrainEngine):
             self._move_params(torch.device("cpu"))
         if self.engine_config.optimizer_offload:
             self._move_optimizer(torch.device("cpu"))
-
-
-def _same(value):
-    return value

@@ -34,6 +34,8 @@ from scaletrain.utils.registry import Registry
 CPU_KV_CACHE_BYTES = 64 << 20  # the CPU default KV-cache budget
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 WAKE_TAGS = ("weights", "kv_cache")  # what wake_up brings back, in order
+WEIGHT_TRANSPORTS = ("auto", "naive", "nccl", "shm", "cuda_ipc")
+TRANSPORT_KWARGS = {"shm": ("dir",), "nccl": ("timeout_s",)}  # checkpoint_engine.engine_kwargs.<backend>.<key>
 
 
 @dataclass
@@ -140,12 +142,58 @@ class RolloutEngineSettings:
                 raise ConfigError(f"{key}.{name} must be positive, got {getattr(self, name)}")
 
 
+@dataclass
+class CheckpointEngineSettings:
+    """``actor_rollout_ref.rollout.checkpoint_engine`` (verl's keys; its ``update_weights_bucket_megabytes`` is
+    ``rollout.weight_bucket_bytes``): how the trained weights travel to the engines. Two hops may exist: between
+    the trainer's and the rollout's pools (split placement) and from a rollout worker into an engine running in
+    another process (the agent loops' AsyncLLM engine core). ``auto`` picks per hop: a collective push between
+    pools (gloo on CPU; NCCL on CUDA by name only, auto keeping the object store there) and two reused
+    shared-memory slots into an engine process (``cuda_ipc``: two device buffers opened through CUDA IPC handles
+    instead, taken by name only); an engine in the worker's own process always takes the tensors by reference.
+    ``naive``: the object store between pools and whole-model files in /dev/shm into an engine process (the
+    former paths); ``nccl`` / ``shm`` / ``cuda_ipc`` fix their own hop and leave the other on auto."""
+
+    backend: str = "auto"  # auto | naive | nccl | shm | cuda_ipc
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # per backend: shm: {dir}, nccl: {timeout_s}
+
+    def engine_process_transport(self) -> str:
+        """How buckets reach an engine in another process: naive | shm | cuda_ipc. auto takes shm on CUDA too:
+        the CUDA IPC path has not run on a GPU yet (tests/gpu), so it is taken only by name."""
+        return self.backend if self.backend in ("naive", "shm", "cuda_ipc") else "shm"
+
+    def pool_transport(self, device: str) -> str:
+        """How buckets go from the trainer's pool to the rollout's (split placement): naive | nccl. auto takes the
+        object store on CUDA: the NCCL push has not run on a GPU yet (tests/gpu), so it is taken only by name."""
+        if self.backend == "nccl" or (self.backend != "naive" and device != "cuda"):
+            return "nccl"
+        return "naive"
+
+    def check(self, key: str, device: str | None = None) -> None:
+        """Raise ConfigError naming ``key``.<field> for a value no transport takes (on ``device``, when known)."""
+        from scaletrain.utils.typed_config import ConfigError
+
+        if self.backend not in WEIGHT_TRANSPORTS:
+            raise ConfigError(f"{key}.backend must be one of {', '.join(WEIGHT_TRANSPORTS)}, got '{self.backend}'")
+        if device == "cpu" and self.backend == "cuda_ipc":
+            raise ConfigError(f"{key}.backend=cuda_ipc needs CUDA devices: use shm (or auto) on CPU")
+        for name, kwargs in self.engine_kwargs.items():
+            known = TRANSPORT_KWARGS.get(name, ())
+            unknown = sorted(set(kwargs or {}) - set(known)) if isinstance(kwargs, dict | None) else [kwargs]
+            if name not in TRANSPORT_KWARGS or unknown:
+                raise ConfigError(
+                    f"{key}.engine_kwargs.{name}: unknown {unknown or 'backend'}; known: "
+                    + "; ".join(f"{b}: {', '.join(k)}" for b, k in TRANSPORT_KWARGS.items())
+                )
+
+
 @dataclass(kw_only=True)
 class RolloutConfig(RolloutEngineSettings):
     model_path: str
     tensor_parallel_size: int = 1
     max_model_len: int = 2048
     lora_rank: int = 0  # > 0: the engine serves a LoRA adapter of this rank on its base weights (update_adapter)
+    checkpoint_engine: CheckpointEngineSettings = field(default_factory=CheckpointEngineSettings)
 
 
 class RolloutEngine(ABC):

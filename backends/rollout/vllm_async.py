@@ -11,9 +11,10 @@ Its engine core runs in a process of its own (AsyncLLM always does); with ``VLLM
   weights, sleep) wait for their coroutine there.
 - Sampling, seeds and log-probs are those of the synchronous engine (vllm_engine.py: ``token_params``,
   ``requests``): a seeded request samples the same tokens in either engine.
-- Weights: buckets go to the engine-core process as safetensors files in /dev/shm (vllm_engine.py's path for a
-  worker in another process), then the prefix cache is reset. The caller makes sure no request is in flight
-  meanwhile (the trainer's rollout phases and RolloutRole's turns do). A LoRA adapter goes as a directory there
+- Weights: buckets go to the engine-core process through two reused slots (ipc_transport.py: shared memory, or
+  CUDA IPC by name; safetensors files with ``checkpoint_engine.backend=naive``), then the prefix cache is reset.
+  The caller makes sure no request is in flight meanwhile (the trainer's rollout phases and RolloutRole's turns
+  do). A LoRA adapter goes as a directory there
   too (vllm_lora.py), which every request names.
 - The engine-core process watches this one (``scaletrain_watch_parent`` in vllm_extension.py) and exits when it
   is gone, so a killed rollout worker leaves no engine behind.
@@ -114,6 +115,9 @@ class VLLMAsyncRolloutEngine(VLLMRolloutEngine):
     def rpc(self, method: str, *args) -> list:
         return self._wait(self.llm.collective_rpc(method, args=args))
 
+    def rpc_started(self, method: str, *args) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(self.llm.collective_rpc(method, args=args), self._loop)
+
     def reset_prefix_cache(self) -> None:
         self._wait(self.llm.reset_prefix_cache())
 
@@ -128,6 +132,8 @@ class VLLMAsyncRolloutEngine(VLLMRolloutEngine):
     def close(self) -> None:
         """Stop the engine-core process and the loop thread (also done when this process exits)."""
         llm, self.llm = getattr(self, "llm", None), None
+        if getattr(self, "slots", None) is not None:
+            self.slots.close()  # pyright: ignore[reportOptionalMemberAccess]
         if llm is not None:
             self._wait(self._shutdown(llm))
         if self._loop.is_running():

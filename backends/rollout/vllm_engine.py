@@ -19,10 +19,11 @@
 - LoRA (``RolloutConfig.lora_rank > 0``): ``update_adapter`` serves the trainer's adapter on the unchanged base
   weights, every request passing its ``LoRARequest`` (vllm_lora.py); ``update_weights`` still takes full weights.
 - ``update_weights``: buckets stream into the worker extension (vllm_extension.py), which calls vLLM's
-  ``reload_weights``; then the prefix cache is reset. In-process the tensors are passed by reference; with
-  worker processes each bucket goes through a safetensors file in /dev/shm, all written before the one call
-  (so /dev/shm holds one copy of the model meanwhile) and removed after it. Tied embeddings and failed updates
-  are handled in the extension (see its docstring).
+  ``reload_weights``; then the prefix cache is reset. In-process the tensors are passed by reference; an engine
+  in another process reads them from two slots reused across syncs (ipc_transport.py: shared memory, or CUDA IPC
+  with ``checkpoint_engine.backend=cuda_ipc``), or with ``checkpoint_engine.backend=naive`` from one safetensors
+  file per bucket in /dev/shm, all written before the one call (a whole copy of the model there meanwhile) and
+  removed after it. Tied embeddings and failed updates are handled in the extension (see its docstring).
 - ``sleep`` / ``wake_up(tags)``: vLLM sleep mode (level 1: weights offloaded, KV cache dropped; waking "weights"
   then "kv_cache") where the platform supports it (CUDA) and ``enable_sleep_mode`` is on; no-ops on CPU, where
   vLLM has no sleep mode. The order is enforced by ``EngineLifecycle`` (lifecycle.py), not here.
@@ -32,6 +33,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -52,6 +54,7 @@ from backends.rollout.base import (
     TokenRequest,
     register_rollout,
 )
+from backends.rollout.ipc_transport import SlotSender
 from backends.rollout.layout import build_rollout_output, eos_token_ids, pad_token_id
 from backends.rollout.vllm_lora import AdapterSlot, lora_arguments
 from backends.rollout.vllm_tp import SPMDSeeds, launcher_env, shard_buckets
@@ -127,6 +130,7 @@ class VLLMRolloutEngine(RolloutEngine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.last_update_bytes = 0  # bytes this rank received in the last weight update
         self.adapter = AdapterSlot() if config.lora_rank > 0 else None  # the LoRA adapter served (vllm_lora.py)
+        self.slots: SlotSender | None = None  # the reused weight slots into an engine process (ipc_transport.py)
 
     # ------------------------------------------------------------------------------------------------ generate
     def requests(self, prompts: DataProto, sampling: SamplingConfig) -> tuple[list, list]:
@@ -242,14 +246,28 @@ class VLLMRolloutEngine(RolloutEngine):
             # One reload over a lazy stream of the buckets: vLLM processes each layer once its tensors arrived.
             self.rpc("scaletrain_reload_weights", _as_lists(buckets))
         else:
+            self.last_update_bytes = self._push_to_engine_process(buckets)
+        self.reset_prefix_cache()
+
+    def _push_to_engine_process(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
+        """The buckets into the engine's own process (checkpoint_engine: naive files, or the reused slots of
+        ipc_transport.py); returns the bytes sent."""
+        settings = self.config.checkpoint_engine
+        transport = settings.engine_process_transport()
+        if transport == "naive":
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
             folder = tempfile.mkdtemp(prefix="scaletrain-weights-", dir=shm)
             try:
-                paths = _write_buckets(buckets, folder)
+                paths, nbytes = _write_buckets(buckets, folder)
                 self.rpc("scaletrain_reload_weights", paths)
+                return nbytes
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
-        self.reset_prefix_cache()
+        if self.slots is None:
+            folder = (settings.engine_kwargs.get("shm") or {}).get("dir")
+            self.slots = SlotSender("cpu" if transport == "shm" else "cuda", folder)
+        _, nbytes = self.slots.send(buckets, lambda address: self.rpc_started("scaletrain_reload_streamed", address))
+        return nbytes
 
     def update_adapter(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], adapter_config: dict) -> int:
         if self.adapter is None:
@@ -261,6 +279,14 @@ class VLLMRolloutEngine(RolloutEngine):
     def rpc(self, method: str, *args) -> list:
         """``method`` of the worker extension (vllm_extension.py) on every vLLM worker; one result per worker."""
         return self.llm.collective_rpc(method, args=args)
+
+    def rpc_started(self, method: str, *args) -> concurrent.futures.Future:
+        """``rpc`` started in a thread of its own: its Future (the caller feeds the call meanwhile)."""
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-rpc")
+        try:
+            return pool.submit(self.rpc, method, *args)
+        finally:
+            pool.shutdown(wait=False)
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
@@ -343,13 +369,15 @@ def _as_lists(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[lis
         yield [(name, tensor.detach().clone(memory_format=torch.contiguous_format)) for name, tensor in bucket]
 
 
-def _write_buckets(buckets: Iterable[list[tuple[str, torch.Tensor]]], folder: str) -> list[str]:
+def _write_buckets(buckets: Iterable[list[tuple[str, torch.Tensor]]], folder: str) -> tuple[list[str], int]:
+    """(one safetensors file per bucket in ``folder``, the bytes written)."""
     from safetensors.torch import save_file
 
-    paths = []
+    paths, nbytes = [], 0
     for i, bucket in enumerate(buckets):
         path = os.path.join(folder, f"bucket-{i:05d}.safetensors")
         # clone: safetensors refuses tensors sharing storage (tied embeddings)
         save_file({name: tensor.detach().cpu().clone() for name, tensor in bucket}, path)
+        nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
         paths.append(path)
-    return paths
+    return paths, nbytes

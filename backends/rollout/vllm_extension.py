@@ -8,8 +8,10 @@ fuses q/k/v and gate/up, re-slices for tensor parallelism and re-packs for the k
 
 ``sources`` is consumed lazily (in-process, the model is never held twice): each source is one bucket, either
   - a list of ``(hf_name, tensor)`` pairs (in-process engine: tensors are passed by reference), or
-  - a path to a safetensors file (multiprocess engine: raw tensors don't survive ``collective_rpc``'s msgpack;
-    the driver writes each bucket to /dev/shm and removes the files after the call).
+  - a path to a safetensors file (multiprocess engine, ``checkpoint_engine.backend=naive``: raw tensors don't
+    survive ``collective_rpc``'s msgpack; the driver writes each bucket to /dev/shm and removes the files after).
+An engine in another process otherwise reads the buckets from two reused slots as the driver fills them
+(``scaletrain_reload_streamed``, ipc_transport.py: shared memory, or CUDA IPC on CUDA).
 
 With tied embeddings the embedding is also sent as ``lm_head.weight`` (see ``tie_embeddings``). An error
 mid-update (e.g. an unknown name: vLLM's ValueError names it) puts the model back on its device before the
@@ -121,6 +123,12 @@ class WeightSyncExtension:
             raise
         repack_cpu_experts(self.model_runner.get_model(), expert_layers)
         return count
+
+    def scaletrain_reload_streamed(self, address: str) -> int:
+        """Load the buckets the driver streams through its slots (ipc_transport.py); returns how many tensors."""
+        from backends.rollout.ipc_transport import receive_buckets
+
+        return self.scaletrain_reload_weights(receive_buckets(address))
 
     def scaletrain_reload_shards(self, buckets: Iterable[list[tuple]]) -> int:
         """Tensor parallelism: load this rank's shards only; returns the bytes received.

@@ -1,23 +1,40 @@
-"""Weights between worker groups through Ray's object store (layer 3): split placement's weight push.
+"""Weights between worker groups (layer 3): split placement's weight push, over a collective or the object store.
 
-The training ranks stream their HF-named full tensors bucket by bucket (``TrainEngine.export_weights``); rank 0
-puts each bucket in the object store (``put_buckets``) as raw bytes, so the trainer holds one bucket at a time and
-the model sits once in the store (shared memory on the node, copied once to each other node that reads it). The
-rollout ranks read the buckets back one at a time (``read_buckets``) and hand them to their engine, which loads
-each into its own tensor-parallel layout. A LoRA actor with ``rollout.lora_sync=adapter`` pushes its adapter
-alone the same way, its PEFT config riding along (``WeightBuckets.adapter_config``). ``WeightBuckets`` carries
-the references: Ray resolves object references passed as top-level arguments, not those inside an object, so the
-receiver fetches each bucket only when its engine asks for it.
+Collective (``checkpoint_engine.backend`` nccl, auto's choice on CPU): the trainer's export rank and every rollout
+rank form a ``torch.distributed`` group of their own (gloo on CPU, NCCL on CUDA; group rank 0 the sender, rollout
+rank r is 1 + r), met through a TCPStore the export rank hosts (``open_store``) and kept for every later push. Each
+bucket goes as one broadcast of its bytes after a small header (sizes, then names, dtypes and shapes); the sender
+gathers the next bucket while it broadcasts one, each receiver takes the next while its engine loads one
+(``prefetched``: at most one bucket ahead on either side). A sender whose export fails broadcasts an abort, so the
+receivers raise instead of waiting; a receiver whose engine fails reads the push to its end before it raises, so
+the sender and the other ranks are not left waiting; a dead rank ends the others' wait with gloo's error (and the
+driver names the rank: its worker died).
+
+Object store (``naive``): the training ranks stream their HF-named full tensors bucket by bucket
+(``TrainEngine.export_weights``); rank 0 puts each bucket in the object store (``put_buckets``) as raw bytes, so
+the trainer holds one bucket at a time and the model sits once in the store (shared memory on the node, copied
+once to each other node that reads it). The rollout ranks read the buckets back one at a time (``read_buckets``)
+and hand them to their engine, which loads each into its own tensor-parallel layout. A LoRA actor with
+``rollout.lora_sync=adapter`` pushes its adapter alone the same way, its PEFT config riding along
+(``WeightBuckets.adapter_config``). ``WeightBuckets`` carries the references: Ray resolves object references
+passed as top-level arguments, not those inside an object, so the receiver fetches each bucket only when its
+engine asks for it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import pickle
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import ray
 import torch
+import torch.distributed as dist
+
+from scaletrain.utils.prefetch import prefetched
 
 
 @dataclass
@@ -62,3 +79,137 @@ def read_buckets(weights: WeightBuckets) -> Iterator[list[tuple[str, torch.Tenso
             for name, raw, dtype, shape in entries:
                 bucket.append((name, torch.from_numpy(raw).view(dtype).reshape(shape)))
         yield bucket
+
+
+@dataclass
+class WeightChannel:
+    """One push over the collective group: where its members meet (the store the export rank hosts), how many
+    they are (1 + the rollout ranks), its device (cpu: gloo, cuda: NCCL) and timeout, and what it carries."""
+
+    host: str
+    port: int
+    world_size: int
+    device: str = "cpu"
+    timeout_s: float = 600.0
+    version: int = 0
+    adapter_config: dict | None = None  # a LoRA adapter's PEFT config: the buckets hold that adapter alone
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.host, self.port
+
+
+_STORES: dict[int, dist.TCPStore] = {}  # the store this process hosts, by port
+_GROUPS: dict[tuple[str, int], dist.ProcessGroup] = {}  # this process's member of each channel's group
+_ABORT, _END = -1, 0  # header values of a push's end and of a sender's failure
+
+
+def open_store(host: str, timeout_s: float) -> int:
+    """On the export rank: a TCPStore on a free port of ``host`` (this node's address), kept for this process's
+    life; returns the port."""
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(0, timeout_s))
+    _STORES[store.port] = store
+    return store.port
+
+
+def _group(channel: WeightChannel, rank: int) -> dist.ProcessGroup:
+    """This process's member of the channel's group (made on first use: every member joins then)."""
+    if channel.key not in _GROUPS:
+        timeout = datetime.timedelta(seconds=channel.timeout_s)
+        store = _STORES.get(channel.port) if rank == 0 else None
+        store = store or dist.TCPStore(channel.host, channel.port, is_master=False, timeout=timeout)
+        prefixed = dist.PrefixStore("scaletrain-weights", store)
+        if channel.device == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            group = dist.ProcessGroupNCCL(prefixed, rank, channel.world_size, options)
+        else:
+            group = dist.ProcessGroupGloo(prefixed, rank, channel.world_size, timeout)
+        _GROUPS[channel.key] = group
+    return _GROUPS[channel.key]
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+def _broadcast_object(group: dist.ProcessGroup, value) -> None:
+    packed = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+    _broadcast(group, torch.tensor([packed.numel(), 0], dtype=torch.int64))
+    _broadcast(group, packed)
+
+
+def send_buckets(
+    channel: WeightChannel, buckets: Iterable[list[tuple[str, torch.Tensor]]], adapter_config: dict | None
+) -> int:
+    """On the export rank: every bucket to every rollout rank (first ``adapter_config``: None, or the LoRA adapter
+    the buckets hold); returns the bytes sent. The next bucket is gathered (a collective of the training ranks)
+    while this one is broadcast."""
+    group, sent = _group(channel, 0), 0
+    _broadcast_object(group, adapter_config)
+    try:
+        for bucket in prefetched(buckets, name="weight-export"):
+            meta = [(name, t.dtype, tuple(t.shape)) for name, t in bucket]
+            flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
+            flat = flat.to(channel.device)
+            packed = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)
+            _broadcast(group, torch.tensor([packed.numel(), flat.numel()], dtype=torch.int64))
+            _broadcast(group, packed)
+            _broadcast(group, flat)
+            sent += flat.numel()
+    except BaseException:
+        # the receivers raise instead of waiting; a group already broken (a dead receiver) fails this at once
+        with contextlib.suppress(Exception):
+            _broadcast(group, torch.tensor([_ABORT, 0], dtype=torch.int64))
+        raise
+    _broadcast(group, torch.tensor([_END, 0], dtype=torch.int64))
+    return sent
+
+
+def _received(channel: WeightChannel, group: dist.ProcessGroup, counted: list[int]):
+    while True:
+        header = torch.empty(2, dtype=torch.int64)
+        _broadcast(group, header)
+        size, nbytes = header.tolist()
+        if size == _END:
+            return
+        if size == _ABORT:
+            raise RuntimeError(f"weight push {channel.version}: the trainer's export failed mid-push (see its error)")
+        packed = torch.empty(size, dtype=torch.uint8)
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=channel.device)
+        _broadcast(group, packed)
+        _broadcast(group, flat)
+        bucket, offset = [], 0
+        for name, dtype, shape in pickle.loads(packed.numpy().tobytes()):
+            count = dtype.itemsize * int(torch.Size(shape).numel())
+            bucket.append((name, flat[offset : offset + count].view(dtype).reshape(shape)))
+            offset += count
+        counted[0] += nbytes
+        yield bucket
+
+
+class ReceivedPush:
+    """On rollout rank ``rank``: one push's adapter config (None: full weights) and its buckets (``buckets``),
+    each received while the previous one loads; ``nbytes`` counts what arrived. Read it to its end (``drain``)
+    even when the engine fails, so the push completes for the sender and the other ranks."""
+
+    def __init__(self, channel: WeightChannel, rank: int) -> None:
+        group = _group(channel, 1 + rank)
+        header = torch.empty(2, dtype=torch.int64)
+        _broadcast(group, header)
+        packed = torch.empty(int(header[0]), dtype=torch.uint8)
+        _broadcast(group, packed)
+        self.adapter_config = pickle.loads(packed.numpy().tobytes())
+        self._counted = [0]
+        self.buckets = prefetched(_received(channel, group, self._counted), name="weight-receive")
+
+    @property
+    def nbytes(self) -> int:
+        return self._counted[0]
+
+
+def drain(buckets: Iterator) -> None:
+    for _ in buckets:
+        pass

@@ -102,13 +102,18 @@ def memory_plan(cfg: PPOConfig, budget: int | None = None, shape: mem.ModelShape
 
 def _shared(cfg: PPOConfig, shape: mem.ModelShape) -> dict[str, int]:
     """The node's shared memory: Ray's object store (batches between the driver and the workers) and, where vLLM's
-    engine core runs in a process of its own (the agent loops' AsyncLLM), the weights written to /dev/shm for each
-    sync (backends/rollout/vllm_engine.py), one copy per rollout rank of the node."""
+    engine core runs in a process of its own (the agent loops' AsyncLLM), what each sync puts in /dev/shm per
+    rollout rank of the node (backends/rollout/vllm_engine.py): two bucket slots (``checkpoint_engine`` shm, the
+    default), the whole model (naive), nothing (cuda_ipc: device buffers)."""
     shared = {"Ray object store": cfg.ray_kwargs.ray_init.object_store_memory or 1 << 30}
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.name == "vllm" and rollout.use_async_engine:
         weight_bytes = 2 if cfg.trainer.device == "cuda" and rollout.dtype != "float32" else 4
-        shared["weight sync in /dev/shm"] = shape.params * weight_bytes * cfg.trainer.n_gpus_per_node
+        model = shape.params * weight_bytes
+        per_rank = {"naive": model, "shm": min(model, 2 * rollout.weight_bucket_bytes), "cuda_ipc": 0}
+        held = per_rank[rollout.checkpoint_engine.engine_process_transport()] * cfg.trainer.n_gpus_per_node
+        if held:
+            shared["weight sync in /dev/shm"] = held
     return shared
 
 

@@ -31,7 +31,7 @@ from scaletrain.trainer.rollout.reward_guard import RewardGuard
 from scaletrain.trainer.rollout.reward_loop import RewardLoop, build_rule_reward
 from scaletrain.trainer.rollout.rm_reward import RemoteScores, RewardWithRM
 from scaletrain.trainer.rollout.schedules import OneStepOffRollouts, SyncRollouts
-from scaletrain.trainer.rollout.split_placement import spawn_rollout_pool
+from scaletrain.trainer.rollout.split_placement import needs_first_push, spawn_rollout_pool
 from scaletrain.trainer.rollout.weight_sync import WeightSync
 from scaletrain.trainer.run.checkpoint import CheckpointManager, tree_bytes
 from scaletrain.trainer.run.generations import ScoredSamples, dump_batch, dump_jsonl, pick_samples
@@ -138,9 +138,12 @@ class RayPPOTrainer:
         if self.critic is not None:
             self.critic.init_model()
         self.actor.init_model()
-        split_rollout = spawn_rollout_pool(cfg, self.plan, actor_cfg, self.actor, self.worker_groups) if split else None
+        split_rollout = spawn_rollout_pool(cfg, self.plan, actor_cfg, self.worker_groups) if split else None
         self.rollout = split_rollout or self.actor  # what generates: the split pool, or the actor's own engines
-        self.weight_sync = WeightSync(self.actor, split_rollout)
+        rc = cfg.actor_rollout_ref.rollout
+        self.weight_sync = WeightSync(self.actor, split_rollout, rc.checkpoint_engine, self.device)
+        if split and needs_first_push(cfg):
+            self.weight_sync.send()  # version 0: the actor's weights before any update
         train_reward_fn = self._start_reward_model(groups)  # the rollouts' reward: with the RM's score if any
         rm_scores = rm_cfg is not None or cfg.reward.remote_rm.enabled
         rule_counts = not rm_scores or bool(cfg.custom_reward_function.path)

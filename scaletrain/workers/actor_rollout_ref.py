@@ -20,13 +20,24 @@ import os
 import threading
 from dataclasses import replace
 
+import ray
+
 from backends.base import TrainEngine, get_backend
 from backends.checkpoint.meta import HF_META_DIR
 from backends.config import ForwardOptions
 from backends.dist import peak_memory_metrics
 from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
 from scaletrain.controller import Dispatch, Worker, register
-from scaletrain.controller.weight_transport import WeightBuckets, put_buckets, read_buckets
+from scaletrain.controller.weight_transport import (
+    ReceivedPush,
+    WeightBuckets,
+    WeightChannel,
+    drain,
+    open_store,
+    put_buckets,
+    read_buckets,
+    send_buckets,
+)
 from scaletrain.protocol import DataProto
 from scaletrain.utils.seeding import derive_seed
 from scaletrain.workers.colocated_rollout import ColocatedRollout
@@ -121,6 +132,7 @@ class ActorRolloutRefWorker(Worker):
             trust_remote_code=policy.trust_remote_code,
             offload_trainer=rc.offload_train_during_rollout,
             adapter_rank=policy.lora_rank if rc.lora_sync == "adapter" else 0,
+            checkpoint_engine=rc.checkpoint_engine,
         )
         # random weights (dummy) or a LoRA actor (its adapter, maybe loaded from lora_adapter_path): the actor's
         # weights go in first (a rollout-only worker gets them pushed by the trainer before it generates)
@@ -182,33 +194,53 @@ class ActorRolloutRefWorker(Worker):
         return self._need("rollout").push_weights()
 
     @register(Dispatch.ONE_TO_ALL)
-    def export_weights(self, version: int) -> WeightBuckets | None:
-        """Split placement: the actor's weights (its LoRA adapter alone with ``rollout.lora_sync=adapter``) into the
-        object store, in buckets of ``rollout.weight_bucket_bytes`` (every rank gathers; rank 0 puts and returns the
-        references, the others None)."""
+    def open_weight_channel(self, timeout_s: float) -> tuple[str, int] | None:
+        """Split placement's collective push: rank 0, the export rank, hosts the push group's store; returns
+        (its node's address, the store's port) there, None on the other ranks."""
+        if self.rank != 0:
+            return None
+        host = ray.util.get_node_ip_address()
+        return host, open_store(host, timeout_s)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def export_weights(self, version: int, channel: WeightChannel | None = None) -> WeightBuckets | int | None:
+        """Split placement: the actor's weights (its LoRA adapter alone with ``rollout.lora_sync=adapter``), in
+        buckets of ``rollout.weight_bucket_bytes``: every rank gathers, rank 0 sends. Over ``channel`` (the
+        collective push) rank 0 broadcasts them to the rollout ranks and returns the bytes sent; without one it
+        puts them in the object store and returns the references. The other ranks return None."""
         actor, bucket_bytes = self._training("actor"), self.config.rollout.weight_bucket_bytes
         if self.config.rollout.lora_sync == "adapter" and actor.has_adapter:
             buckets, adapter_config = actor.export_adapter(bucket_bytes), actor.adapter_config()
         else:
             buckets, adapter_config = actor.export_weights(bucket_bytes), None
-        if self.rank == 0:
-            return put_buckets(buckets, version, adapter_config)
-        for _ in buckets:  # the gathers are collective
-            pass
-        return None
+        if self.rank != 0:
+            drain(buckets)  # the gathers are collective
+            return None
+        if channel is not None:
+            return send_buckets(channel, buckets, adapter_config)
+        return put_buckets(buckets, version, adapter_config)
 
     @register(Dispatch.ONE_TO_ALL)
-    def receive_weights(self, weights: WeightBuckets) -> int:
-        """Split placement: another worker group's buckets into this rank's rollout engine (its own TP shards);
-        returns the bytes read. A LoRA adapter's buckets (``weights.adapter_config``) are served on the engine's
-        base weights."""
+    def receive_weights(self, weights: WeightBuckets | WeightChannel) -> int:
+        """Split placement: another worker group's push into this rank's rollout engine (its own TP shards), from
+        the object store or over the push group; returns the bytes read. A LoRA adapter's buckets are served on
+        the engine's base weights."""
         rollout = self._need("rollout")
-        if weights.adapter_config is None:
-            rollout.load_weights(read_buckets(weights))
+        if isinstance(weights, WeightChannel):
+            push = ReceivedPush(weights, self.rank)
+            adapter_config, buckets = push.adapter_config, push.buckets
         else:
-            rollout.load_adapter(read_buckets(weights), weights.adapter_config)
+            push, adapter_config, buckets = None, weights.adapter_config, read_buckets(weights)
+        try:
+            if adapter_config is None:
+                rollout.load_weights(buckets)
+            else:
+                rollout.load_adapter(buckets, adapter_config)
+        finally:
+            if push is not None:
+                drain(buckets)  # a failed load still reads the push to its end: no peer is left waiting
         self.weight_version = weights.version
-        return weights.nbytes
+        return weights.nbytes if push is None else push.nbytes
 
     @register(Dispatch.ONE_TO_ALL)
     def rollout_status(self) -> dict:

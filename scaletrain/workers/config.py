@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from backends.config import EngineConfig, MicroBatching, ModelConfig, OptimConfig
-from backends.rollout.base import RolloutEngineSettings, SamplingConfig
+from backends.rollout.base import CheckpointEngineSettings, RolloutEngineSettings, SamplingConfig
 from scaletrain.utils.typed_config import ConfigError
 from scaletrain.workers.model_sections import (
     CriticModelConfig,
@@ -163,6 +163,7 @@ class RolloutWorkerConfig(RolloutEngineSettings, LogProbSettings):
         "tensor_model_parallel_size",
         "total_rollout_steps",
         "weight_bucket_bytes",
+        "checkpoint_engine",
         "lora_sync",
         "offload_train_during_rollout",
         "val_kwargs",
@@ -184,6 +185,7 @@ class RolloutWorkerConfig(RolloutEngineSettings, LogProbSettings):
     total_rollout_steps: int | None = None  # async_training.mode=fully_async: prompts the rollouter generates in
     # all; null: as many as total_training_steps trains on
     weight_bucket_bytes: int = 256 << 20  # bytes per bucket of the weights streamed from the actor to the engines
+    checkpoint_engine: CheckpointEngineSettings = field(default_factory=CheckpointEngineSettings)  # how they go
     lora_sync: str | None = None  # LoRA (model.lora_rank > 0): adapter (only the adapter tensors go to the engine,
     # which serves them on its unchanged base weights; vllm, colocated) | merged (the merged full weights, any
     # engine); null: adapter where it works, else merged (scaletrain/trainer/config/lora_checks.py)

@@ -18,7 +18,7 @@ import threading
 
 from backends.rollout.base import SamplingConfig, TokenOutput, TokenRequest
 from scaletrain.controller import ROLLOUT_MESH, WorkerGroup
-from scaletrain.controller.weight_transport import WeightBuckets
+from scaletrain.controller.weight_transport import WeightBuckets, WeightChannel
 from scaletrain.protocol import DataProto
 from scaletrain.workers.actor_rollout_ref import ActorRolloutRefWorker
 from scaletrain.workers.critic import CriticWorker
@@ -71,9 +71,14 @@ class ActorRolloutRefRole:
         returns the bytes rank 0 handed to its engine."""
         return self.group.call(ActorRolloutRefWorker.sync_rollout_weights)[0]
 
-    def export_weights(self, version: int) -> WeightBuckets:
-        """Split placement: the actor's weights as object-store buckets (rank 0's references)."""
-        return self.group.call(ActorRolloutRefWorker.export_weights, version)[0]
+    def export_weights(self, version: int, channel: WeightChannel | None = None) -> WeightBuckets | int:
+        """Split placement: the actor's weights as object-store buckets (rank 0's references), or over
+        ``channel``, the collective push group (the bytes rank 0 sent)."""
+        return self.group.call(ActorRolloutRefWorker.export_weights, version, channel)[0]
+
+    def open_weight_channel(self, timeout_s: float) -> tuple[str, int]:
+        """The collective push group's meeting point, hosted by the export rank: (address, port)."""
+        return self.group.call(ActorRolloutRefWorker.open_weight_channel, timeout_s)[0]
 
     def save_checkpoint(self, path: str) -> None:
         self.group.call(ActorRolloutRefWorker.save_checkpoint, path)
@@ -166,7 +171,7 @@ class RolloutRole:
     def rollout_dp_size(self) -> int:
         return self.group.mesh_dp_size(ROLLOUT_MESH)
 
-    def receive_weights(self, weights: WeightBuckets) -> int:
+    def receive_weights(self, weights: WeightBuckets | WeightChannel) -> int:
         """The pushed weights into every engine, before the next generation call; returns the bytes each read."""
         per_rank, _ = self._call(ActorRolloutRefWorker.receive_weights, weights, new_version=weights.version)
         return per_rank[0]

@@ -9,7 +9,13 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from backends.base import TrainEngine
-from backends.rollout.base import RolloutConfig, RolloutEngine, RolloutEngineSettings, get_rollout
+from backends.rollout.base import (
+    CheckpointEngineSettings,
+    RolloutConfig,
+    RolloutEngine,
+    RolloutEngineSettings,
+    get_rollout,
+)
 from scaletrain.controller import ROLLOUT_MESH, Worker
 from scaletrain.utils.seeding import derive_seed
 from scaletrain.workers.colocated_rollout import ColocatedRollout
@@ -25,12 +31,14 @@ def build_rollout(
     max_model_len: int,
     trust_remote_code: bool = False,
     lora_rank: int = 0,
+    checkpoint_engine: CheckpointEngineSettings | None = None,
 ) -> tuple[RolloutEngine, Any]:
     """(engine, tokenizer). Ranks form rollout groups of ``tensor_parallel_size``; rank 0 of each is collected.
     ``settings`` is the worker's rollout section (it extends RolloutEngineSettings); each engine's seed is derived
     from the configured seed and its rollout DP rank (32 bits: vLLM passes it to ``numpy.random.seed``), the same
     on the ranks of one engine. With TP > 1 every rank hosts one shard of its group's engine
-    (backends/rollout/vllm_tp.py). ``lora_rank`` > 0: the engine serves a LoRA adapter of that rank."""
+    (backends/rollout/vllm_tp.py). ``lora_rank`` > 0: the engine serves a LoRA adapter of that rank.
+    ``checkpoint_engine``: how synced weights reach it (default: auto)."""
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     shared = {f.name: getattr(settings, f.name) for f in fields(RolloutEngineSettings)}
     shared["seed"] = derive_seed(settings.seed, worker.rank // tensor_parallel_size, bits=32)
@@ -40,6 +48,7 @@ def build_rollout(
         tensor_parallel_size=tensor_parallel_size,
         max_model_len=max_model_len,
         lora_rank=lora_rank,
+        checkpoint_engine=checkpoint_engine or CheckpointEngineSettings(),
     )
     engine = get_rollout(name)(config, tokenizer)
     tp = tensor_parallel_size
@@ -58,12 +67,14 @@ def build_colocated_rollout(
     trust_remote_code: bool,
     offload_trainer: bool,
     adapter_rank: int = 0,
+    checkpoint_engine: CheckpointEngineSettings | None = None,
 ) -> tuple[ColocatedRollout, Any]:
     """(the rollout engine in its colocation with ``trainer``, tokenizer). ``settings``: the worker's rollout
     section (``tensor_model_parallel_size``, ``free_cache_engine``, ``weight_bucket_bytes`` and the
     RolloutEngineSettings); ``engine_name``: the registered rollout engine (``settings.name``, or vllm_async);
     ``trainer`` (None: no trained weights to sync) feeds it weights; ``adapter_rank`` > 0: its LoRA adapter alone
-    (``rollout.lora_sync=adapter``), which the engine serves on its base weights."""
+    (``rollout.lora_sync=adapter``), which the engine serves on its base weights; ``checkpoint_engine``: the
+    rollout section's weight transport (build_rollout)."""
     engine, tokenizer = build_rollout(
         worker,
         engine_name,
@@ -73,6 +84,7 @@ def build_colocated_rollout(
         max_model_len=max_model_len,
         trust_remote_code=trust_remote_code,
         lora_rank=adapter_rank,
+        checkpoint_engine=checkpoint_engine,
     )
     rollout = ColocatedRollout(
         engine,

@@ -126,7 +126,7 @@ def test_grpo_with_lora_on_megatron_tp2_and_the_vllm_adapter_sync(ray_cluster, t
 
 
 def test_lora_on_split_placement_pushes_the_adapter_and_resumes_exactly(ray_cluster, task, tmp_path, caplog):
-    """Split placement (one train rank, one rollout rank): the adapter alone goes through the object store to the
+    """Split placement (one train rank, one rollout rank): the adapter alone goes over the push group (gloo) to the
     rollout pool's vLLM engine, which serves it; the checkpoint holds the adapter and its optimizer state, not the
     frozen base, and a run resumed from step 1 trains step 2 as the uninterrupted run did."""
     run_dir, reward_file = tmp_path / "split", tmp_path / "reward.py"

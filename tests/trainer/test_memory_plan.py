@@ -126,6 +126,18 @@ def test_megatrons_lora_adapters_are_whole_on_every_tensor_parallel_rank():
     assert two_tp["actor optimizer"] == one["actor optimizer"] > 0
 
 
+def test_the_weight_syncs_dev_shm_line_follows_its_transport():
+    """The agent loops' engine-core process takes each sync through /dev/shm: two bucket slots per rollout rank of
+    the node (shm, auto's choice), the whole model (naive); a run whose engines load in-process has no such line."""
+    agents = ("actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.weight_bucket_bytes=65536")
+    ranks = resolved(*agents).trainer.n_gpus_per_node
+    slots = memory_plan(resolved(*agents), 1 << 40).shared["weight sync in /dev/shm"]
+    naive_cfg = resolved(*agents, "actor_rollout_ref.rollout.checkpoint_engine.backend=naive")
+    whole = memory_plan(naive_cfg, 1 << 40).shared["weight sync in /dev/shm"]
+    assert slots == 2 * 65536 * ranks and whole > 10 * slots
+    assert "weight sync in /dev/shm" not in memory_plan(resolved(), 1 << 40).shared
+
+
 def test_a_model_the_plan_cannot_read_warns_and_the_run_goes_on_or_fails_under_error(tmp_path, caplog):
     """A checkpoint whose config transformers cannot build: the plan gives way under warn (a training run must not
     fail for its check), and under error says why."""

@@ -46,7 +46,8 @@ def check_config(cfg: PPOConfig) -> PPOConfig:
     _validate_batch_sizes(cfg)
     _validate_algorithm(cfg)
     validate_async_training(cfg)
-    validate_rollout(cfg.actor_rollout_ref.rollout, rollout_world_size(cfg), cfg.trainer.device)
+    split = not cfg.actor_rollout_ref.hybrid_engine
+    validate_rollout(cfg.actor_rollout_ref.rollout, rollout_world_size(cfg), cfg.trainer.device, split)
     validate_roles(cfg)
     validate_rollout_correction(cfg)
     validate_filter_groups(cfg)

@@ -8,10 +8,32 @@ import os
 from scaletrain.utils.typed_config import ConfigError
 
 
-def validate_rollout(rollout, world: int, device: str) -> None:
+def validate_rollout(rollout, world: int, device: str, split: bool = False) -> None:
+    """``split``: split placement (the rollout on a pool of its own)."""
     rollout.check("actor_rollout_ref.rollout", None if device == "auto" else device)
     validate_rollout_tp(rollout, world)
     _validate_multi_turn(rollout)
+    _validate_weight_transport(rollout, device, split)
+
+
+def _validate_weight_transport(rollout, device: str, split: bool) -> None:
+    """A named ``checkpoint_engine.backend`` must have its hop in this run: nccl a push between pools, shm /
+    cuda_ipc an engine in another process (the agent loops' async engine)."""
+    key = "actor_rollout_ref.rollout.checkpoint_engine"
+    settings = rollout.checkpoint_engine
+    settings.check(key, None if device == "auto" else device)
+    if settings.backend == "nccl" and not split:
+        raise ConfigError(
+            f"{key}.backend=nccl pushes the weights between the trainer's and the rollout's pools, which this run "
+            "does not have (actor_rollout_ref.hybrid_engine=true: each engine takes them in its own process); "
+            "use auto"
+        )
+    if settings.backend in ("shm", "cuda_ipc") and not rollout.use_async_engine:
+        raise ConfigError(
+            f"{key}.backend={settings.backend} feeds an engine running in another process (the agent loops' vLLM "
+            "async engine: rollout.mode=async or multi_turn.enable, at tensor_model_parallel_size=1); this run's "
+            "engines take the weights in their own process: use auto"
+        )
 
 
 def validate_rollout_model(

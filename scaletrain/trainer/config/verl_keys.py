@@ -69,14 +69,6 @@ UNSUPPORTED = {
         "fused log-prob kernels are not implemented (remove the key)"
     ),
     "actor_rollout_ref.rollout.ignore_eos": Unsupported("generation always stops at EOS (remove the key)", FALSE),
-    "actor_rollout_ref.rollout.checkpoint_engine.backend": Unsupported(
-        "the weights reach the rollout in process (colocated) or through Ray's object store (split placement); "
-        "rollout.weight_bucket_bytes sizes the buckets",
-        ("naive",),
-    ),
-    "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs": Unsupported(
-        "the weight transport takes no engine arguments; rollout.weight_bucket_bytes sizes its buckets"
-    ),
     "actor_rollout_ref.rollout.multi_turn.function_tool_path": Unsupported(
         "tools are BaseTool classes listed in actor_rollout_ref.rollout.multi_turn.tools_config_file"
     ),

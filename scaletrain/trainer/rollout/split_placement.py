@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from scaletrain.controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from scaletrain.workers import ActorRolloutRefWorker
-from scaletrain.workers.roles import ActorRolloutRefRole, RolloutRole
+from scaletrain.workers.roles import RolloutRole
 
 if TYPE_CHECKING:
     from scaletrain.trainer.config.plan import RunPlan
@@ -22,23 +22,22 @@ if TYPE_CHECKING:
 
 
 def spawn_rollout_pool(
-    cfg: PPOConfig,
-    plan: RunPlan,
-    actor_cfg: tuple[ActorRolloutRefConfig, EngineSetup],
-    actor: ActorRolloutRefRole,
-    started: list,
+    cfg: PPOConfig, plan: RunPlan, actor_cfg: tuple[ActorRolloutRefConfig, EngineSetup], started: list
 ) -> RolloutRole:
-    """The rollout pool's workers, their engines built (``rollout.load_format=dummy`` or a LoRA actor, whose adapter
-    may start from ``lora_adapter_path``: the actor's weights pushed once, as version 0). The group goes into
-    ``started`` (the trainer frees it at the end) as soon as it exists."""
+    """The rollout pool's workers, their engines built. The group goes into ``started`` (the trainer frees it at
+    the end) as soon as it exists."""
     rc = cfg.actor_rollout_ref.rollout
     worker = RayClassWithInitArgs(ActorRolloutRefWorker, *actor_cfg, "rollout")
     group = spawn_own_pool(cfg, plan, (rc.n_gpus_per_node, rc.nnodes), worker, "rollout", started)
     rollout = RolloutRole(group)
     rollout.init_model()
-    if rc.load_format == "dummy" or cfg.actor_rollout_ref.model.lora_rank > 0:  # the actor's weights: version 0
-        rollout.receive_weights(actor.export_weights(0))
     return rollout
+
+
+def needs_first_push(cfg: PPOConfig) -> bool:
+    """Whether the rollout pool must get the actor's weights before it generates (as version 0): with
+    ``rollout.load_format=dummy``, or a LoRA actor (whose adapter may start from ``lora_adapter_path``)."""
+    return cfg.actor_rollout_ref.rollout.load_format == "dummy" or cfg.actor_rollout_ref.model.lora_rank > 0
 
 
 def spawn_own_pool(

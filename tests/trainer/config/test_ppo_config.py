@@ -175,12 +175,39 @@ def test_yaml_defaults_build_and_validate():
             "critic.model.use_remove_padding=true",
         ),
         (["critic.ulysses_sequence_parallel_size=0", "algorithm.adv_estimator=gae"], "must be an integer >= 1, got 0"),
+        # the weight transport: a named backend needs its hop in this run
+        (["actor_rollout_ref.rollout.checkpoint_engine.backend=nixl"], "checkpoint_engine.backend must be one of"),
+        (
+            ["actor_rollout_ref.rollout.checkpoint_engine.backend=cuda_ipc", "trainer.device=cpu"],
+            "checkpoint_engine.backend=cuda_ipc needs CUDA devices",
+        ),
+        (["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"], "which this run does not have"),
+        (["actor_rollout_ref.rollout.checkpoint_engine.backend=shm"], "feeds an engine running in another process"),
+        (
+            ["+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.shm.path=/x"],
+            "checkpoint_engine.engine_kwargs.shm: unknown ['path']",
+        ),
     ],
 )
 def test_bad_configs_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as info:
         checked(*overrides)
     assert message in str(info.value)
+
+
+def test_a_weight_transport_with_its_hop_in_the_run_is_taken():
+    async_run = checked(
+        "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.checkpoint_engine.backend=shm"
+    )
+    assert async_run.actor_rollout_ref.rollout.checkpoint_engine.engine_process_transport() == "shm"
+    split = checked("actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl")
+    assert split.actor_rollout_ref.rollout.checkpoint_engine.pool_transport("cuda") == "nccl"
+    auto = checked().actor_rollout_ref.rollout.checkpoint_engine
+    assert (auto.pool_transport("cpu"), auto.pool_transport("cuda"), auto.engine_process_transport()) == (
+        "nccl",
+        "naive",
+        "shm",
+    )
 
 
 def test_megatron_layout_keys_reach_the_engine_config():

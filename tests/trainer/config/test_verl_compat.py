@@ -132,7 +132,7 @@ def test_translation(argv, expected):
         (["critic.megatron.context_parallel_size=4"], "use megatron.sequence_parallel=true"),
         (["algorithm.pf_ppo.weight_pow=2.0"], "policy-filtration PPO is not implemented"),
         (["reward.reward_kwargs.x=1"], "verl's reward.\\* keys taken here: .*reward.reward_manager.name"),
-        (["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"], "rollout.weight_bucket_bytes"),
+        (["actor_rollout_ref.model.use_fused_kernels=true"], "fused log-prob kernels are not implemented"),
         (["model_engine=veomni"], "unknown strategy 'veomni'"),
         (["--config-name=ppo_megatron_trainer", "backend=fsdp"], "backend=fsdp conflicts with --config-name"),
     ],
