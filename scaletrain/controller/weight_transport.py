@@ -3,7 +3,8 @@
 Collective (``checkpoint_engine.backend`` nccl, auto's choice on CPU): the trainer's export rank and every rollout
 rank form a ``torch.distributed`` group of their own (gloo on CPU, NCCL on CUDA; group rank 0 the sender, rollout
 rank r is 1 + r), met through a TCPStore the export rank hosts (``open_store``) and kept for every later push. Each
-bucket goes as one broadcast of its bytes after a small header (sizes, then names, dtypes and shapes); the sender
+bucket goes as a small header (names, dtypes and shapes), then its bytes: each tensor of 1 MiB or more broadcast as
+it is (no packing copy), each run of smaller ones packed into one broadcast. The sender
 gathers the next bucket while it broadcasts one, each receiver takes the next while its engine loads one
 (``prefetched``: at most one bucket ahead on either side). A sender whose export fails broadcasts an abort, so the
 receivers raise instead of waiting; a receiver whose engine fails reads the push to its end before it raises, so
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import pickle
 import warnings
 from collections.abc import Iterable, Iterator
@@ -101,7 +103,11 @@ class WeightChannel:
 
 _STORES: dict[int, dist.TCPStore] = {}  # the store this process hosts, by port
 _GROUPS: dict[tuple[str, int], dist.ProcessGroup] = {}  # this process's member of each channel's group
+_ARENAS: dict[tuple[str, int], list[torch.Tensor]] = {}  # a receiver's buffers, kept for the channel's next push
 _ABORT, _END = -1, 0  # header values of a push's end and of a sender's failure
+ALIGN = 64  # every tensor starts at a multiple of this in a receive buffer
+ARENAS = 3  # receive buffers per rollout rank during a push: one loading, one queued, one receiving
+SMALL = 1 << 20  # tensors smaller than this go packed with their neighbours, one broadcast per run
 
 
 def open_store(host: str, timeout_s: float) -> int:
@@ -141,6 +147,24 @@ def _broadcast_object(group: dist.ProcessGroup, value) -> None:
     _broadcast(group, packed)
 
 
+def _layout(sizes: list[int]) -> tuple[list[int], list[tuple[int, int, list[int]]]]:
+    """Where each tensor of a bucket lies in the receiver's buffer (64-byte aligned, so any dtype views it), and
+    the bucket's broadcasts as (start, length, tensor indices): each tensor of at least ``SMALL`` bytes alone (sent
+    as it is: no packing copy), each run of smaller ones packed into one."""
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(end)
+        end += -(-size // ALIGN) * ALIGN
+    parts: list[list[int]] = []
+    for i, size in enumerate(sizes):
+        if size >= SMALL or not parts or sizes[parts[-1][-1]] >= SMALL:
+            parts.append([i])
+        else:
+            parts[-1].append(i)
+    spans = [(offsets[p[0]], offsets[p[-1]] + sizes[p[-1]] - offsets[p[0]], p) for p in parts]
+    return offsets, spans
+
+
 def send_buckets(
     channel: WeightChannel, buckets: Iterable[list[tuple[str, torch.Tensor]]], adapter_config: dict | None
 ) -> int:
@@ -151,14 +175,18 @@ def send_buckets(
     _broadcast_object(group, adapter_config)
     try:
         for bucket in prefetched(buckets, name="weight-export"):
-            meta = [(name, t.dtype, tuple(t.shape)) for name, t in bucket]
-            flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
-            flat = flat.to(channel.device)
-            packed = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)
-            _broadcast(group, torch.tensor([packed.numel(), flat.numel()], dtype=torch.int64))
-            _broadcast(group, packed)
-            _broadcast(group, flat)
-            sent += flat.numel()
+            raw = [t.detach().to(channel.device).contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
+            _broadcast_object(group, [(name, t.dtype, tuple(t.shape)) for name, t in bucket])
+            offsets, spans = _layout([r.numel() for r in raw])
+            for start, length, part in spans:
+                if len(part) == 1:
+                    _broadcast(group, raw[part[0]])
+                    continue
+                packed = torch.zeros(length, dtype=torch.uint8, device=channel.device)
+                for i in part:
+                    packed[offsets[i] - start : offsets[i] - start + raw[i].numel()] = raw[i]
+                _broadcast(group, packed)
+            sent += sum(r.numel() for r in raw)
     except BaseException:
         # the receivers raise instead of waiting; a group already broken (a dead receiver) fails this at once
         with contextlib.suppress(Exception):
@@ -169,25 +197,36 @@ def send_buckets(
 
 
 def _received(channel: WeightChannel, group: dist.ProcessGroup, counted: list[int]):
-    while True:
+    """The buckets as they arrive, into ``ARENAS`` buffers used in turn and kept for the channel's later pushes
+    (as verl's and slime's collective pushes keep theirs: memory is not faulted in again for each bucket, at the
+    cost of ``ARENAS`` buckets held between pushes): a bucket's tensors stay valid until the consumer has drawn the
+    bucket ``ARENAS - 1`` after it; a consumer that keeps tensors longer copies them."""
+    arenas = _ARENAS.setdefault(channel.key, [])
+    for index in itertools.count():
         header = torch.empty(2, dtype=torch.int64)
         _broadcast(group, header)
-        size, nbytes = header.tolist()
+        size = int(header[0])
         if size == _END:
             return
         if size == _ABORT:
             raise RuntimeError(f"weight push {channel.version}: the trainer's export failed mid-push (see its error)")
         packed = torch.empty(size, dtype=torch.uint8)
-        flat = torch.empty(nbytes, dtype=torch.uint8, device=channel.device)
         _broadcast(group, packed)
-        _broadcast(group, flat)
-        bucket, offset = [], 0
-        for name, dtype, shape in pickle.loads(packed.numpy().tobytes()):
-            count = dtype.itemsize * int(torch.Size(shape).numel())
-            bucket.append((name, flat[offset : offset + count].view(dtype).reshape(shape)))
-            offset += count
-        counted[0] += nbytes
-        yield bucket
+        meta = pickle.loads(packed.numpy().tobytes())
+        sizes = [dtype.itemsize * int(torch.Size(shape).numel()) for _, dtype, shape in meta]
+        offsets, spans = _layout(sizes)
+        need = spans[-1][0] + spans[-1][1] if spans else 0
+        arena = arenas[index % ARENAS] if len(arenas) == ARENAS else None
+        if arena is None or arena.numel() < need:
+            arena = torch.empty(need, dtype=torch.uint8, device=channel.device)
+            arenas[index % ARENAS : index % ARENAS + 1] = [arena]
+        for start, length, _ in spans:
+            _broadcast(group, arena[start : start + length])
+        counted[0] += sum(sizes)
+        yield [
+            (name, arena[offset : offset + nbytes].view(dtype).reshape(shape))
+            for (name, dtype, shape), offset, nbytes in zip(meta, offsets, sizes)
+        ]
 
 
 class ReceivedPush:
