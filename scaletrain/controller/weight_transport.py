@@ -31,10 +31,12 @@ import pickle
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 from scaletrain.utils.prefetch import prefetched
 
@@ -101,8 +103,8 @@ class WeightChannel:
         return self.host, self.port
 
 
-_STORES: dict[int, dist.TCPStore] = {}  # the store this process hosts, by port
-_GROUPS: dict[tuple[str, int], dist.ProcessGroup] = {}  # this process's member of each channel's group
+_STORES: dict[int, TCPStore] = {}  # the store this process hosts, by port
+_GROUPS: dict[tuple[str, int], Any] = {}  # this process's member of each channel's group
 _ARENAS: dict[tuple[str, int], list[torch.Tensor]] = {}  # a receiver's buffers, kept for the channel's next push
 _ABORT, _END = -1, 0  # header values of a push's end and of a sender's failure
 ALIGN = 64  # every tensor starts at a multiple of this in a receive buffer
@@ -113,18 +115,18 @@ SMALL = 1 << 20  # tensors smaller than this go packed with their neighbours, on
 def open_store(host: str, timeout_s: float) -> int:
     """On the export rank: a TCPStore on a free port of ``host`` (this node's address), kept for this process's
     life; returns the port."""
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(0, timeout_s))
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(0, timeout_s))
     _STORES[store.port] = store
     return store.port
 
 
-def _group(channel: WeightChannel, rank: int) -> dist.ProcessGroup:
+def _group(channel: WeightChannel, rank: int) -> Any:
     """This process's member of the channel's group (made on first use: every member joins then)."""
     if channel.key not in _GROUPS:
         timeout = datetime.timedelta(seconds=channel.timeout_s)
         store = _STORES.get(channel.port) if rank == 0 else None
-        store = store or dist.TCPStore(channel.host, channel.port, is_master=False, timeout=timeout)
-        prefixed = dist.PrefixStore("scaletrain-weights", store)
+        store = store or TCPStore(channel.host, channel.port, is_master=False, timeout=timeout)
+        prefixed = PrefixStore("scaletrain-weights", store)
         if channel.device == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -135,13 +137,13 @@ def _group(channel: WeightChannel, rank: int) -> dist.ProcessGroup:
     return _GROUPS[channel.key]
 
 
-def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+def _broadcast(group: Any, tensor: torch.Tensor) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
     group.broadcast([tensor], options).wait()
 
 
-def _broadcast_object(group: dist.ProcessGroup, value) -> None:
+def _broadcast_object(group: Any, value) -> None:
     packed = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
     _broadcast(group, torch.tensor([packed.numel(), 0], dtype=torch.int64))
     _broadcast(group, packed)
@@ -196,7 +198,7 @@ def send_buckets(
     return sent
 
 
-def _received(channel: WeightChannel, group: dist.ProcessGroup, counted: list[int]):
+def _received(channel: WeightChannel, group: Any, counted: list[int]):
     """The buckets as they arrive, into ``ARENAS`` buffers used in turn and kept for the channel's later pushes
     (as verl's and slime's collective pushes keep theirs: memory is not faulted in again for each bucket, at the
     cost of ``ARENAS`` buckets held between pushes): a bucket's tensors stay valid until the consumer has drawn the
@@ -231,22 +233,32 @@ def _received(channel: WeightChannel, group: dist.ProcessGroup, counted: list[in
 
 class ReceivedPush:
     """On rollout rank ``rank``: one push's adapter config (None: full weights) and its buckets (``buckets``),
-    each received while the previous one loads; ``nbytes`` counts what arrived. Read it to its end (``drain``)
-    even when the engine fails, so the push completes for the sender and the other ranks."""
+    over the push group (``channel``: each bucket received while the previous one loads) or from the object store
+    (``WeightBuckets``); ``nbytes`` counts what arrived. Call ``finish`` after the load, even a failed one: a
+    collective push is read to its end, so the sender and the other ranks are not left waiting."""
 
-    def __init__(self, channel: WeightChannel, rank: int) -> None:
-        group = _group(channel, 1 + rank)
+    def __init__(self, weights: WeightChannel | WeightBuckets, rank: int) -> None:
+        self.version = weights.version
+        if isinstance(weights, WeightBuckets):
+            self.adapter_config, self.buckets = weights.adapter_config, read_buckets(weights)
+            self._counted, self._collective = [weights.nbytes], False
+            return
+        group = _group(weights, 1 + rank)
         header = torch.empty(2, dtype=torch.int64)
         _broadcast(group, header)
         packed = torch.empty(int(header[0]), dtype=torch.uint8)
         _broadcast(group, packed)
         self.adapter_config = pickle.loads(packed.numpy().tobytes())
-        self._counted = [0]
-        self.buckets = prefetched(_received(channel, group, self._counted), name="weight-receive")
+        self._counted, self._collective = [0], True
+        self.buckets = prefetched(_received(weights, group, self._counted), name="weight-receive")
 
     @property
     def nbytes(self) -> int:
         return self._counted[0]
+
+    def finish(self) -> None:
+        if self._collective:
+            drain(self.buckets)
 
 
 def drain(buckets: Iterator) -> None:

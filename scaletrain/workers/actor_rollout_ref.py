@@ -35,7 +35,6 @@ from scaletrain.controller.weight_transport import (
     drain,
     open_store,
     put_buckets,
-    read_buckets,
     send_buckets,
 )
 from scaletrain.protocol import DataProto
@@ -226,21 +225,16 @@ class ActorRolloutRefWorker(Worker):
         the object store or over the push group; returns the bytes read. A LoRA adapter's buckets are served on
         the engine's base weights."""
         rollout = self._need("rollout")
-        if isinstance(weights, WeightChannel):
-            push = ReceivedPush(weights, self.rank)
-            adapter_config, buckets = push.adapter_config, push.buckets
-        else:
-            push, adapter_config, buckets = None, weights.adapter_config, read_buckets(weights)
+        push = ReceivedPush(weights, self.rank)
         try:
-            if adapter_config is None:
-                rollout.load_weights(buckets)
+            if push.adapter_config is None:
+                rollout.load_weights(push.buckets)
             else:
-                rollout.load_adapter(buckets, adapter_config)
+                rollout.load_adapter(push.buckets, push.adapter_config)
         finally:
-            if push is not None:
-                drain(buckets)  # a failed load still reads the push to its end: no peer is left waiting
-        self.weight_version = weights.version
-        return weights.nbytes if push is None else push.nbytes
+            push.finish()  # a collective push is read to its end even after a failed load: no peer is left waiting
+        self.weight_version = push.version
+        return push.nbytes
 
     @register(Dispatch.ONE_TO_ALL)
     def rollout_status(self) -> dict:

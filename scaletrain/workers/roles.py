@@ -71,10 +71,15 @@ class ActorRolloutRefRole:
         returns the bytes rank 0 handed to its engine."""
         return self.group.call(ActorRolloutRefWorker.sync_rollout_weights)[0]
 
-    def export_weights(self, version: int, channel: WeightChannel | None = None) -> WeightBuckets | int:
-        """Split placement: the actor's weights as object-store buckets (rank 0's references), or over
-        ``channel``, the collective push group (the bytes rank 0 sent)."""
-        return self.group.call(ActorRolloutRefWorker.export_weights, version, channel)[0]
+    def export_weights(self, version: int) -> WeightBuckets:
+        """Split placement: the actor's weights as object-store buckets (rank 0's references)."""
+        weights = self.group.call(ActorRolloutRefWorker.export_weights, version)[0]
+        assert isinstance(weights, WeightBuckets)
+        return weights
+
+    def send_weights(self, channel: WeightChannel) -> int:
+        """Split placement: the actor's weights over ``channel``, the collective push group; the bytes sent."""
+        return self.group.call(ActorRolloutRefWorker.export_weights, channel.version, channel)[0]
 
     def open_weight_channel(self, timeout_s: float) -> tuple[str, int]:
         """The collective push group's meeting point, hosted by the export rank: (address, port)."""

@@ -83,7 +83,7 @@ class WeightSync:
         ended = [start]
 
         def export() -> None:
-            self.actor.export_weights(self.version, channel)
+            self.actor.send_weights(channel)
             ended[0] = time.perf_counter()
 
         sender = pool.submit(export)
