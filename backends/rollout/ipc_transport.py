@@ -118,7 +118,8 @@ class _Slot:
     def close(self) -> None:
         self.buffer = None
         if self.map is not None:
-            self.map.close()
+            with contextlib.suppress(BufferError):  # a view still alive: unmapped once it is collected
+                self.map.close()
             self.map = None
         if self.path:
             with contextlib.suppress(FileNotFoundError):

@@ -3,7 +3,7 @@
 Collective (``checkpoint_engine.backend`` nccl, auto's choice on CPU): the trainer's export rank and every rollout
 rank form a ``torch.distributed`` group of their own (gloo on CPU, NCCL on CUDA; group rank 0 the sender, rollout
 rank r is 1 + r), met through a TCPStore the export rank hosts (``open_store``) and kept for every later push. Each
-bucket goes as a small header (names, dtypes and shapes), then its bytes: each tensor of 1 MiB or more broadcast as
+bucket goes as a small JSON header (names, dtypes and shapes), then its bytes: each tensor of 1 MiB or more broadcast as
 it is (no packing copy), each run of smaller ones packed into one broadcast. The sender
 gathers the next bucket while it broadcasts one, each receiver takes the next while its engine loads one
 (``prefetched``: at most one bucket ahead on either side). A sender whose export fails broadcasts an abort, so the
@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
-import pickle
+import json
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -96,7 +96,6 @@ class WeightChannel:
     device: str = "cpu"
     timeout_s: float = 600.0
     version: int = 0
-    adapter_config: dict | None = None  # a LoRA adapter's PEFT config: the buckets hold that adapter alone
 
     @property
     def key(self) -> tuple[str, int]:
@@ -108,7 +107,7 @@ _GROUPS: dict[tuple[str, int], Any] = {}  # this process's member of each channe
 _ARENAS: dict[tuple[str, int], list[torch.Tensor]] = {}  # a receiver's buffers, kept for the channel's next push
 _ABORT, _END = -1, 0  # header values of a push's end and of a sender's failure
 ALIGN = 64  # every tensor starts at a multiple of this in a receive buffer
-ARENAS = 3  # receive buffers per rollout rank during a push: one loading, one queued, one receiving
+ARENAS = 3  # receive buffers per rollout rank, kept between pushes: one loading, one queued, one receiving
 SMALL = 1 << 20  # tensors smaller than this go packed with their neighbours, one broadcast per run
 
 
@@ -143,10 +142,26 @@ def _broadcast(group: Any, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], options).wait()
 
 
-def _broadcast_object(group: Any, value) -> None:
-    packed = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+def _broadcast_json(group: Any, value) -> None:
+    """``value`` as JSON (never a pickle: the push group's store listens on the network, and what arrives is data,
+    not code), after its size."""
+    packed = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
     _broadcast(group, torch.tensor([packed.numel(), 0], dtype=torch.int64))
     _broadcast(group, packed)
+
+
+def _received_json(group: Any, size: int):
+    packed = torch.empty(size, dtype=torch.uint8)
+    _broadcast(group, packed)
+    return json.loads(packed.numpy().tobytes())
+
+
+def _dtype(name: str) -> torch.dtype:
+    """A pushed tensor's dtype, by its torch name; anything else is refused."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"weight push: '{name}' is not a torch dtype")
+    return dtype
 
 
 def _layout(sizes: list[int]) -> tuple[list[int], list[tuple[int, int, list[int]]]]:
@@ -174,11 +189,11 @@ def send_buckets(
     the buckets hold); returns the bytes sent. The next bucket is gathered (a collective of the training ranks)
     while this one is broadcast."""
     group, sent = _group(channel, 0), 0
-    _broadcast_object(group, adapter_config)
+    _broadcast_json(group, adapter_config)
     try:
         for bucket in prefetched(buckets, name="weight-export"):
             raw = [t.detach().to(channel.device).contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
-            _broadcast_object(group, [(name, t.dtype, tuple(t.shape)) for name, t in bucket])
+            _broadcast_json(group, [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in bucket])
             offsets, spans = _layout([r.numel() for r in raw])
             for start, length, part in spans:
                 if len(part) == 1:
@@ -212,9 +227,7 @@ def _received(channel: WeightChannel, group: Any, counted: list[int]):
             return
         if size == _ABORT:
             raise RuntimeError(f"weight push {channel.version}: the trainer's export failed mid-push (see its error)")
-        packed = torch.empty(size, dtype=torch.uint8)
-        _broadcast(group, packed)
-        meta = pickle.loads(packed.numpy().tobytes())
+        meta = [(name, _dtype(dtype), tuple(shape)) for name, dtype, shape in _received_json(group, size)]
         sizes = [dtype.itemsize * int(torch.Size(shape).numel()) for _, dtype, shape in meta]
         offsets, spans = _layout(sizes)
         need = spans[-1][0] + spans[-1][1] if spans else 0
@@ -246,9 +259,7 @@ class ReceivedPush:
         group = _group(weights, 1 + rank)
         header = torch.empty(2, dtype=torch.int64)
         _broadcast(group, header)
-        packed = torch.empty(int(header[0]), dtype=torch.uint8)
-        _broadcast(group, packed)
-        self.adapter_config = pickle.loads(packed.numpy().tobytes())
+        self.adapter_config = _received_json(group, int(header[0]))
         self._counted, self._collective = [0], True
         self.buckets = prefetched(_received(weights, group, self._counted), name="weight-receive")
 
