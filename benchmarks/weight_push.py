@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,7 +31,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import emit_results, print_table  # noqa: E402
+from benchmarks.common import emit_results, median_ms, print_table  # noqa: E402
 
 
 def make_buckets(total_mib: int, bucket_mib: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -100,16 +98,6 @@ class Member:
         return weights.nbytes
 
 
-def timed(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def measure(total: int, bucket_mib: int, receivers: int, store_mib: int, reps: int) -> dict[str, float]:
     """Every variant's median ms on a fresh private Ray cluster whose object store holds ``store_mib`` MiB."""
     ray.init(
@@ -134,10 +122,10 @@ def measure(total: int, bucket_mib: int, receivers: int, store_mib: int, reps: i
             del weights  # its buckets leave the store with their last reference
 
         return {
-            "floor": timed(lambda: ray.get([m.floor.remote(channel) for m in members]), reps),
-            "collective": timed(lambda: ray.get([m.collective.remote(channel, False) for m in members]), reps),
-            "loaded": timed(lambda: ray.get([m.collective.remote(channel, True) for m in members]), reps),
-            "store": timed(store, reps),
+            "floor": median_ms(lambda: ray.get([m.floor.remote(channel) for m in members]), reps),
+            "collective": median_ms(lambda: ray.get([m.collective.remote(channel, False) for m in members]), reps),
+            "loaded": median_ms(lambda: ray.get([m.collective.remote(channel, True) for m in members]), reps),
+            "store": median_ms(store, reps),
         }
     finally:
         ray.shutdown()
