@@ -8,6 +8,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+from scaletrain.utils.gc_tuning import start_process  # noqa: E402
+
+start_process()  # this process drives in-process runs: the collector set as in a run's driver (main_ppo.py)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def ray_auth_token():
@@ -25,6 +29,8 @@ def ray_cluster(ray_auth_token):
     """A local Ray cluster with 16 CPUs and 8 fake GPUs declared (CPU torch ignores CUDA_VISIBLE_DEVICES)."""
     import ray
 
+    from scaletrain.utils.gc_tuning import SETUP_HOOK
+
     if not ray.is_initialized():
         ray.init(
             address="local",  # a private cluster, never a stale or foreign one
@@ -34,6 +40,7 @@ def ray_cluster(ray_auth_token):
             object_store_memory=600 * 1024**2,
             logging_level="WARNING",
             log_to_driver=False,
+            runtime_env={"worker_process_setup_hook": SETUP_HOOK},  # as a run's workers (console.py)
         )
     yield ray
     ray.shutdown()

@@ -34,6 +34,7 @@ from typing import Any
 
 from backends.rollout.base import WAKE_TAGS, RolloutConfig, TokenOutput, TokenRequest, register_rollout
 from backends.rollout.vllm_engine import VLLMRolloutEngine, import_vllm, refuse_images, start_vllm
+from scaletrain.utils.gc_tuning import settle
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class VLLMAsyncRolloutEngine(VLLMRolloutEngine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        settle()  # vLLM's start-up collects several times: what exists now (its modules too) is left out
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
     def _wait(self, coroutine):

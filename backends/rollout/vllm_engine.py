@@ -59,6 +59,7 @@ from backends.rollout.layout import build_rollout_output, eos_token_ids, pad_tok
 from backends.rollout.vllm_lora import AdapterSlot, lora_arguments
 from backends.rollout.vllm_tp import SPMDSeeds, launcher_env, shard_buckets
 from scaletrain.protocol import DataProto
+from scaletrain.utils.gc_tuning import settle
 from scaletrain.utils.seeding import derive_seed
 
 EXTENSION = "backends.rollout.vllm_extension.WeightSyncExtension"
@@ -109,8 +110,10 @@ class VLLMRolloutEngine(RolloutEngine):
         vllm = import_vllm()
 
         def build(kwargs: dict[str, Any], device: str):
+            llm_class = vllm.LLM  # imports the engine's modules
+            settle()  # vLLM's start-up collects several times: what exists now (its modules too) is left out
             with launcher_env(device, tp) if tp > 1 else contextlib.nullcontext():
-                return vllm.LLM(**kwargs)
+                return llm_class(**kwargs)
 
         self.llm, self.sleep_supported = start_vllm(config, build, "vLLM engine", llm_kwargs)
         self.tp_rank, self.spmd_seeds = 0, None

@@ -65,11 +65,12 @@ def _arrived(args: tuple, kwargs: dict, materialize_futures: bool) -> tuple[tupl
 
 
 def _trimmed(out: Any, found: list[tuple[int, int]]) -> Any:
-    """A row-aligned DataProto result without the padding rows its share carried."""
+    """A row-aligned DataProto result without the rows of the padding its share carried: a result of k rows per
+    row of the share (k = 1, or a rollout's n samples of each prompt, interleaved) loses the last pad x k."""
     if found and isinstance(out, DataProto):
         pad, share_len = found[0]
-        if pad and len(out) == share_len:
-            return out[: share_len - pad]
+        if pad and share_len and len(out) % share_len == 0:
+            return out[: (share_len - pad) * (len(out) // share_len)]
     return out
 
 

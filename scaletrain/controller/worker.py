@@ -16,6 +16,7 @@ from typing import Any
 from scaletrain.controller.dispatch import ENGINE_MESH, ROLLOUT_MESH, MeshPlace
 from scaletrain.controller.stacks import arm_stack_dump
 from scaletrain.utils.errors import InvalidInput
+from scaletrain.utils.gc_tuning import settle
 from scaletrain.utils.net import free_port
 
 
@@ -55,6 +56,7 @@ class Worker:
             os.environ["MASTER_ADDR"] = _node_ip()
             os.environ["MASTER_PORT"] = str(free_port())
         self._mesh_places: dict[str, MeshPlace] = {}
+        settle()  # the worker's classes are imported: later collections leave them out
         if "SCALETRAIN_WORKER_GROUP" in os.environ:  # a group's process: the driver may ask for its stacks
             arm_stack_dump()
 

@@ -146,8 +146,10 @@ def verl_overrides(argv: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     from scaletrain.utils.fast_exit import run_and_exit
+    from scaletrain.utils.gc_tuning import start_process
     from scaletrain.utils.typed_config import ConfigError
 
+    start_process()  # the driver imports the model libraries too (utils/gc_tuning.py)
     install_scrubbing(sys.argv[1:])  # no secret of the command line in any output, Hydra's echo included
     try:
         sys.argv[1:] = verl_overrides(sys.argv[1:])

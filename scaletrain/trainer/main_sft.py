@@ -55,6 +55,8 @@ def run(overrides: Sequence[str] = ()) -> dict[str, Any]:
 
 if __name__ == "__main__":
     from scaletrain.utils.fast_exit import run_and_exit
+    from scaletrain.utils.gc_tuning import start_process
 
+    start_process()  # the driver imports the model libraries too (utils/gc_tuning.py)
     install_scrubbing(sys.argv[1:])
     run_and_exit(main)

@@ -55,6 +55,15 @@ def test_dp_compute_proto_splits_pads_and_unpads(group, batch):
     assert out.batch["rank"].tolist() == [i // share for i in range(batch)]
 
 
+@pytest.mark.parametrize("batch", [5, 1])
+def test_n_rows_per_row_lose_the_padding_rows_n_times(group, batch):
+    """A rollout's n samples per prompt: fewer prompts than workers (1 on 2 or 4) pads shares, and each pad row's n
+    samples are dropped, not handed back as data."""
+    out = group.sample_rows(rows(batch), n=2)
+    assert out.batch["x"].tolist() == [10 * (i // 2) for i in range(2 * batch)]
+    assert list(out.non_tensor_batch["s"]) == [f"r{i // 2}" for i in range(2 * batch)]
+
+
 def test_dp_compute_proto_rejects_mismatched_lengths(group):
     with pytest.raises(ValueError, match="rows"):
         group.tag_rows(rows(4), scale=rows(3))

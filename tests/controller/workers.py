@@ -70,6 +70,11 @@ class EchoWorker(Worker):
     def tag_rows(self, data: DataProto, scale=1):
         return self._tag(data, scale)
 
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def sample_rows(self, data: DataProto, n: int):
+        """n rows per row, interleaved (a rollout's n samples of each prompt), tagged with this rank."""
+        return self._tag(data.repeat(n, interleave=True))
+
     @register(Dispatch.DP_COMPUTE_PROTO, blocking=False)
     def tag_rows_async(self, data: DataProto):
         return self._tag(data)

@@ -20,9 +20,9 @@ pytestmark = pytest.mark.slow
 
 SOURCE = "reasoning_gym/chain_sum"
 SHORT = [
-    "data.train_batch_size=2",
+    "data.train_batch_size=1",
     "actor_rollout_ref.rollout.n=2",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=1",
     "data.max_response_length=8",
     "trainer.plot_at_end=false",
 ]

@@ -3,7 +3,7 @@
 A run's processes are the driver (``main_ppo`` / ``main_sft``) and its Ray workers. The entry point calls
 ``setup_console(verbose)`` first and ``start_run_log(run_dir)`` once the run directory is known, before Ray starts
 (``main_ppo.init_ray``); ``ray_init_kwargs()`` then hands the setup to every Ray worker process: Ray's
-``worker_process_setup_hook`` runs ``setup_worker_logging`` in each before its first task. Without
+``worker_process_setup_hook`` runs ``setup_worker_process`` in each before its first task. Without
 ``setup_console`` (the trainer used as a library, tests) nothing here touches the caller's logging.
 
 - ``<run_dir>/run.log`` gets everything at INFO and up: every logger of every process (ours, vLLM, Ray,
@@ -30,6 +30,7 @@ from logging.handlers import MemoryHandler
 from pathlib import Path
 from typing import Any
 
+from scaletrain.utils.gc_tuning import start_process
 from scaletrain.utils.secrets import ScrubFilter
 
 RUN_LOG_NAME = "run.log"
@@ -192,20 +193,25 @@ def start_run_log(run_dir: str | os.PathLike) -> Path | None:
 
 
 def ray_init_kwargs() -> dict[str, Any]:
-    """``ray.init`` arguments: Ray leaves logging to us, and with a run log set up, every worker process runs
-    ``setup_worker_logging`` with the log's path and the verbosity in its environment."""
+    """``ray.init`` arguments: Ray leaves logging to us; every worker process runs ``setup_worker_process`` (Ray's
+    setup hook) and, with a run log set up, has the log's path and the verbosity in its environment."""
     route_library_loggers()
     kwargs: dict[str, Any] = {"configure_logging": False, "log_to_driver": True}
+    kwargs["runtime_env"] = {"worker_process_setup_hook": f"{__name__}.setup_worker_process"}
     if os.environ.get(RUN_LOG_ENV):
-        kwargs["runtime_env"] = {
-            "worker_process_setup_hook": f"{__name__}.setup_worker_logging",
-            "env_vars": {
-                RUN_LOG_ENV: os.environ[RUN_LOG_ENV],
-                VERBOSE_ENV: os.environ.get(VERBOSE_ENV, "0"),
-                "VLLM_CONFIGURE_LOGGING": "0",  # vLLM's records propagate to the handlers below
-            },
+        kwargs["runtime_env"]["env_vars"] = {
+            RUN_LOG_ENV: os.environ[RUN_LOG_ENV],
+            VERBOSE_ENV: os.environ.get(VERBOSE_ENV, "0"),
+            "VLLM_CONFIGURE_LOGGING": "0",  # vLLM's records propagate to the handlers below
         }
     return kwargs
+
+
+def setup_worker_process() -> None:
+    """Ray's setup hook in each worker process of a run, before its first task: the collector's settings for a
+    process about to import the model libraries (utils/gc_tuning.py), then the worker's logging."""
+    start_process()
+    setup_worker_logging()
 
 
 def setup_worker_logging() -> None:

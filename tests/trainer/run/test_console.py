@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from scaletrain.trainer.run.tracking import Tracking, step_line_every
+from scaletrain.utils.gc_tuning import YOUNG_THRESHOLD
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -32,7 +33,7 @@ DRIVER = textwrap.dedent(
 
 WORKER = textwrap.dedent(
     """
-    import os, sys, time
+    import gc, os, sys, time
     import ray
     from scaletrain.trainer.run.console import ray_init_kwargs, setup_console, start_run_log
 
@@ -51,9 +52,9 @@ WORKER = textwrap.dedent(
             log.info("worker vllm info")
             log.warning("worker vllm warning")
             print("worker raw print", flush=True)
-            return os.environ.get("VLLM_CONFIGURE_LOGGING")
+            return os.environ.get("VLLM_CONFIGURE_LOGGING"), gc.get_threshold()[0]
 
-    print("VLLM_CONFIGURE_LOGGING", ray.get(Worker.remote().speak.remote()))
+    print("VLLM_CONFIGURE_LOGGING %s young collections every %d" % ray.get(Worker.remote().speak.remote()))
     time.sleep(3)  # Ray forwards the workers' lines to the driver asynchronously
     ray.shutdown()
     """
@@ -94,6 +95,8 @@ def test_ray_worker_library_info_goes_to_the_run_log_only(tmp_path, verbose):
     pytest.importorskip("vllm")
     console, log = run_script(WORKER, tmp_path, verbose)
     assert "VLLM_CONFIGURE_LOGGING 0" in console
+    # the setup hook's collector settings (utils/gc_tuning.py), set before the worker imported anything
+    assert f"young collections every {YOUNG_THRESHOLD}" in console
     assert "Started a local Ray instance" in log and ("Started a local Ray instance" in console) == verbose
     assert "INFO [worker pid" in log and "vllm.engine.probe: worker vllm info" in log
     assert "WARNING vllm.engine.probe: worker vllm warning" in console and "worker vllm warning" in log

@@ -37,7 +37,9 @@ def test_a_private_cluster_gets_the_configured_resources_and_runtime_env():
     assert kwargs["address"] == "local" and kwargs["num_cpus"] == 6 and kwargs["num_gpus"] == 0
     assert kwargs["object_store_memory"] == 300 << 20 and kwargs["resources"] == {"judge": 2.0}
     assert kwargs["namespace"] == "exp1" and kwargs["include_dashboard"] is False
-    assert kwargs["runtime_env"] == {"env_vars": {"MY_FLAG": "1"}}  # null values dropped: Ray's defaults
+    hook = "scaletrain.trainer.run.console.setup_worker_process"  # every worker process's set-up (console.py)
+    # null values dropped: Ray's defaults
+    assert kwargs["runtime_env"] == {"worker_process_setup_hook": hook, "env_vars": {"MY_FLAG": "1"}}
     defaults = ray_init_arguments(RayInitConfig(), world_size=8, device="cuda")
     assert defaults["num_cpus"] >= 16 and "num_gpus" not in defaults  # Ray counts the GPUs
 
