@@ -38,8 +38,10 @@ logger = logging.getLogger(__name__)
 def run_ppo(raw: dict[str, Any], explicit: Iterable[str] = ()) -> RunResult:
     """Train from a plain config dict (as Hydra composes it); ``explicit``: the keys the user set (the embedded
     recipe leaves them alone)."""
+    import ray
+
     from scaletrain.trainer.embedded_default import apply_embedded_overlay, resolve_embedded_default
-    from scaletrain.trainer.memory_plan import check_memory
+    from scaletrain.trainer.memory_plan import check_memory, sized_object_store
     from scaletrain.trainer.ppo_run import train
     from scaletrain.trainer.run.console import start_run_log
     from scaletrain.trainer.run.preemption import PreemptionWatch
@@ -49,6 +51,7 @@ def run_ppo(raw: dict[str, Any], explicit: Iterable[str] = ()) -> RunResult:
     if applied:
         logger.info("embedded default: configs/recipe/embedded.yaml sets %s", ", ".join(applied))
     cfg = check_config(resolve_config(load_ppo_config(raw)))  # everything checkable, once, before heavy work
+    cfg = sized_object_store(cfg, ray.is_initialized())  # a cluster this run starts: a store its pushes fit in
     check_memory(cfg)  # the memory plan: logged; over budget, a warning or (memory_check=error) a ConfigError
     # from here on SIGTERM / SIGUSR1 end the run cleanly, start-up included (preemption.py)
     with PreemptionWatch() as watch:

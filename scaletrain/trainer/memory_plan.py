@@ -34,6 +34,7 @@ from scaletrain.utils.typed_config import ConfigError
 from scaletrain.workers.model_sections import with_offload
 
 logger = logging.getLogger(__name__)
+STORE_FLOOR = 1 << 30  # the object store of a cluster a run starts, for its batches (ray_cluster.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,16 +106,43 @@ def _shared(cfg: PPOConfig, shape: mem.ModelShape) -> dict[str, int]:
     engine core runs in a process of its own (the agent loops' AsyncLLM), what each sync puts in /dev/shm per
     rollout rank of the node (backends/rollout/vllm_engine.py): two bucket slots (``checkpoint_engine`` shm, the
     default), the whole model (naive), nothing (cuda_ipc: device buffers)."""
-    shared = {"Ray object store": cfg.ray_kwargs.ray_init.object_store_memory or 1 << 30}
+    shared = {"Ray object store": cfg.ray_kwargs.ray_init.object_store_memory or STORE_FLOOR}
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.name == "vllm" and rollout.use_async_engine:
-        weight_bytes = 2 if cfg.trainer.device == "cuda" and rollout.dtype != "float32" else 4
-        model = shape.params * weight_bytes
+        model = shape.params * _synced_bytes(cfg)
         per_rank = {"naive": model, "shm": min(model, 2 * rollout.weight_bucket_bytes), "cuda_ipc": 0}
         held = per_rank[rollout.checkpoint_engine.engine_process_transport()] * cfg.trainer.n_gpus_per_node
         if held:
             shared["weight sync in /dev/shm"] = held
     return shared
+
+
+def _synced_bytes(cfg: PPOConfig) -> int:
+    """Bytes per synced weight: the rollout's dtype on CUDA (bf16 unless float32), float32 on CPU."""
+    rollout = cfg.actor_rollout_ref.rollout
+    return 2 if cfg.trainer.device == "cuda" and rollout.dtype != "float32" else 4
+
+
+def sized_object_store(cfg: PPOConfig, connected: bool = False) -> PPOConfig:
+    """``cfg`` with the object store of the cluster the run starts sized for it (``ray_kwargs.ray_init.
+    object_store_memory`` null, no address to join, this process not ``connected`` to Ray already: such a run joins
+    that connection and starts nothing): ``STORE_FLOOR`` for the batches, plus, where every sync pushes
+    the weights through the store (split placement, ``checkpoint_engine`` naive, or auto on CUDA; not a LoRA
+    adapter-only sync), twice the synced weights: one version read by the rollout while the next is put. A store
+    smaller than the weights spills them to disk at every push. A model the plan cannot read keeps the floor."""
+    ri, arr = cfg.ray_kwargs.ray_init, cfg.actor_rollout_ref
+    if connected or ri.object_store_memory is not None or (ri.address and ri.address != "local"):
+        return cfg
+    size = STORE_FLOOR
+    adapter_only = arr.model.lora_rank > 0 and arr.rollout.lora_sync == "adapter"
+    through_store = arr.rollout.checkpoint_engine.pool_transport(cfg.trainer.device) == "naive"
+    if not arr.hybrid_engine and through_store and not adapter_only:
+        try:
+            size += 2 * actor_shape(cfg).params * _synced_bytes(cfg)
+        except Exception as exc:  # the memory plan says the same where it runs
+            logger.warning("ray_kwargs.ray_init.object_store_memory: %s, no size for the model (%s)", STORE_FLOOR, exc)
+    ray_kwargs = replace(cfg.ray_kwargs, ray_init=replace(ri, object_store_memory=size))
+    return replace(cfg, ray_kwargs=ray_kwargs)
 
 
 def _generate_phase(cfg: PPOConfig, resident: dict, engine: dict, host: dict) -> dict[str, int]:

@@ -147,3 +147,27 @@ def test_a_model_the_plan_cannot_read_warns_and_the_run_goes_on_or_fails_under_e
     assert "no memory plan for this config" in caplog.text
     with pytest.raises(ConfigError, match="the memory plan could not be computed"):
         check_memory(resolved(f"actor_rollout_ref.model.path={tmp_path}", "trainer.memory_check=error"))
+
+
+def test_a_cluster_the_run_starts_has_an_object_store_the_weight_pushes_fit_in():
+    """Split placement pushing through the object store (checkpoint_engine naive): the cluster the run starts gets
+    1 GiB plus two versions of the synced weights (one read while the next is put), and the plan shows that store;
+    colocated runs, the collective push (auto on CPU), a cluster joined by address or by this process's connection,
+    and a user's size keep theirs."""
+    from scaletrain.trainer.memory_plan import STORE_FLOOR, actor_shape, sized_object_store
+
+    split = ("actor_rollout_ref.hybrid_engine=false", "trainer.n_gpus_per_node=1")
+    split += ("actor_rollout_ref.rollout.n_gpus_per_node=1", "data.train_batch_size=2")
+    naive = resolved(*split, "actor_rollout_ref.rollout.checkpoint_engine.backend=naive")
+    sized = sized_object_store(naive)
+    weights = actor_shape(naive).params * 4  # float32 on CPU
+    assert sized.ray_kwargs.ray_init.object_store_memory == STORE_FLOOR + 2 * weights
+    assert memory_plan(sized, 1 << 40).shared["Ray object store"] == STORE_FLOOR + 2 * weights
+    for kept_floor in (resolved(), resolved(*split)):  # colocated; split with the collective push
+        assert sized_object_store(kept_floor).ray_kwargs.ray_init.object_store_memory == STORE_FLOOR
+    for override in ("ray_kwargs.ray_init.object_store_memory=123456789", "ray_kwargs.ray_init.address=auto"):
+        user = resolved(*split, "actor_rollout_ref.rollout.checkpoint_engine.backend=naive", override)
+        assert sized_object_store(user).ray_kwargs.ray_init == user.ray_kwargs.ray_init, override
+    # a process already connected to Ray runs on that cluster (in-process runs): nothing to size, nothing ignored
+    assert sized_object_store(naive, connected=True).ray_kwargs.ray_init.object_store_memory is None
+    assert naive.ray_kwargs.ray_init.object_store_memory is None  # the config itself is left as it was

@@ -246,7 +246,7 @@ class RayInitConfig:
     address: str | None = None  # null: start a private local cluster; "auto" or HOST:PORT: join a running one
     num_cpus: int | None = None  # a private cluster's CPUs (null: 2 per worker, at least the machine's cores)
     num_gpus: int | None = None  # a private cluster's GPUs (null: Ray counts them; 0 on trainer.device=cpu)
-    object_store_memory: int | None = None  # bytes, a private cluster's (null: 1 GiB)
+    object_store_memory: int | None = None  # bytes, a private cluster's (null: 1 GiB + 2x the weights it pushes)
     resources: dict[str, float] = field(default_factory=dict)  # a private cluster's custom resources
     namespace: str | None = None  # the Ray namespace of this run's actors (null: Ray's anonymous one)
     runtime_env: dict[str, Any] = field(default_factory=dict)  # merged over the run log's; null values dropped

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from scaletrain.trainer.config.ppo_config import RayInitConfig, RayKwargsConfig
+from scaletrain.trainer.memory_plan import STORE_FLOOR
 from scaletrain.utils.ray_token import private_cluster_token
 from scaletrain.utils.typed_config import ConfigError
 
@@ -87,7 +88,7 @@ def ray_init_arguments(ri: RayInitConfig, world_size: int, device: str) -> dict[
     kwargs.update(
         address="local",
         num_cpus=ri.num_cpus or max(world_size * 2, os.cpu_count() or 1),
-        object_store_memory=ri.object_store_memory or 1 << 30,
+        object_store_memory=ri.object_store_memory or STORE_FLOOR,
         include_dashboard=ri.include_dashboard,
     )
     num_gpus = 0 if device == "cpu" and ri.num_gpus is None else ri.num_gpus
