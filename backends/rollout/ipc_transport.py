@@ -39,9 +39,10 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from scaletrain.utils.byte_layout import ALIGN, aligned_offsets
+
 PREFIX = "scaletrain-sync-"
 SLOTS = 2  # buckets in flight: one being filled, one being read
-ALIGN = 64  # every tensor starts at a multiple of this in its slot (any dtype's view of it is aligned)
 POLL_S = 0.2  # how often a wait checks that the other side still runs
 
 
@@ -100,10 +101,7 @@ class _Slot:
     def write(self, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple]:
         """The bucket's tensors into this slot; returns (name, dtype, shape, offset, nbytes) per tensor."""
         tensors = [(name, t.detach().to(self.device).contiguous()) for name, t in bucket]
-        offsets, total = [], 0
-        for _, t in tensors:
-            offsets.append(total)
-            total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        offsets, total = aligned_offsets(t.numel() * t.element_size() for _, t in tensors)
         self.ensure(max(total, ALIGN))
         assert self.buffer is not None
         entries = []

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
+from scaletrain.utils.byte_layout import aligned_offsets
 from scaletrain.utils.prefetch import prefetched
 
 
@@ -106,7 +107,6 @@ _STORES: dict[int, TCPStore] = {}  # the store this process hosts, by port
 _GROUPS: dict[tuple[str, int], Any] = {}  # this process's member of each channel's group
 _ARENAS: dict[tuple[str, int], list[torch.Tensor]] = {}  # a receiver's buffers, kept for the channel's next push
 _ABORT, _END = -1, 0  # header values of a push's end and of a sender's failure
-ALIGN = 64  # every tensor starts at a multiple of this in a receive buffer
 ARENAS = 3  # receive buffers per rollout rank, kept between pushes: one loading, one queued, one receiving
 SMALL = 1 << 20  # tensors smaller than this go packed with their neighbours, one broadcast per run
 
@@ -168,10 +168,7 @@ def _layout(sizes: list[int]) -> tuple[list[int], list[tuple[int, int, list[int]
     """Where each tensor of a bucket lies in the receiver's buffer (64-byte aligned, so any dtype views it), and
     the bucket's broadcasts as (start, length, tensor indices): each tensor of at least ``SMALL`` bytes alone (sent
     as it is: no packing copy), each run of smaller ones packed into one."""
-    offsets, end = [], 0
-    for size in sizes:
-        offsets.append(end)
-        end += -(-size // ALIGN) * ALIGN
+    offsets, _ = aligned_offsets(sizes)
     parts: list[list[int]] = []
     for i, size in enumerate(sizes):
         if size >= SMALL or not parts or sizes[parts[-1][-1]] >= SMALL:
