@@ -97,6 +97,8 @@ def memory_plan(cfg: PPOConfig, budget: int | None = None, shape: mem.ModelShape
     for name, (role_shape, layout, micro) in roles.items():
         if layout.trains:
             phases[f"{name} update"] = resident | awake | mem.step_peak(role_shape, layout, micro)
+    woken = {k: v for k, v in engine.items() if k == "rollout weights"}  # a sync wakes the weights, not the cache
+    phases["weight sync"] = resident | awake | woken | {"weight sync buckets": _sync_buckets(cfg, shape)}
     device = "cuda" if cuda else "cpu"
     return MemoryPlan(phases, host, budget, device, _shared(cfg, shape))
 
@@ -121,6 +123,12 @@ def _synced_bytes(cfg: PPOConfig) -> int:
     """Bytes per synced weight: the rollout's dtype on CUDA (bf16 unless float32), float32 on CPU."""
     rollout = cfg.actor_rollout_ref.rollout
     return 2 if cfg.trainer.device == "cuda" and rollout.dtype != "float32" else 4
+
+
+def _sync_buckets(cfg: PPOConfig, shape: mem.ModelShape) -> int:
+    """What a sync's export holds at once on a training device: three buckets (one loading or sending, one ready,
+    one being gathered: workers/colocated_rollout.py, controller/weight_transport.py), never more than the model."""
+    return min(3 * cfg.actor_rollout_ref.rollout.weight_bucket_bytes, shape.params * _synced_bytes(cfg))
 
 
 def sized_object_store(cfg: PPOConfig, connected: bool = False) -> PPOConfig:

@@ -9,11 +9,11 @@ needs the other one:
   brought back. Every training-side worker call (log-probs, update, checkpoints) enters it first.
 
 Weights are pushed into an awake engine (``push_weights``, the full weights or, with ``adapter_sync``, a LoRA adapter
-alone; ``load_weights`` / ``load_adapter`` for another process's buckets):
-weights woken, the trainer's buckets streamed in while the trainer is still on the device, then the trainer
-offloaded and the KV cache woken (rollout mode). The engine therefore stays awake across a whole rollout phase
-(every agent-loop flush, validation) and sleeps only when training needs the memory. The engine's own state
-machine (``backends/rollout/lifecycle.py``) refuses any other order.
+alone; ``load_weights`` / ``load_adapter`` for another process's buckets): weights woken, the trainer's buckets
+streamed in while the trainer is still on the device (the next bucket gathered while the engine loads the previous
+one), then the trainer offloaded and the KV cache woken (rollout mode). The engine therefore stays awake across a
+whole rollout phase (every agent-loop flush, validation) and sleeps only when training needs the memory. The
+engine's own state machine (``backends/rollout/lifecycle.py``) refuses any other order.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from backends.base import TrainEngine
 from backends.rollout.base import RolloutEngine, SamplingConfig, TokenOutput, TokenRequest
 from backends.rollout.lifecycle import EngineLifecycle
 from scaletrain.protocol import DataProto
+from scaletrain.utils.prefetch import prefetched
 
 
 class ColocatedRollout:
@@ -81,10 +82,10 @@ class ColocatedRollout:
             self.trainer_offloaded = False
         counted = [0]
         if self.adapter_sync:
-            buckets = _counting(self.trainer.export_adapter(self.bucket_bytes), counted)
+            buckets = _counting(_ahead(self.trainer.export_adapter(self.bucket_bytes)), counted)
             self.load_adapter(buckets, self.trainer.adapter_config())
         else:
-            self.load_weights(_counting(self.trainer.export_weights(self.bucket_bytes), counted))
+            self.load_weights(_counting(_ahead(self.trainer.export_weights(self.bucket_bytes)), counted))
         return counted[0]
 
     def load_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
@@ -110,6 +111,13 @@ class ColocatedRollout:
 
     def generate_tokens(self, requests: list[TokenRequest]) -> list[TokenOutput]:
         return self.serve().generate_tokens(requests)
+
+
+def _ahead(buckets: Iterable[list[tuple[str, torch.Tensor]]]):
+    """The export gathering the next bucket (a collective over the trainer's ranks) while the engine loads the
+    previous one: at most three buckets held at once, the one loading, one ready and one being gathered (the
+    memory plan's "weight sync" phase counts them)."""
+    return prefetched(buckets, depth=1, name="weight-export")
 
 
 def _counting(buckets: Iterable[list[tuple[str, torch.Tensor]]], counted: list[int]):

@@ -69,7 +69,12 @@ def test_bad_memory_keys_are_refused_naming_them():
 
 def test_phases_follow_the_layout_and_offload():
     base = memory_plan(resolved(), budget=1 << 40)
-    assert set(base.phases) == {"generate", "log-probs", "actor update"}
+    assert set(base.phases) == {"generate", "log-probs", "actor update", "weight sync"}
+    # a sync: the trainer's states, the engine's woken weights, the export's three buckets in flight (loading,
+    # ready, being gathered: workers/colocated_rollout.py), at most the whole model
+    sync = memory_plan(resolved("actor_rollout_ref.rollout.weight_bucket_bytes=65536"), 1 << 40).phases["weight sync"]
+    assert sync["weight sync buckets"] == 3 * 65536 and "rollout weights" in sync and "actor optimizer" in sync
+    assert base.phases["weight sync"]["weight sync buckets"] <= base.phases["generate"]["rollout weights"]
     with_critic = memory_plan(resolved("algorithm.adv_estimator=gae"), budget=1 << 40)
     assert "critic update" in with_critic.phases
     assert "critic optimizer" in with_critic.phases["actor update"]  # colocated: the critic's states stay

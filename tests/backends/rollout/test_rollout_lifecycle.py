@@ -8,6 +8,8 @@ sleep mode (which exists only on CUDA, so that ``LLM`` object is the one thing r
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -156,6 +158,40 @@ def test_free_cache_engine_false_never_sleeps():
     c.push_weights()
     assert log == ["engine.generate", "trainer.export", "engine.update:1"]
     assert c.lifecycle.history == []
+
+
+class SlowPipeline:
+    """A trainer whose export of bucket 1 must begin while the engine still loads bucket 0: the engine's load of
+    bucket 0 waits (bounded) for the export's start of bucket 1, which a serial push would never reach."""
+
+    def __init__(self):
+        self.second_gathering = threading.Event()
+        self.overlapped = False
+        self.loaded = []
+
+    def export_weights(self, bucket_bytes):
+        yield [("w0", torch.zeros(2))]
+        self.second_gathering.set()
+        yield [("w1", torch.ones(3))]
+
+    def update_weights(self, buckets):
+        for i, bucket in enumerate(buckets):
+            if i == 0:
+                self.overlapped = self.second_gathering.wait(timeout=10)
+            self.loaded.append([name for name, _ in bucket])
+
+    def sleep(self):
+        pass
+
+    def wake_up(self, tags=("weights", "kv_cache")):
+        pass
+
+
+def test_the_next_bucket_is_gathered_while_the_engine_loads_the_previous():
+    pipeline = SlowPipeline()
+    c = ColocatedRollout(pipeline, pipeline, free_cache_engine=False, offload_trainer=False, bucket_bytes=1)
+    assert c.push_weights() == 5 * 4  # float32 bytes of both buckets, counted as loaded
+    assert pipeline.overlapped and pipeline.loaded == [["w0"], ["w1"]]
 
 
 def test_push_without_trainer_is_refused():
