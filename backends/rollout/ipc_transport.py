@@ -151,10 +151,12 @@ class SlotSender:
             try:
                 sent = self._stream(conn, buckets, call)
                 return call.result(), sent  # the receiver hands slots back until it ends: close after
-            except _StreamLost as lost:  # the engine's side ended first: its own error says why
-                if _settled(call):
-                    call.result()
-                raise RuntimeError(f"the engine process closed the weight stream mid-update ({lost})") from None
+            except _StreamLost as lost:  # the engine's side ended first: its own error says why, where it has one
+                lost_error = "the engine process closed the weight stream mid-update"
+                if _settled(call) and call.exception() is not None:
+                    error = call.exception()
+                    raise RuntimeError(f"{lost_error}: {type(error).__name__}: {error}") from error
+                raise RuntimeError(f"{lost_error} ({lost})") from None
             except BaseException:
                 conn.close()  # the receiver's next read ends: its reload fails instead of waiting for the rest
                 _settled(call, 60.0)  # and puts the model back on its device before anything else runs

@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,7 +209,8 @@ def test_the_engine_process_killed_mid_sync_is_an_error_not_a_hang(rollout_confi
     before = set(engine_children(os.getpid()))
     victim = VLLMAsyncRolloutEngine(rollout_config, rollout_tokenizer)
     try:
-        (core,) = set(engine_children(os.getpid())) - before
+        new = set(engine_children(os.getpid())) - before  # multiprocessing's resource tracker may start too
+        (core,) = [p for p in new if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"VLLM::EngineCore")]
 
         def killing():
             yield from buckets[:2]
@@ -218,10 +220,10 @@ def test_the_engine_process_killed_mid_sync_is_an_error_not_a_hang(rollout_confi
             yield from buckets[2:]
 
         start = time.monotonic()
-        with pytest.raises(Exception) as caught:
+        # the stream's end, or the engine call's own error (vLLM's dead engine) where it settled first
+        with pytest.raises(RuntimeError, match="the engine process closed the weight stream mid-update"):
             victim.update_weights(killing())
         assert time.monotonic() - start < 60, "the sync waited on a dead engine"
-        assert caught.value is not None
     finally:
         try:
             victim.close()
