@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from datetime import timedelta
 
@@ -108,3 +109,49 @@ def agreed_partition(batch, cfg, device: torch.device, group=None, call: MicroBa
         if agreed == target:  # every rank sees the same values, so all leave together
             return parts
         target = agreed
+
+
+@dataclasses.dataclass(frozen=True)
+class RowShard:
+    """This rank's rows of a tensor split along dim 0 the way ``torch.chunk`` splits it: rank r holds rows
+    [r c, r c + c) of c = ceil(rows / world), the last ranks fewer or none (FSDP2's Shard(0); ZeRO-3's flat
+    partitions are the same split of the flattened tensor). ``local``: exactly this rank's rows."""
+
+    local: torch.Tensor
+    shape: torch.Size  # the full tensor's
+
+
+def row_chunks(rows: int, world: int) -> tuple[int, list[int]]:
+    """(rows per slot, the rows each rank holds) of a ``torch.chunk``-style split of ``rows`` over ``world``."""
+    chunk = -(-rows // world)
+    return chunk, [max(0, min(chunk, rows - r * chunk)) for r in range(world)]
+
+
+def gather_row_shards(shards: list[RowShard], group) -> list[torch.Tensor]:
+    """The full tensors of ``shards`` with one all-gather for them all: each rank's rows packed into a slot per
+    tensor of one flat byte buffer (the buffers must be the same size on every rank), gathered, and cut out into
+    fresh tensors. Collective: every rank of ``group``, the same tensors in the same order."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    plans, slot_bytes = [], 0
+    for shard in shards:
+        row_bytes = math.prod(shard.shape[1:]) * shard.local.element_size()
+        chunk, counts = row_chunks(shard.shape[0], world)
+        plans.append((slot_bytes, row_bytes, chunk, counts))
+        slot_bytes += chunk * row_bytes
+    device = shards[0].local.device
+    flat = torch.empty(slot_bytes, dtype=torch.uint8, device=device)
+    for shard, (start, row_bytes, _, counts) in zip(shards, plans):
+        local = shard.local.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat[start : start + counts[rank] * row_bytes].copy_(local)
+    gathered = torch.empty(world * slot_bytes, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(gathered, flat, group=group)
+    out = []
+    for shard, (start, row_bytes, chunk, counts) in zip(shards, plans):
+        full = torch.empty(shard.shape, dtype=shard.local.dtype, device=device)
+        flat_full = full.view(-1).view(torch.uint8)
+        for r, count in enumerate(counts):
+            if count:
+                src = gathered[r * slot_bytes + start : r * slot_bytes + start + count * row_bytes]
+                flat_full[r * chunk * row_bytes : (r * chunk + count) * row_bytes].copy_(src)
+        out.append(full)
+    return out

@@ -46,6 +46,7 @@ from backends.checkpoint.meta import resumes_natively, write_checkpoint_meta
 from backends.checkpoint.portable import PortableState
 from backends.checkpoint.safe_load import load_rank_file
 from backends.config import EngineConfig, ModelConfig, OptimConfig
+from backends.dist import RowShard, gather_row_shards, row_chunks
 from backends.hf_engine import HFTrainEngine
 from backends.lora_weights import Item
 from backends.optim import build_lr_scheduler, build_optimizer
@@ -118,6 +119,36 @@ def _load_deepspeed_file(path: str, map_location=None):
     return load_rank_file(path, map_location, allowed=deepspeed_checkpoint_classes())
 
 
+def _row_shards(params: list) -> list[RowShard] | None:
+    """This rank's ZeRO-3 partitions of ``params`` as row shards of their flattened tensors (rank r holds elements
+    [r c, r c + c) of c = ceil(numel / world), padded at the end), for one grouped all-gather; None where DeepSpeed's
+    own gather must run: no partitioned parameter, ZeRO++ secondary partitions or quantized weights, a parameter
+    still gathered (its release is DeepSpeed's), several process groups, a partition of another size, host
+    partitions (parameter offload) under NCCL."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    if not params:
+        return None
+    group = params[0].ds_process_group
+    world, rank, nccl = dist.get_world_size(group), dist.get_rank(group), dist.get_backend(group) == "nccl"
+    shards = []
+    for param in params:
+        part = param.ds_tensor
+        chunk, counts = row_chunks(param.ds_numel, world)
+        special = getattr(param, "ds_secondary_tensor", None) is not None or hasattr(part, "ds_quant_scale")
+        special = special or param.ds_status != ZeroParamStatus.NOT_AVAILABLE  # left gathered: DeepSpeed releases it
+        if special or param.ds_process_group is not group or part.numel() != chunk or (nccl and not part.is_cuda):
+            return None
+        shards.append(RowShard(part.reshape(-1)[: counts[rank]], torch.Size([param.ds_numel])))
+    return shards
+
+
+def _full(gathered: dict[int, torch.Tensor], value: torch.Tensor) -> torch.Tensor:
+    """A bucket's tensor whole: its gathered flat tensor in its shape, or a copy of one ZeRO-3 does not partition."""
+    full = gathered.get(id(value))
+    return full.view(value.ds_shape) if full is not None else value.detach().clone()
+
+
 @register_backend("deepspeed")
 class DeepSpeedEngine(HFTrainEngine):
     def __init__(self, model_config: ModelConfig, optim_config: OptimConfig | None, engine_config: EngineConfig):
@@ -163,8 +194,9 @@ class DeepSpeedEngine(HFTrainEngine):
             self._schedule().step()
 
     def _gathered_buckets(self, bucket_bytes: int, skip, adapter: bool) -> Buckets:
-        """Without LoRA: each bucket's partitioned parameters gathered together, one ``GatheredParameters`` (one
-        grouped all-gather) per bucket instead of one per parameter, and cloned out of it. With LoRA, the shared
+        """Without LoRA: each bucket's partitions gathered together by one all-gather straight into fresh full
+        tensors (``backends.dist.gather_row_shards``, as fsdp's export), or, for partitions that layout does not
+        cover (``_row_shards``), one ``GatheredParameters`` per bucket, cloned out of it. With LoRA, the shared
         path (its items merge or pick tensors as they are drawn)."""
         if self.lora is not None:
             yield from super()._gathered_buckets(bucket_bytes, skip, adapter)
@@ -178,6 +210,13 @@ class DeepSpeedEngine(HFTrainEngine):
             )
             for bucket in bucketed(sized, bucket_bytes):
                 partitioned = [v for _, v in bucket if hasattr(v, "ds_id")]
+                shards = _row_shards(partitioned)
+                if shards is not None:  # one all-gather into fresh tensors, no DeepSpeed gather + clone
+                    gathered = dict(
+                        zip(map(id, partitioned), gather_row_shards(shards, partitioned[0].ds_process_group))
+                    )
+                    yield [(n, _full(gathered, v)) for n, v in bucket]
+                    continue
                 with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
                     full = [(name, value.detach().clone()) for name, value in bucket]
                 yield full  # re-partitioned already: only the clones are held while the consumer loads them

@@ -162,7 +162,23 @@ def check_train_step_matches_reference(ctx):
 def check_export_buckets(ctx):
     b, engine = base(ctx), stepped(ctx)
     bucket_bytes = 40_000  # embedding 25,344 B, q_proj 16,384 B: buckets of 1-4 tensors
-    buckets = list(engine.export_weights(bucket_bytes))
+    import deepspeed
+
+    own_gather, calls = deepspeed.zero.GatheredParameters, []
+
+    def counted(params, *args, **kwargs):
+        calls.append(len(params))
+        return own_gather(params, *args, **kwargs)
+
+    deepspeed.zero.GatheredParameters = counted
+    try:
+        buckets = list(engine.export_weights(bucket_bytes))
+    finally:
+        deepspeed.zero.GatheredParameters = own_gather
+    # plain partitions take one grouped all-gather per bucket, DeepSpeed's own gather none: it runs only for a bucket
+    # holding a parameter a step left gathered (the embedding after this engine's step), which it then releases:
+    # the step's own export (``stepped``) did that already
+    assert calls == [] and len(buckets) > 3, (calls, len(buckets))
     assert len(buckets) > 3
     for bucket in buckets:
         size = sum(t.numel() * t.element_size() for _, t in bucket)
