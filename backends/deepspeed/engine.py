@@ -119,7 +119,7 @@ def _load_deepspeed_file(path: str, map_location=None):
     return load_rank_file(path, map_location, allowed=deepspeed_checkpoint_classes())
 
 
-def _row_shards(params: list) -> list[RowShard] | None:
+def _row_shards(params: list[Any]) -> list[RowShard] | None:
     """This rank's ZeRO-3 partitions of ``params`` as row shards of their flattened tensors (rank r holds elements
     [r c, r c + c) of c = ceil(numel / world), padded at the end), for one grouped all-gather; None where DeepSpeed's
     own gather must run: no partitioned parameter, ZeRO++ secondary partitions or quantized weights, a parameter
@@ -143,7 +143,7 @@ def _row_shards(params: list) -> list[RowShard] | None:
     return shards
 
 
-def _full(gathered: dict[int, torch.Tensor], value: torch.Tensor) -> torch.Tensor:
+def _full(gathered: dict[int, torch.Tensor], value: Any) -> torch.Tensor:
     """A bucket's tensor whole: its gathered flat tensor in its shape, or a copy of one ZeRO-3 does not partition."""
     full = gathered.get(id(value))
     return full.view(value.ds_shape) if full is not None else value.detach().clone()
@@ -209,7 +209,7 @@ class DeepSpeedEngine(HFTrainEngine):
                 (n, math.prod(getattr(v, "ds_shape", v.shape)) * v.dtype.itemsize, partial(as_is, v)) for n, v in state
             )
             for bucket in bucketed(sized, bucket_bytes):
-                partitioned = [v for _, v in bucket if hasattr(v, "ds_id")]
+                partitioned: list[Any] = [v for _, v in bucket if hasattr(v, "ds_id")]
                 shards = _row_shards(partitioned)
                 if shards is not None:  # one all-gather into fresh tensors, no DeepSpeed gather + clone
                     gathered = dict(

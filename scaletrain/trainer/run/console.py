@@ -197,9 +197,10 @@ def ray_init_kwargs() -> dict[str, Any]:
     setup hook) and, with a run log set up, has the log's path and the verbosity in its environment."""
     route_library_loggers()
     kwargs: dict[str, Any] = {"configure_logging": False, "log_to_driver": True}
-    kwargs["runtime_env"] = {"worker_process_setup_hook": f"{__name__}.setup_worker_process"}
+    runtime_env: dict[str, Any] = {"worker_process_setup_hook": f"{__name__}.setup_worker_process"}
+    kwargs["runtime_env"] = runtime_env
     if os.environ.get(RUN_LOG_ENV):
-        kwargs["runtime_env"]["env_vars"] = {
+        runtime_env["env_vars"] = {
             RUN_LOG_ENV: os.environ[RUN_LOG_ENV],
             VERBOSE_ENV: os.environ.get(VERBOSE_ENV, "0"),
             "VLLM_CONFIGURE_LOGGING": "0",  # vLLM's records propagate to the handlers below
