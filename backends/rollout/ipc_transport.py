@@ -153,8 +153,8 @@ class SlotSender:
                 return call.result(), sent  # the receiver hands slots back until it ends: close after
             except _StreamLost as lost:  # the engine's side ended first: its own error says why, where it has one
                 lost_error = "the engine process closed the weight stream mid-update"
-                if _settled(call) and call.exception() is not None:
-                    error = call.exception()
+                error = call.exception() if _settled(call) else None
+                if error is not None:
                     raise RuntimeError(f"{lost_error}: {type(error).__name__}: {error}") from error
                 raise RuntimeError(f"{lost_error} ({lost})") from None
             except BaseException:

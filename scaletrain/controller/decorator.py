@@ -69,7 +69,7 @@ def _trimmed(out: Any, found: list[tuple[int, int]]) -> Any:
     row of the share (k = 1, or a rollout's n samples of each prompt, interleaved) loses the last pad x k."""
     if found and isinstance(out, DataProto):
         pad, share_len = found[0]
-        if pad and share_len and len(out) % share_len == 0:
+        if pad and len(out) % share_len == 0:  # pad > 0: its share has rows
             return out[: (share_len - pad) * (len(out) // share_len)]
     return out
 
