@@ -6,16 +6,18 @@ One sender (the trainer's export rank) and two receivers (rollout ranks), each a
 same buckets of HF-named tensors in every variant (``--bucket-mib``), medians of the driver-side wall time:
 - floor: one gloo broadcast per bucket of the same bytes, packed already, into preallocated buffers;
 - collective push (``checkpoint_engine.backend=nccl``, gloo here): ``send_buckets`` / ``ReceivedPush`` of
-  scaletrain/controller/weight_transport.py, the transport alone (the receivers drain the buckets), then with the
-  receivers copying every tensor into their own preallocated tensors (what an engine's load does; the next bucket
-  is received while one is copied);
+  scaletrain/controller/weight_transport.py, by each lane: shared memory (the receivers share the sender's node,
+  as here: the default) and broadcast (``engine_kwargs.nccl.same_node=broadcast``: what a receiver on another
+  node gets); the transport alone (the receivers drain the buckets), then with the receivers copying every tensor
+  into their own preallocated tensors (what an engine's load does; the next bucket is received while one is
+  copied);
 - object store (``naive``): ``put_buckets`` by the sender, then ``read_buckets`` and the same copies by each
   receiver (the export first, then the loads).
 Also printed: the bytes each push leaves in Ray's object store meanwhile (the whole model for the store, none for
 the collective). Measured twice, each on a fresh private cluster: with a store the model fits in (on one node the
 store is shared memory: a put is one copy, a read none), and with a store half the model's size (a trainer's
 private cluster has 1 GiB: any larger model spills to disk on every push). Targets: the collective's transport
-<= 1.3x the floor, and the collective push (with its loads) faster than the object store's.
+<= 1.3x the floor, and the collective push (with its loads) faster than the object store's, on this node.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import emit_results, median_ms, print_table  # noqa: E402
+from scaletrain.controller.push_lanes import RING  # noqa: E402
 
 
 def make_buckets(total_mib: int, bucket_mib: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -112,9 +115,15 @@ def measure(total: int, bucket_mib: int, receivers: int, store_mib: int, reps: i
 
     try:
         members = [Member.remote(r, total, bucket_mib) for r in range(1 + receivers)]
-        host, port = ray.get(members[0].open.remote())
-        channel = WeightChannel(host, port, len(members))
-        ray.get([m.join.remote(channel) for m in members])
+        channels = {}
+        for lane in ("shm", "broadcast"):
+            host, port = ray.get(members[0].open.remote())
+            channels[lane] = WeightChannel(host, port, len(members), same_node=lane)
+            ray.get([m.join.remote(channels[lane]) for m in members])
+        channel = channels["broadcast"]
+
+        def push(lane: str, load: bool) -> float:
+            return median_ms(lambda: ray.get([m.collective.remote(channels[lane], load) for m in members]), reps)
 
         def store() -> None:
             weights = ray.get(members[0].put.remote())
@@ -123,8 +132,10 @@ def measure(total: int, bucket_mib: int, receivers: int, store_mib: int, reps: i
 
         return {
             "floor": median_ms(lambda: ray.get([m.floor.remote(channel) for m in members]), reps),
-            "collective": median_ms(lambda: ray.get([m.collective.remote(channel, False) for m in members]), reps),
-            "loaded": median_ms(lambda: ray.get([m.collective.remote(channel, True) for m in members]), reps),
+            "collective": push("broadcast", False),
+            "loaded": push("broadcast", True),
+            "shm": push("shm", False),
+            "shm loaded": push("shm", True),
             "store": median_ms(store, reps),
         }
     finally:
@@ -144,15 +155,17 @@ def main() -> None:
     print(
         f"\n{total} MiB in {total // args.bucket_mib} buckets of {args.bucket_mib} MiB, 1 sender -> "
         f"{args.receivers} receivers (gloo, one node); object store bytes during a push: store {total} MiB, "
-        "collective 0"
+        f"collective 0; /dev/shm: the shared-memory lane's {RING} slots, {RING * args.bucket_mib} MiB"
     )
     table = [
         ("raw broadcast of the same bytes", roomy["floor"], None, ""),
-        ("collective push, transport alone", roomy["collective"], roomy["floor"], "broadcast"),
-        ("collective push + loads", roomy["loaded"], None, ""),
-        ("object store push + loads, the model fits", roomy["store"], roomy["loaded"], "collective + loads"),
-        ("collective push + loads (small store)", small["loaded"], None, ""),
-        ("object store push + loads, store half the model", small["store"], small["loaded"], "collective + loads"),
+        ("collective push, broadcast lane, transport alone", roomy["collective"], roomy["floor"], "broadcast"),
+        ("collective push, shared-memory lane, transport alone", roomy["shm"], roomy["floor"], "broadcast"),
+        ("collective push + loads, broadcast lane", roomy["loaded"], None, ""),
+        ("collective push + loads, shared-memory lane", roomy["shm loaded"], None, ""),
+        ("object store push + loads, the model fits", roomy["store"], roomy["shm loaded"], "collective + loads"),
+        ("collective push + loads, shared-memory lane (small store)", small["shm loaded"], None, ""),
+        ("object store push + loads, store half the model", small["store"], small["shm loaded"], "collective + loads"),
     ]
     print_table(f"split placement's weight push (median of {reps})", table)
     emit_results([(f"weight push {r[0]}", *r[1:]) for r in table])

@@ -35,7 +35,8 @@ CPU_KV_CACHE_BYTES = 64 << 20  # the CPU default KV-cache budget
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 WAKE_TAGS = ("weights", "kv_cache")  # what wake_up brings back, in order
 WEIGHT_TRANSPORTS = ("auto", "naive", "nccl", "shm", "cuda_ipc")
-TRANSPORT_KWARGS = {"shm": ("dir",), "nccl": ("timeout_s",)}  # checkpoint_engine.engine_kwargs.<backend>.<key>
+TRANSPORT_KWARGS = {"shm": ("dir",), "nccl": ("timeout_s", "same_node")}  # checkpoint_engine.engine_kwargs.<b>.<key>
+PUSH_SAME_NODE = ("shm", "broadcast")  # engine_kwargs.nccl.same_node: how the push reaches the sender's own node
 
 
 @dataclass
@@ -155,7 +156,7 @@ class CheckpointEngineSettings:
     former paths); ``nccl`` / ``shm`` / ``cuda_ipc`` fix their own hop and leave the other on auto."""
 
     backend: str = "auto"  # auto | naive | nccl | shm | cuda_ipc
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # per backend: shm: {dir}, nccl: {timeout_s}
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # shm: {dir}; nccl: {timeout_s, same_node}
 
     def engine_process_transport(self) -> str:
         """How buckets reach an engine in another process: naive | shm | cuda_ipc. auto takes shm on CUDA too:
@@ -185,6 +186,13 @@ class CheckpointEngineSettings:
                     f"{key}.engine_kwargs.{name}: unknown {unknown or 'backend'}; known: "
                     + "; ".join(f"{b}: {', '.join(k)}" for b, k in TRANSPORT_KWARGS.items())
                 )
+        same_node = self.nccl_kwarg("same_node", "shm")
+        if same_node not in PUSH_SAME_NODE:
+            raise ConfigError(f"{key}.engine_kwargs.nccl.same_node must be one of shm, broadcast, got '{same_node}'")
+
+    def nccl_kwarg(self, name: str, default: Any) -> Any:
+        """``engine_kwargs.nccl.<name>``, else ``default``."""
+        return (self.engine_kwargs.get("nccl") or {}).get(name, default)
 
 
 @dataclass(kw_only=True)

@@ -66,7 +66,7 @@ def remove_orphans(folder: str) -> int:
     return removed
 
 
-class _Slot:
+class Slot:
     """One slot: a file in ``folder`` mapped into this process (``device`` cpu), or a buffer on ``device`` (CUDA
     IPC); made anew, larger, when a bucket needs more. ``source`` tells the receiver how to open it."""
 
@@ -85,10 +85,15 @@ class _Slot:
             self.path = os.path.join(self.folder, name)
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
-                os.ftruncate(fd, nbytes)
+                # the pages reserved now: a full /dev/shm fails here with ENOSPC, not later with SIGBUS mid-write
+                os.posix_fallocate(fd, 0, nbytes)
                 self.map = mmap.mmap(fd, nbytes)
-            finally:
+            except OSError:
                 os.close(fd)
+                os.unlink(self.path)
+                self.path, self.size = "", 0
+                raise
+            os.close(fd)
             self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)  # pyright: ignore[reportArgumentType]
             self.source = ("file", self.path, nbytes)
         else:
@@ -133,7 +138,7 @@ class SlotSender:
         self.folder = folder or shm_dir()
         if device == "cpu":
             remove_orphans(self.folder)
-        self.slots = [_Slot(self.folder, i, device) for i in range(SLOTS)]
+        self.slots = [Slot(self.folder, i, device) for i in range(SLOTS)]
         self.peak_bytes = 0  # the most bytes the slots held at once (every sync so far)
         self.close = weakref.finalize(self, _close_slots, self.slots)  # also at exit, or once unreferenced
 
@@ -192,7 +197,7 @@ def _send(conn: Connection, message) -> None:
         raise _StreamLost(error) from None
 
 
-def _close_slots(slots: list[_Slot]) -> None:
+def _close_slots(slots: list[Slot]) -> None:
     for slot in slots:
         slot.close()
 
@@ -250,7 +255,7 @@ def receive_buckets(address: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
             index, source, entries = message
             if maps.get(index, (None,))[0] != source[:2]:
                 maps.pop(index, None)  # the old slot's mapping goes when its last view is collected
-                maps[index] = (source[:2], *_open(source))
+                maps[index] = (source[:2], *open_slot(source))
             raw = maps[index][-1]
             bucket = [
                 (name, raw[offset : offset + nbytes].view(dtype).reshape(shape).clone())
@@ -264,7 +269,7 @@ def receive_buckets(address: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
         conn.close()
 
 
-def _open(source: tuple) -> tuple:
+def open_slot(source: tuple) -> tuple:
     """(mapping or None, a uint8 tensor over the slot) of a slot's ``source``."""
     if source[0] == "cuda":
         rebuild, args = source[2]

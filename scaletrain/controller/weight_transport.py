@@ -3,9 +3,11 @@
 Collective (``checkpoint_engine.backend`` nccl, auto's choice on CPU): the trainer's export rank and every rollout
 rank form a ``torch.distributed`` group of their own (gloo on CPU, NCCL on CUDA; group rank 0 the sender, rollout
 rank r is 1 + r), met through a TCPStore the export rank hosts (``open_store``) and kept for every later push. Each
-bucket goes as a small JSON header (names, dtypes and shapes), then its bytes: each tensor of 1 MiB or more broadcast as
-it is (no packing copy), each run of smaller ones packed into one broadcast. The sender
-gathers the next bucket while it broadcasts one, each receiver takes the next while its engine loads one
+bucket goes as a header (an all-reduce of its size, which also paces the sender: ``_sync``), a small JSON (names,
+dtypes, shapes, and its slot), then its bytes, by one of two lanes (``push_lanes``): the ranks on the sender's node
+view it in a shared-memory slot the sender wrote once; the ranks of other nodes (every rank on CUDA) receive it by
+broadcast, each tensor of 1 MiB or more as it is (no packing copy), each run of smaller ones packed into one. The
+sender gathers the next bucket while it sends one, each receiver takes the next while its engine loads one
 (``prefetched``: at most one bucket ahead on either side). A sender whose export fails broadcasts an abort, so the
 receivers raise instead of waiting; a receiver whose engine fails reads the push to its end before it raises, so
 the sender and the other ranks are not left waiting; a dead rank ends the others' wait with gloo's error (and the
@@ -38,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
+from scaletrain.controller.push_lanes import Acks, Lanes, SlotRing, SlotViews, agree
 from scaletrain.utils.byte_layout import aligned_offsets
 from scaletrain.utils.prefetch import prefetched
 
@@ -97,6 +100,7 @@ class WeightChannel:
     device: str = "cpu"
     timeout_s: float = 600.0
     version: int = 0
+    same_node: str = "shm"  # shm: the sender's node reads the buckets from shared memory; broadcast: sent the bytes
 
     @property
     def key(self) -> tuple[str, int]:
@@ -105,8 +109,12 @@ class WeightChannel:
 
 _STORES: dict[int, TCPStore] = {}  # the store this process hosts, by port
 _GROUPS: dict[tuple[str, int], Any] = {}  # this process's member of each channel's group
-_ARENAS: dict[tuple[str, int], list[torch.Tensor]] = {}  # a receiver's buffers, kept for the channel's next push
-_ABORT, _END = -1, 0  # header values of a push's end and of a sender's failure
+_LANES: dict[tuple[str, int], Lanes] = {}  # each channel's lanes, agreed when its group formed
+_RINGS: dict[tuple[str, int], SlotRing] = {}  # the sender's slots for each channel, kept for its next push
+_VIEWS: dict[tuple[str, int], SlotViews] = {}  # a receiver's mappings of them
+_ARENAS: dict[tuple[str, int], list[torch.Tensor | None]] = {}  # a receiver's buffers, kept for the next push
+_ABORT, _END, _DATA = -1, 0, 1  # a message's code: a sender's failure, the push's end, a value
+HEADER_WORDS = 512  # a message's fixed header (int64s: code, JSON length, the JSON itself where it fits: 4 KiB)
 ARENAS = 3  # receive buffers per rollout rank, kept between pushes: one loading, one queued, one receiving
 SMALL = 1 << 20  # tensors smaller than this go packed with their neighbours, one broadcast per run
 
@@ -132,28 +140,51 @@ def _group(channel: WeightChannel, rank: int) -> Any:
             group = dist.ProcessGroupNCCL(prefixed, rank, channel.world_size, options)
         else:
             group = dist.ProcessGroupGloo(prefixed, rank, channel.world_size, timeout)
+        _LANES[channel.key] = agree(group, rank, channel.world_size, channel.same_node, channel.device, store, timeout)
         _GROUPS[channel.key] = group
     return _GROUPS[channel.key]
 
 
 def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+    _broadcasts(group, [tensor])
+
+
+def _broadcasts(group: Any, tensors: list[torch.Tensor]) -> None:
+    """Each of ``tensors`` broadcast from group rank 0, all started before the first is waited for (each call's
+    round trips overlap the others' instead of adding up)."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    group.broadcast([tensor], options).wait()
+    for work in [group.broadcast([tensor], options) for tensor in tensors]:
+        work.wait()
 
 
-def _broadcast_json(group: Any, value) -> None:
-    """``value`` as JSON (never a pickle: the push group's store listens on the network, and what arrives is data,
-    not code), after its size."""
-    packed = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
-    _broadcast(group, torch.tensor([packed.numel(), 0], dtype=torch.int64))
-    _broadcast(group, packed)
+def _send_message(group: Any, code: int, value=None) -> None:
+    """One message to every receiver: ``code`` and ``value`` as JSON (never a pickle: the push group's store
+    listens on the network, and what arrives is data, not code), in a fixed header, the JSON after it where it
+    does not fit (one broadcast per bucket where its names fit in 4 KiB)."""
+    packed = json.dumps(value).encode()
+    header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
+    header[0], header[1] = code, len(packed)
+    inline = len(packed) <= 8 * (HEADER_WORDS - 2)
+    if inline:
+        header[2:].view(torch.uint8)[: len(packed)] = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+    _broadcast(group, header)
+    if not inline:
+        _broadcast(group, torch.frombuffer(bytearray(packed), dtype=torch.uint8))
 
 
-def _received_json(group: Any, size: int):
+def _received_message(group: Any) -> tuple[int, Any]:
+    """(code, value) of the sender's next message."""
+    header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
+    _broadcast(group, header)
+    code, size = int(header[0]), int(header[1])
+    if code != _DATA:
+        return code, None
+    if size <= 8 * (HEADER_WORDS - 2):
+        return code, json.loads(header[2:].view(torch.uint8)[:size].numpy().tobytes())
     packed = torch.empty(size, dtype=torch.uint8)
     _broadcast(group, packed)
-    return json.loads(packed.numpy().tobytes())
+    return code, json.loads(packed.numpy().tobytes())
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -184,57 +215,99 @@ def send_buckets(
 ) -> int:
     """On the export rank: every bucket to every rollout rank (first ``adapter_config``: None, or the LoRA adapter
     the buckets hold); returns the bytes sent. The next bucket is gathered (a collective of the training ranks)
-    while this one is broadcast."""
-    group, sent = _group(channel, 0), 0
-    _broadcast_json(group, adapter_config)
+    while this one is sent."""
+    group, lanes, sent = _group(channel, 0), _LANES[channel.key], 0
+    if lanes.local and channel.key not in _RINGS:
+        _RINGS[channel.key] = SlotRing()
+    ring, acks = _RINGS.get(channel.key), Acks(lanes)
+    _send_message(group, _DATA, adapter_config)
     try:
-        for bucket in prefetched(buckets, name="weight-export"):
-            raw = [t.detach().to(channel.device).contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
-            _broadcast_json(group, [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in bucket])
-            offsets, spans = _layout([r.numel() for r in raw])
-            for start, length, part in spans:
-                if len(part) == 1:
-                    _broadcast(group, raw[part[0]])
-                    continue
-                packed = torch.zeros(length, dtype=torch.uint8, device=channel.device)
-                for i in part:
-                    packed[offsets[i] - start : offsets[i] - start + raw[i].numel()] = raw[i]
-                _broadcast(group, packed)
-            sent += sum(r.numel() for r in raw)
+        index = -1
+        for index, bucket in enumerate(prefetched(buckets, name="weight-export")):
+            if ring is not None:
+                acks.wait_for(index - 1)  # the node's ranks are done with the bucket this one's slot held
+            sent += _send_bucket(channel, group, ring, index, bucket)
     except BaseException:
         # the receivers raise instead of waiting; a group already broken (a dead receiver) fails this at once
         with contextlib.suppress(Exception):
-            _broadcast(group, torch.tensor([_ABORT, 0], dtype=torch.int64))
+            _send_message(group, _ABORT)
         raise
-    _broadcast(group, torch.tensor([_END, 0], dtype=torch.int64))
+    if ring is not None:
+        acks.wait_for(index + 1)  # what the node's ranks said on reaching the end: the next push starts even
+    _send_message(group, _END)
     return sent
 
 
-def _received(channel: WeightChannel, group: Any, counted: list[int]):
-    """The buckets as they arrive, into ``ARENAS`` buffers used in turn and kept for the channel's later pushes
-    (as verl's and slime's collective pushes keep theirs: memory is not faulted in again for each bucket, at the
-    cost of ``ARENAS`` buckets held between pushes): a bucket's tensors stay valid until the consumer has drawn the
-    bucket ``ARENAS - 1`` after it; a consumer that keeps tensors longer copies them."""
-    arenas = _ARENAS.setdefault(channel.key, [])
+def _send_bucket(
+    channel: WeightChannel, group: Any, ring: SlotRing | None, index: int, bucket: list[tuple[str, torch.Tensor]]
+) -> int:
+    """One bucket: written into its slot for the sender's node, then announced (names, dtypes, shapes, the slot),
+    then its bytes broadcast to the other nodes (to every rank where /dev/shm had no room for it). Its slot is
+    free: the node's ranks said they were done with the bucket it held (``Acks``)."""
+    raw = [t.detach().to(channel.device).contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
+    offsets, spans = _layout([r.numel() for r in raw])
+    slot = ring.reserve(index, aligned_offsets([r.numel() for r in raw])[1]) if ring is not None else None
+    if slot is not None:
+        slot.write([(name, r) for (name, _), r in zip(bucket, raw)])
+    meta = [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in bucket]
+    lanes = _LANES[channel.key]
+    _send_message(group, _DATA, {"meta": meta, "slot": [slot.index, slot.path, slot.size] if slot else None})
+    target = lanes.bytes_group if slot is not None else group
+    if target is not None:
+        _broadcasts(target, [_span(raw, offsets, span, channel.device) for span in spans])
+    return sum(r.numel() for r in raw)
+
+
+def _span(raw: list[torch.Tensor], offsets: list[int], span: tuple, device: str) -> torch.Tensor:
+    """One broadcast's bytes: a large tensor as it is, a run of small ones packed."""
+    start, length, part = span
+    if len(part) == 1:
+        return raw[part[0]]
+    packed = torch.zeros(length, dtype=torch.uint8, device=device)
+    for i in part:
+        packed[offsets[i] - start : offsets[i] - start + raw[i].numel()] = raw[i]
+    return packed
+
+
+def _arena(channel: WeightChannel, index: int, need: int) -> torch.Tensor:
+    """Receive buffer ``index % ARENAS`` of the channel, at least ``need`` bytes (kept for later pushes)."""
+    arenas = _ARENAS.setdefault(channel.key, [None] * ARENAS)
+    arena = arenas[index % ARENAS]
+    if arena is None or arena.numel() < need:
+        arena = arenas[index % ARENAS] = torch.empty(need, dtype=torch.uint8, device=channel.device)
+    return arena
+
+
+def _received(channel: WeightChannel, group: Any, rank: int, counted: list[int]):
+    """The buckets as they arrive (``rank``: this member's in the group). On the sender's node (``Lanes.local``)
+    each is a view of the sender's slot; elsewhere it is received into ``ARENAS`` buffers used in turn and kept
+    for the channel's later pushes (as verl's and slime's collective pushes keep theirs: memory is not faulted in
+    again for each bucket). Either way a bucket's tensors stay valid until the consumer has drawn the bucket
+    ``ARENAS - 1`` after it; a consumer that keeps tensors longer copies them. (Reaching bucket i's message, this
+    generator has handed out bucket i - 1: the consumer has drawn i - 2, so it is done with i - 3.)"""
+    lanes = _LANES[channel.key]
+    acks = Acks(lanes) if rank in lanes.local else None
     for index in itertools.count():
-        header = torch.empty(2, dtype=torch.int64)
-        _broadcast(group, header)
-        size = int(header[0])
-        if size == _END:
+        if acks is not None:
+            acks.send(index)
+        code, info = _received_message(group)
+        if code == _END:
+            if acks is not None:
+                acks.finish()
             return
-        if size == _ABORT:
+        if code != _DATA:
             raise RuntimeError(f"weight push {channel.version}: the trainer's export failed mid-push (see its error)")
-        meta = [(name, _dtype(dtype), tuple(shape)) for name, dtype, shape in _received_json(group, size)]
+        meta = [(name, _dtype(dtype), tuple(shape)) for name, dtype, shape in info["meta"]]
         sizes = [dtype.itemsize * int(torch.Size(shape).numel()) for _, dtype, shape in meta]
         offsets, spans = _layout(sizes)
         need = spans[-1][0] + spans[-1][1] if spans else 0
-        arena = arenas[index % ARENAS] if len(arenas) == ARENAS else None
-        if arena is None or arena.numel() < need:
-            arena = torch.empty(need, dtype=torch.uint8, device=channel.device)
-            arenas[index % ARENAS : index % ARENAS + 1] = [arena]
-        for start, length, _ in spans:
-            _broadcast(group, arena[start : start + length])
         counted[0] += sum(sizes)
+        if info["slot"] is not None and rank in lanes.local:
+            yield _VIEWS.setdefault(channel.key, SlotViews()).bucket(info["slot"], meta, offsets, sizes, need)
+            continue
+        arena = _arena(channel, index, need)
+        source = group if info["slot"] is None else lanes.bytes_group
+        _broadcasts(source, [arena[start : start + length] for start, length, _ in spans])
         yield [
             (name, arena[offset : offset + nbytes].view(dtype).reshape(shape))
             for (name, dtype, shape), offset, nbytes in zip(meta, offsets, sizes)
@@ -254,11 +327,9 @@ class ReceivedPush:
             self._counted, self._collective = [weights.nbytes], False
             return
         group = _group(weights, 1 + rank)
-        header = torch.empty(2, dtype=torch.int64)
-        _broadcast(group, header)
-        self.adapter_config = _received_json(group, int(header[0]))
+        _, self.adapter_config = _received_message(group)
         self._counted, self._collective = [0], True
-        self.buckets = prefetched(_received(weights, group, self._counted), name="weight-receive")
+        self.buckets = prefetched(_received(weights, group, 1 + rank, self._counted), name="weight-receive")
 
     @property
     def nbytes(self) -> int:

@@ -28,6 +28,7 @@ from dataclasses import replace
 
 from backends import memory as mem
 from backends.config import resolve_precision
+from scaletrain.controller.push_lanes import RING
 from scaletrain.trainer.config.ppo_config import PPOConfig
 from scaletrain.trainer.config.worker_configs import engine_config, model_config
 from scaletrain.utils.typed_config import ConfigError
@@ -107,7 +108,8 @@ def _shared(cfg: PPOConfig, shape: mem.ModelShape) -> dict[str, int]:
     """The node's shared memory: Ray's object store (batches between the driver and the workers) and, where vLLM's
     engine core runs in a process of its own (the agent loops' AsyncLLM), what each sync puts in /dev/shm per
     rollout rank of the node (backends/rollout/vllm_engine.py): two bucket slots (``checkpoint_engine`` shm, the
-    default), the whole model (naive), nothing (cuda_ipc: device buffers)."""
+    default), the whole model (naive), nothing (cuda_ipc: device buffers); and split placement's collective push on
+    CPU: the export rank's ring of bucket slots its node's rollout ranks read (controller/push_lanes.py)."""
     shared = {"Ray object store": cfg.ray_kwargs.ray_init.object_store_memory or STORE_FLOOR}
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.name == "vllm" and rollout.use_async_engine:
@@ -116,6 +118,11 @@ def _shared(cfg: PPOConfig, shape: mem.ModelShape) -> dict[str, int]:
         held = per_rank[rollout.checkpoint_engine.engine_process_transport()] * cfg.trainer.n_gpus_per_node
         if held:
             shared["weight sync in /dev/shm"] = held
+    ce = rollout.checkpoint_engine
+    if not cfg.actor_rollout_ref.hybrid_engine and ce.pool_transport(cfg.trainer.device) == "nccl":
+        if cfg.trainer.device == "cpu" and ce.nccl_kwarg("same_node", "shm") == "shm":
+            model = shape.params * _synced_bytes(cfg)
+            shared["weight push slots in /dev/shm"] = min(RING * rollout.weight_bucket_bytes, model)
     return shared
 
 

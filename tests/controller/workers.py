@@ -251,3 +251,75 @@ def started_group(ray, workers: int, cls, *args, use_gpu=True, **group_kwargs):
         for actor in group.workers if group is not None else []:
             ray.kill(actor)
         pool.release()
+
+
+class PushMember:
+    """Rank ``rank`` of a weight push group (scaletrain/controller/weight_transport.py: 0 sends, the others
+    receive), as a plain Ray actor. ``other_node``: this receiver passes for a process of another node (its node
+    key differs; a second node cannot exist here), so the sender's lanes split."""
+
+    def __init__(self, rank: int, other_node: bool = False) -> None:
+        self.rank = rank
+        if other_node:
+            import hashlib
+
+            from scaletrain.controller import push_lanes
+
+            push_lanes.node_key = lambda: hashlib.sha256(b"another node").digest()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def open(self) -> tuple[str, int]:
+        import ray
+
+        from scaletrain.controller.weight_transport import open_store
+
+        host = ray.util.get_node_ip_address()
+        return host, open_store(host, 60.0)
+
+    def send(self, channel, buckets, file_size_limit: int | None = None, fail_at: int = -1) -> tuple[int, bool]:
+        """(bytes sent, whether the slots ran out of room); ``file_size_limit``: no file of this process may grow
+        past it while it sends (as a full /dev/shm: the slots cannot be made); ``fail_at``: the export fails
+        producing that bucket."""
+        import resource
+        import signal
+
+        from scaletrain.controller import weight_transport
+
+        limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if file_size_limit is not None:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from the call instead of the signal's kill
+            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, limits[1]))
+        try:
+            sent = weight_transport.send_buckets(channel, _failing(buckets, fail_at), None)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        ring = weight_transport._RINGS.get(channel.key)
+        return sent, bool(ring and ring.warned)
+
+    def receive(self, channel, load_s: float = 0.0, fail_at: int = -1) -> tuple[list, bool, int]:
+        """(every (name, tensor) received, copied out; whether this rank read the sender's slots; its receive
+        buffers). ``load_s``: a slow engine's time per bucket, before it copies the bucket out; ``fail_at``: the
+        engine's load fails at that bucket (raised once the push is read to its end)."""
+        from scaletrain.controller import weight_transport
+
+        push = weight_transport.ReceivedPush(channel, self.rank - 1)
+        out = []
+        try:
+            for index, bucket in enumerate(push.buckets):
+                if index == fail_at:
+                    raise ValueError(f"the engine cannot load bucket {index}")
+                time.sleep(load_s)
+                out.extend((name, tensor.clone()) for name, tensor in bucket)
+        finally:
+            push.finish()
+        local = self.rank in weight_transport._LANES[channel.key].local
+        return out, local, sum(a is not None for a in weight_transport._ARENAS.get(channel.key, []))
+
+
+def _failing(buckets: list, fail_at: int):
+    for index, bucket in enumerate(buckets):
+        if index == fail_at:
+            raise RuntimeError(f"export failed at bucket {index}")
+        yield bucket

@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from backends import memory as mem
+from scaletrain.controller.push_lanes import RING
 from scaletrain.trainer.config.plan import resolve_config
 from scaletrain.trainer.config.ppo_config import load_ppo_config
 from scaletrain.trainer.embedded_default import apply_embedded_overlay
@@ -141,6 +142,17 @@ def test_the_weight_syncs_dev_shm_line_follows_its_transport():
     whole = memory_plan(naive_cfg, 1 << 40).shared["weight sync in /dev/shm"]
     assert slots == 2 * 65536 * ranks and whole > 10 * slots
     assert "weight sync in /dev/shm" not in memory_plan(resolved(), 1 << 40).shared
+
+
+def test_split_placements_push_counts_its_slot_ring_on_the_export_ranks_node():
+    """Split placement's collective push on CPU: the rollout ranks of the export rank's node read three bucket
+    slots in /dev/shm (controller/push_lanes.py); the broadcast lane and the object store keep none there."""
+    split = ("actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.weight_bucket_bytes=65536")
+    assert memory_plan(resolved(*split), 1 << 40).shared["weight push slots in /dev/shm"] == RING * 65536
+    for other in ("checkpoint_engine.backend=naive", "checkpoint_engine.engine_kwargs.nccl.same_node=broadcast"):
+        cfg = resolved(*split, f"{'+' if 'same_node' in other else ''}actor_rollout_ref.rollout.{other}")
+        assert "weight push slots in /dev/shm" not in memory_plan(cfg, 1 << 40).shared, other
+    assert "weight push slots in /dev/shm" not in memory_plan(resolved(), 1 << 40).shared
 
 
 def test_a_model_the_plan_cannot_read_warns_and_the_run_goes_on_or_fails_under_error(tmp_path, caplog):

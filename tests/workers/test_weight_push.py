@@ -1,7 +1,8 @@
 """Split placement's weight push between real worker groups (scaletrain/controller/weight_transport.py): a trainer
 group (2 fsdp ranks) pushes to a rollout pool (2 vLLM ranks started from random weights) over the collective group
 and through the object store; the pool's greedy tokens must equal a fresh engine's started from the trainer's
-exported HF checkpoint. A rollout rank killed while a push runs fails the push naming that rank, never a hang."""
+exported HF checkpoint (the collective push by both its lanes). A rollout rank killed while a push runs fails the
+push naming that rank, never a hang."""
 
 from __future__ import annotations
 
@@ -75,15 +76,22 @@ def groups(ray_cluster, tmp_path_factory):
             yield trainer, pool, want
 
 
-def weight_sync(groups, backend: str) -> WeightSync:
+def weight_sync(groups, backend: str, **engine_kwargs) -> WeightSync:
     trainer, pool, _ = groups
-    return WeightSync(ActorRolloutRefRole(trainer), RolloutRole(pool), CheckpointEngineSettings(backend), "cpu")
+    settings = CheckpointEngineSettings(backend, engine_kwargs)
+    return WeightSync(ActorRolloutRefRole(trainer), RolloutRole(pool), settings, "cpu")
 
 
-@pytest.mark.parametrize("backend", ["nccl", "naive"])
-def test_a_push_makes_the_pool_generate_as_the_exported_checkpoint_does(groups, backend):
+@pytest.mark.parametrize(
+    ("backend", "same_node"),
+    [("nccl", "shm"), ("nccl", "broadcast"), ("naive", None)],
+    ids=["nccl-shared-memory-lane", "nccl-broadcast-lane", "naive"],
+)
+def test_a_push_makes_the_pool_generate_as_the_exported_checkpoint_does(groups, backend, same_node):
+    """The pool's ranks share the trainer's node: the default lane has them view the sender's slots, the
+    broadcast lane (what a rank of another node gets) sends them the bytes."""
     _, pool, want = groups
-    sync = weight_sync(groups, backend)
+    sync = weight_sync(groups, backend, **({"nccl": {"same_node": same_node}} if same_node else {}))
     metrics = sync.push()
     assert sync.transport == backend
     assert_same(greedy(pool), want)

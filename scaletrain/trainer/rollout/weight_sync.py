@@ -105,13 +105,11 @@ class WeightSync:
         pool.shutdown()
         return nbytes, ended[0]
 
-    def _timeout_s(self) -> float:
-        return float((self.settings.engine_kwargs.get("nccl") or {}).get("timeout_s", DEFAULT_TIMEOUT_S))
-
     def _channel(self) -> WeightChannel:
         if self.channel is None:
             assert self.rollout is not None
-            timeout_s = self._timeout_s()
+            timeout_s = float(self.settings.nccl_kwarg("timeout_s", DEFAULT_TIMEOUT_S))
             host, port = self.actor.open_weight_channel(timeout_s)
-            self.channel = WeightChannel(host, port, 1 + self.rollout.group.world_size, self.device, timeout_s)
+            world_size, same_node = 1 + self.rollout.group.world_size, self.settings.nccl_kwarg("same_node", "shm")
+            self.channel = WeightChannel(host, port, world_size, self.device, timeout_s, same_node=same_node)
         return self.channel

@@ -187,6 +187,10 @@ def test_yaml_defaults_build_and_validate():
             ["+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.shm.path=/x"],
             "checkpoint_engine.engine_kwargs.shm: unknown ['path']",
         ),
+        (
+            ["+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.nccl.same_node=nvlink"],
+            "checkpoint_engine.engine_kwargs.nccl.same_node must be one of shm, broadcast, got 'nvlink'",
+        ),
     ],
 )
 def test_bad_configs_name_the_key(overrides, message):
