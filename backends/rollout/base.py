@@ -36,7 +36,7 @@ LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 WAKE_TAGS = ("weights", "kv_cache")  # what wake_up brings back, in order
 WEIGHT_TRANSPORTS = ("auto", "naive", "nccl", "shm", "cuda_ipc")
 TRANSPORT_KWARGS = {"shm": ("dir",), "nccl": ("timeout_s", "same_node")}  # checkpoint_engine.engine_kwargs.<b>.<key>
-PUSH_SAME_NODE = ("shm", "broadcast")  # engine_kwargs.nccl.same_node: how the push reaches the sender's own node
+PUSH_SAME_NODE = ("shm", "broadcast")  # engine_kwargs.nccl.same_node (the first the default): the push's own node
 
 
 @dataclass
@@ -186,9 +186,16 @@ class CheckpointEngineSettings:
                     f"{key}.engine_kwargs.{name}: unknown {unknown or 'backend'}; known: "
                     + "; ".join(f"{b}: {', '.join(k)}" for b, k in TRANSPORT_KWARGS.items())
                 )
-        same_node = self.nccl_kwarg("same_node", "shm")
-        if same_node not in PUSH_SAME_NODE:
-            raise ConfigError(f"{key}.engine_kwargs.nccl.same_node must be one of shm, broadcast, got '{same_node}'")
+        if self.push_same_node() not in PUSH_SAME_NODE:
+            raise ConfigError(
+                f"{key}.engine_kwargs.nccl.same_node must be one of {', '.join(PUSH_SAME_NODE)}, "
+                f"got '{self.push_same_node()}'"
+            )
+
+    def push_same_node(self) -> str:
+        """How split placement's collective push reaches the ranks of the sender's node (``engine_kwargs.nccl
+        .same_node``): shm (the default: shared-memory slots) | broadcast."""
+        return self.nccl_kwarg("same_node", PUSH_SAME_NODE[0])
 
     def nccl_kwarg(self, name: str, default: Any) -> Any:
         """``engine_kwargs.nccl.<name>``, else ``default``."""

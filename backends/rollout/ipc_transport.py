@@ -241,7 +241,7 @@ def receive_buckets(address: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
     back at once: vLLM may keep a tensor until its layer is complete), in the order sent."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(address)
-    conn, maps = Connection(sock.detach()), {}
+    conn, maps = Connection(sock.detach()), SlotMaps()
     try:
         while True:
             try:
@@ -253,10 +253,7 @@ def receive_buckets(address: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
             if message is None:
                 return
             index, source, entries = message
-            if maps.get(index, (None,))[0] != source[:2]:
-                maps.pop(index, None)  # the old slot's mapping goes when its last view is collected
-                maps[index] = (source[:2], *open_slot(source))
-            raw = maps[index][-1]
+            raw = maps.buffer(index, source)
             bucket = [
                 (name, raw[offset : offset + nbytes].view(dtype).reshape(shape).clone())
                 for name, dtype, shape, offset, nbytes in entries
@@ -267,6 +264,21 @@ def receive_buckets(address: str) -> Iterator[list[tuple[str, torch.Tensor]]]:
             yield bucket
     finally:
         conn.close()
+
+
+class SlotMaps:
+    """A receiver's mappings of a sender's slots, by slot index: a slot made anew (a new file, or a new CUDA
+    buffer) is opened again, and the old mapping goes once its last view is collected."""
+
+    def __init__(self) -> None:
+        self.maps: dict[int, tuple] = {}
+
+    def buffer(self, index: int, source: tuple) -> torch.Tensor:
+        """A uint8 tensor over slot ``index`` as ``source`` describes it."""
+        if self.maps.get(index, (None,))[0] != source[:2]:
+            self.maps.pop(index, None)
+            self.maps[index] = (source[:2], *open_slot(source))
+        return self.maps[index][-1]
 
 
 def open_slot(source: tuple) -> tuple:

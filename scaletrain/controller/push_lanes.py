@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage]
 
-from backends.rollout.ipc_transport import PREFIX, Slot, open_slot, remove_orphans, shm_dir
+from backends.rollout.ipc_transport import PREFIX, Slot, SlotMaps, remove_orphans, shm_dir
 from scaletrain.utils.byte_layout import ALIGN
 
 logger = logging.getLogger(__name__)
@@ -60,14 +60,13 @@ def _all_gather_keys(group: Any, world_size: int) -> list[bytes]:
 
 @dataclass
 class Lanes:
-    """Who reads the slots (``local``: group ranks on the sender's node) and who is sent the bytes (``remote``),
-    over ``bytes_group`` (the sender and the remote ranks: None when there are none; the push group itself when
-    no rank is local). ``ack_group``: the sender and the local ranks (as ranks 1, 2, ... in ``local``'s order),
-    for their acknowledgements alone (no collective runs in it: a point-to-point tag of the push group could
-    meet a collective's)."""
+    """Who reads the slots (``local``: group ranks on the sender's node; every other rank is sent the bytes),
+    and the groups: ``bytes_group`` (the sender and the other ranks: None when there are none; the push group
+    itself when no rank is local); ``ack_group``: the sender and the local ranks (as ranks 1, 2, ... in
+    ``local``'s order), for their acknowledgements alone (no collective runs in it: a point-to-point tag of the
+    push group could meet a collective's)."""
 
     local: list[int] = field(default_factory=list)
-    remote: list[int] = field(default_factory=list)
     bytes_group: Any = None
     ack_group: Any = None
 
@@ -79,11 +78,11 @@ def agree(group: Any, rank: int, world_size: int, same_node: str, device: str, s
     local = [r for r in range(1, world_size) if lane and keys[r] == keys[0]]
     remote = [r for r in range(1, world_size) if r not in local]
     if not local:
-        return Lanes(local, remote, group)
+        return Lanes(local, group)
     acks = _subgroup("acks", [0, *local], rank, store, timeout)
     if not remote:
-        return Lanes(local, remote, None, acks)
-    return Lanes(local, remote, _subgroup("bytes", [0, *remote], rank, store, timeout), acks)
+        return Lanes(local, None, acks)
+    return Lanes(local, _subgroup("bytes", [0, *remote], rank, store, timeout), acks)
 
 
 def _subgroup(name: str, members: list[int], rank: int, store: Any, timeout) -> Any:
@@ -165,11 +164,10 @@ class Acks:
 
 
 class SlotViews:
-    """A receiver's mappings of the sender's slots, by slot index (a slot made anew, larger, is mapped again; the
-    old mapping goes once its last view is collected)."""
+    """A receiver's views of the sender's slots (``SlotMaps``: a slot made anew, larger, is mapped again)."""
 
     def __init__(self) -> None:
-        self.maps: dict[int, tuple] = {}
+        self.maps = SlotMaps()
 
     def bucket(self, source: list, meta: list, offsets: list[int], sizes: list[int], need: int) -> list:
         """The bucket's (name, tensor) views of slot ``source`` (index, path, size), checked to be one of ours
@@ -178,10 +176,7 @@ class SlotViews:
         folder, name = os.path.split(path)
         if folder != shm_dir() or not name.startswith(PREFIX) or size < need:
             raise RuntimeError(f"weight push: slot {path!r} ({size} bytes) is not a sender's slot of {need} bytes")
-        if self.maps.get(index, (None,))[0] != (path, size):
-            self.maps.pop(index, None)
-            self.maps[index] = ((path, size), *open_slot(("file", path, size)))
-        raw = self.maps[index][-1]
+        raw = self.maps.buffer(index, ("file", path, size))
         with warnings.catch_warnings():  # the views are read-only; the engine copies out of them
             warnings.simplefilter("ignore", UserWarning)
             return [

@@ -3,10 +3,11 @@
 Collective (``checkpoint_engine.backend`` nccl, auto's choice on CPU): the trainer's export rank and every rollout
 rank form a ``torch.distributed`` group of their own (gloo on CPU, NCCL on CUDA; group rank 0 the sender, rollout
 rank r is 1 + r), met through a TCPStore the export rank hosts (``open_store``) and kept for every later push. Each
-bucket goes as a header (an all-reduce of its size, which also paces the sender: ``_sync``), a small JSON (names,
-dtypes, shapes, and its slot), then its bytes, by one of two lanes (``push_lanes``): the ranks on the sender's node
-view it in a shared-memory slot the sender wrote once; the ranks of other nodes (every rank on CUDA) receive it by
-broadcast, each tensor of 1 MiB or more as it is (no packing copy), each run of smaller ones packed into one. The
+bucket goes as one broadcast message (a 4 KiB header with its names, dtypes, shapes and slot as JSON), then its
+bytes, by one of two lanes (``push_lanes``): the ranks on the sender's node view it in a shared-memory slot the
+sender wrote once (and acknowledge it point to point, which paces the sender: ``Acks``); the ranks of other nodes
+(every rank on CUDA) receive it by broadcast, each tensor of 1 MiB or more as it is (no packing copy), each run of
+smaller ones packed into one. The
 sender gathers the next bucket while it sends one, each receiver takes the next while its engine loads one
 (``prefetched``: at most one bucket ahead on either side). A sender whose export fails broadcasts an abort, so the
 receivers raise instead of waiting; a receiver whose engine fails reads the push to its end before it raises, so
@@ -195,11 +196,11 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _layout(sizes: list[int]) -> tuple[list[int], list[tuple[int, int, list[int]]]]:
-    """Where each tensor of a bucket lies in the receiver's buffer (64-byte aligned, so any dtype views it), and
-    the bucket's broadcasts as (start, length, tensor indices): each tensor of at least ``SMALL`` bytes alone (sent
-    as it is: no packing copy), each run of smaller ones packed into one."""
-    offsets, _ = aligned_offsets(sizes)
+def _layout(sizes: list[int]) -> tuple[list[int], list[tuple[int, int, list[int]]], int]:
+    """Where each tensor of a bucket lies in the receiver's buffer (64-byte aligned, so any dtype views it), the
+    bucket's broadcasts as (start, length, tensor indices): each tensor of at least ``SMALL`` bytes alone (sent as
+    it is: no packing copy), each run of smaller ones packed into one; and the layout's aligned end (a slot's size)."""
+    offsets, end = aligned_offsets(sizes)
     parts: list[list[int]] = []
     for i, size in enumerate(sizes):
         if size >= SMALL or not parts or sizes[parts[-1][-1]] >= SMALL:
@@ -207,7 +208,7 @@ def _layout(sizes: list[int]) -> tuple[list[int], list[tuple[int, int, list[int]
         else:
             parts[-1].append(i)
     spans = [(offsets[p[0]], offsets[p[-1]] + sizes[p[-1]] - offsets[p[0]], p) for p in parts]
-    return offsets, spans
+    return offsets, spans, end
 
 
 def send_buckets(
@@ -245,8 +246,8 @@ def _send_bucket(
     then its bytes broadcast to the other nodes (to every rank where /dev/shm had no room for it). Its slot is
     free: the node's ranks said they were done with the bucket it held (``Acks``)."""
     raw = [t.detach().to(channel.device).contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
-    offsets, spans = _layout([r.numel() for r in raw])
-    slot = ring.reserve(index, aligned_offsets([r.numel() for r in raw])[1]) if ring is not None else None
+    offsets, spans, end = _layout([r.numel() for r in raw])
+    slot = ring.reserve(index, end) if ring is not None else None
     if slot is not None:
         slot.write([(name, r) for (name, _), r in zip(bucket, raw)])
     meta = [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in bucket]
@@ -299,7 +300,7 @@ def _received(channel: WeightChannel, group: Any, rank: int, counted: list[int])
             raise RuntimeError(f"weight push {channel.version}: the trainer's export failed mid-push (see its error)")
         meta = [(name, _dtype(dtype), tuple(shape)) for name, dtype, shape in info["meta"]]
         sizes = [dtype.itemsize * int(torch.Size(shape).numel()) for _, dtype, shape in meta]
-        offsets, spans = _layout(sizes)
+        offsets, spans, _ = _layout(sizes)
         need = spans[-1][0] + spans[-1][1] if spans else 0
         counted[0] += sum(sizes)
         if info["slot"] is not None and rank in lanes.local:

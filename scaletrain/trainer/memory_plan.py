@@ -120,7 +120,7 @@ def _shared(cfg: PPOConfig, shape: mem.ModelShape) -> dict[str, int]:
             shared["weight sync in /dev/shm"] = held
     ce = rollout.checkpoint_engine
     if not cfg.actor_rollout_ref.hybrid_engine and ce.pool_transport(cfg.trainer.device) == "nccl":
-        if cfg.trainer.device == "cpu" and ce.nccl_kwarg("same_node", "shm") == "shm":
+        if cfg.trainer.device == "cpu" and ce.push_same_node() == "shm":
             model = shape.params * _synced_bytes(cfg)
             shared["weight push slots in /dev/shm"] = min(RING * rollout.weight_bucket_bytes, model)
     return shared

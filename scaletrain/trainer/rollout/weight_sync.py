@@ -110,6 +110,6 @@ class WeightSync:
             assert self.rollout is not None
             timeout_s = float(self.settings.nccl_kwarg("timeout_s", DEFAULT_TIMEOUT_S))
             host, port = self.actor.open_weight_channel(timeout_s)
-            world_size, same_node = 1 + self.rollout.group.world_size, self.settings.nccl_kwarg("same_node", "shm")
+            world_size, same_node = 1 + self.rollout.group.world_size, self.settings.push_same_node()
             self.channel = WeightChannel(host, port, world_size, self.device, timeout_s, same_node=same_node)
         return self.channel
