@@ -14,10 +14,11 @@ against the floor: ``copy_`` of every tensor into preallocated tensors of the sa
 
 Export side, per training backend and layout (benchmarks/multirank.py; gloo ranks, 1 thread each): the time to
 consume every bucket of ``export_weights(bucket_bytes)`` (full HF tensors: FSDP all-gathers DTensor shards,
-DeepSpeed ZeRO-3 gathers partitioned parameters, megatron gathers TP shards and broadcasts across PP stages),
-slowest rank, against a memcpy of the same exported tensors timed in the same run on rank 0, and against the raw
-collective floor (one all-gather of the same bytes over the same ranks; target <= 1.5x). Layouts: FSDP DP=2,
-DeepSpeed ZeRO-3 DP=2, megatron TP=2 and PP=2, and (full only) megatron TP=2 x PP=2 on 4 ranks.
+DeepSpeed ZeRO-3 gathers partitioned parameters, megatron all-gathers each local layer index's TP shards of
+every PP stage at once), slowest rank, against a memcpy of the same exported tensors timed in the same run on
+rank 0, and against the raw collective floor (one all-gather of the same bytes over the same ranks; target <=
+1.5x). Layouts: FSDP DP=2, DeepSpeed ZeRO-3 DP=2, megatron TP=2 and PP=2, and (full only) megatron TP=2 x PP=2
+on 4 ranks.
 """
 
 from __future__ import annotations

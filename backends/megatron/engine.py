@@ -46,7 +46,7 @@ from backends.dist import init_distributed, local_device
 from backends.hf_model import build_model, check_outputs, torch_dtype
 from backends.lora_weights import adapter_config_dict, write_adapter_dir
 from backends.megatron.checkpoint import load_checkpoint, save_checkpoint
-from backends.megatron.export import export_groups, gather_hf_buckets, stage_rank
+from backends.megatron.export import ExportPlan, export_groups, gather_hf_buckets, stage_rank
 from backends.megatron.hf_mapping import layout_from_hf
 from backends.megatron.lora import MegatronLora, attach_lora, split_peft_model
 from backends.megatron.model import build_gpt_model, load_hf_weights, transformer_config
@@ -165,9 +165,10 @@ class MegatronEngine(TrainEngine):
         shapes = {k: shape for k, (shape, _) in self.hf_meta.items()}
         place = (self.layout, self.tp_rank, self.pp_rank)
         self.lora = None if self.peft is None else attach_lora(model, self.peft, shapes, place)
-        self.groups = export_groups(self.layout, list(hf_state))
         if self.device.type == "cuda":
             model.cuda(self.device)
+        groups = export_groups(self.layout, list(hf_state))
+        self.export_plan = ExportPlan(groups, self.layout, self.pp_rank, self.tp_rank, self.device)
         self.module = model  # the unwrapped GPTModel
         self.router_metrics = RouterMetrics(model, self.device, coefs)
         if self.tf_config.bf16 and torch_dtype(model_config.dtype) != torch.bfloat16:

@@ -306,13 +306,39 @@ def check_train_step(ctx, layout):
 
 
 def check_export_buckets(ctx, layout):
+    """Buckets within their size, every HF name once, and a decoder layer's bytes in one collective: the stages'
+    layers of one local index by one all-gather over the TP x PP ranks (none with TP = PP = 1); only the
+    embedding, final norm and head are broadcast over PP (one broadcast each) or gathered over TP."""
+    import torch.distributed as dist
+
     engine, s = stepped(ctx, layout), layout_state(ctx, layout)
-    buckets = list(engine.export_weights(40_000))
+    calls = {"all_gather_into_tensor": 0, "broadcast": 0, "all_gather": 0}
+    originals = {name: getattr(dist, name) for name in calls}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    try:
+        for name in calls:
+            setattr(dist, name, counted(name))
+        buckets = list(engine.export_weights(40_000))
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
     assert len(buckets) > 3
     for bucket in buckets:
         size = sum(t.numel() * t.element_size() for _, t in bucket)
         assert size <= 40_000 or len(bucket) == 1, (size, [n for n, _ in bucket])
-    assert [n for bucket in buckets for n, _ in bucket] == list(s.ref_sd)
+    names = [n for bucket in buckets for n, _ in bucket]
+    assert sorted(names) == sorted(s.ref_sd) and len(names) == len(set(names)), names
+    lo, others = engine.layout, [n for n in s.ref_sd if not n.startswith("model.layers.")]
+    assert calls["all_gather_into_tensor"] == (lo.layers_per_stage if lo.tp * lo.pp > 1 else 0), calls
+    assert calls["broadcast"] == (len(others) if lo.pp > 1 else 0), (calls, others)
+    assert calls["all_gather"] <= len(others), calls
 
 
 def _extra_engine(ctx, layout):
