@@ -18,7 +18,7 @@ DeepSpeed ZeRO-3 gathers partitioned parameters, megatron all-gathers each local
 every PP stage at once), slowest rank, against a memcpy of the same exported tensors timed in the same run on
 rank 0, and against the raw collective floor (one all-gather of the same bytes over the same ranks; target <=
 1.5x). Layouts: FSDP DP=2, DeepSpeed ZeRO-3 DP=2, megatron TP=2 and PP=2, and (full only) megatron TP=2 x PP=2
-on 4 ranks.
+on 4 ranks, and a Qwen3-MoE model of the same dense shape (8 experts) on megatron EP=2 and PP=2 x EP=2.
 """
 
 from __future__ import annotations
@@ -58,6 +58,27 @@ FULL = dict(
 )
 
 
+# a Qwen3-MoE model of FULL's dense shape, 8 experts of a quarter of the MLP's width in every layer, 2 per token
+MOE_SHAPE = dict(FULL, moe_intermediate_size=512, num_experts=8, num_experts_per_tok=2)
+MOE_LAYOUTS = {  # name -> (world, megatron settings): the experts split over EP ranks (the dense layers' DP)
+    "megatron ep2 moe": (2, {"expert_model_parallel_size": 2}),
+    "megatron pp2 x ep2 moe": (4, {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}),
+}
+
+
+def save_tiny_qwen3_moe(path: str, seed: int = 0, **shape) -> str:
+    """Write a random-init Qwen3MoeForCausalLM (float32, tied embeddings) of ``shape`` to ``path``."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    config = Qwen3MoeConfig(**shape, head_dim=head_dim, norm_topk_prob=True, tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(config).to(torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
 def export_buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
     """Group (name, tensor) pairs in state_dict order into buckets of at most ``bucket_bytes``."""
     buckets, current, size = [], [], 0
@@ -75,7 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="~9M-parameter model, 5 repeats")
     parser.add_argument("--bucket-mib", type=float, default=8.0)
-    parser.add_argument("--only", nargs="*", default=None, help=f"export layouts among {list(LAYOUTS)}")
+    parser.add_argument("--only", nargs="*", default=None, help=f"export layouts among {[*LAYOUTS, *MOE_LAYOUTS]}")
     args = parser.parse_args()
     shape, reps = (QUICK, 5) if args.quick else (FULL, 7)
     torch.set_num_threads(1)
@@ -131,8 +152,15 @@ def main() -> None:
     )
     for name, ms in [("memcpy", copy_ms), ("vllm", vllm_ms), ("hf", hf_ms)]:
         print(f"{name:<8}{total / 2**30 / (ms / 1e3):>8.2f} GiB/s")
-    layouts = args.only if args.only is not None else (QUICK_LAYOUTS if args.quick else list(LAYOUTS))
-    exports = export_rows(layouts, model_dir, reps, args.bucket_mib)
+    layouts = args.only if args.only is not None else (QUICK_LAYOUTS if args.quick else [*LAYOUTS, *MOE_LAYOUTS])
+    specs = [(name, layout_spec(name, model_dir, ("export",), reps)) for name in layouts if name in LAYOUTS]
+    if any(name in MOE_LAYOUTS for name in layouts):
+        moe_dir = save_tiny_qwen3_moe(os.path.join(model_dir, "moe"), **MOE_SHAPE)
+        for name in (n for n in layouts if n in MOE_LAYOUTS):
+            world, settings = MOE_LAYOUTS[name]
+            spec = {"backend": "megatron", "world": world, "settings": settings, "model_dir": moe_dir}
+            specs.append((name, dict(spec, measure=["export"], repeats=reps)))
+    exports = export_rows(specs, reps, args.bucket_mib)
     emit_results([(f"weight sync {r[0]}", *r[1:]) for r in table + exports])
     shutil.rmtree(model_dir, ignore_errors=True)
 
@@ -159,16 +187,17 @@ def engine_process_rows(config, tokenizer, buckets, reps: int, copy_ms: float) -
     return rows, peak
 
 
-def export_rows(layouts: list[str], model_dir: str, reps: int, bucket_mib: float) -> list[tuple]:
-    """``export_weights`` per layout vs memcpy of the same bytes, both measured in that layout's launch."""
+def export_rows(specs: list[tuple[str, dict]], reps: int, bucket_mib: float) -> list[tuple]:
+    """``export_weights`` per (layout name, launch spec) vs memcpy of the same bytes, both measured in that
+    layout's launch, and vs the collective floor."""
     table, sizes = [], []
-    for name in layouts:
+    for name, spec in specs:
         try:
-            res = launch(layout_spec(name, model_dir, ("export",), reps, bucket_mib=bucket_mib))
+            res = launch(dict(spec, bucket_mib=bucket_mib))
         except Exception as exc:  # one layout failing must not hide the others' numbers
             print(f"\n{name}: FAILED: {exc}", flush=True)
             continue
-        world = LAYOUTS[name][1]
+        world = spec["world"]
         table.append((f"{name} ({world} ranks) export_weights", res["export_ms"], res["memcpy_ms"], "memcpy"))
         floor = res["gather_floor_ms"]
         table.append((f"{name} ({world} ranks) export vs collective floor", res["export_ms"], floor, "all-gather"))

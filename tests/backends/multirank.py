@@ -4,10 +4,10 @@
 RANK / WORLD_SIZE / MASTER_* set, waits (killing stragglers after ``timeout_s``) and returns each rank's
 ``{check: error text or None}``. ``run_checks(work, fn)`` is the rank side: it runs ``fn(work, rank, results)``
 and always writes the results, so one launch serves many checks; ``rank_check`` records one check there,
-``assert_close`` compares tensors inside a check, ``assert_step_matches_reference`` compares one engine step with
-the single-process reference step, ``assert_nonfinite_step_skipped`` / ``assert_empty_batch_refused`` are the
-shared train_step guards every HF engine must keep alike, and ``assert_ranks_passed`` reports a check in the parent
-test.
+``assert_close`` compares tensors inside a check, ``counted_collectives`` counts a block's collective calls,
+``assert_step_matches_reference`` compares one engine step with the single-process reference step,
+``assert_nonfinite_step_skipped`` / ``assert_empty_batch_refused`` are the shared train_step guards every HF engine
+must keep alike, and ``assert_ranks_passed`` reports a check in the parent test.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import os
 import subprocess
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,29 @@ def assert_close(a, b, what: str, tol: float = 1e-5) -> None:
     if not (a.shape == b.shape and diff <= tol):
         raise AssertionError(f"{what}: shapes {tuple(a.shape)} vs {tuple(b.shape)}, max diff {diff}")
     assert torch.isfinite(a).all(), what
+
+
+@contextmanager
+def counted_collectives(*names: str) -> Iterator[dict[str, int]]:
+    """The calls of each ``torch.distributed`` function in ``names`` made while the block runs, by name."""
+    import torch.distributed as dist
+
+    calls, originals = dict.fromkeys(names, 0), {name: getattr(dist, name) for name in names}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    try:
+        for name in names:
+            setattr(dist, name, counted(name))
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 def assert_ranks_passed(results: dict[int, dict], check: str) -> None:

@@ -26,7 +26,12 @@ import pytest
 import torch
 
 from tests.backends.conversion import assert_converts
-from tests.backends.multirank import assert_close, assert_empty_batch_refused, assert_step_matches_reference
+from tests.backends.multirank import (
+    assert_close,
+    assert_empty_batch_refused,
+    assert_step_matches_reference,
+    counted_collectives,
+)
 from tests.backends.rank_group import GroupsByWorld
 
 pytestmark = pytest.mark.slow  # multi-process groups (setup.cfg: `pytest -m "not slow"` skips them)
@@ -309,26 +314,9 @@ def check_export_buckets(ctx, layout):
     """Buckets within their size, every HF name once, and a decoder layer's bytes in one collective: the stages'
     layers of one local index by one all-gather over the TP x PP ranks (none with TP = PP = 1); only the
     embedding, final norm and head are broadcast over PP (one broadcast each) or gathered over TP."""
-    import torch.distributed as dist
-
     engine, s = stepped(ctx, layout), layout_state(ctx, layout)
-    calls = {"all_gather_into_tensor": 0, "broadcast": 0, "all_gather": 0}
-    originals = {name: getattr(dist, name) for name in calls}
-
-    def counted(name):
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    try:
-        for name in calls:
-            setattr(dist, name, counted(name))
+    with counted_collectives("all_gather_into_tensor", "broadcast", "all_gather") as calls:
         buckets = list(engine.export_weights(40_000))
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
     assert len(buckets) > 3
     for bucket in buckets:
         size = sum(t.numel() * t.element_size() for _, t in bucket)
