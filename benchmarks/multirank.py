@@ -1,8 +1,9 @@
 """Multi-rank engine benchmarks: the tiny model and batch the benchmarks train on, and a gloo launcher.
 
 - ``save_tiny_qwen2(path, seed, **overrides)``: a random-init Qwen2 causal LM (the embedded default's config with
-  the given overrides) written with ``save_pretrained``; ``make_batch(rows, prompt, response)``: a seeded rollout
-  batch in verl's layout (left-padded prompts, right-padded responses, advantages).
+  the given overrides) written with ``save_pretrained`` (``save_tiny_model``: the same in another architecture);
+  ``make_batch(rows, prompt, response)``: a seeded rollout batch in verl's layout (left-padded prompts,
+  right-padded responses, advantages).
 - ``LAYOUTS``: backend + world size + megatron settings of every multi-rank layout benchmarked.
 - ``launch(spec, timeout_s)``: starts ``spec["world"]`` processes (gloo, 1 thread each) running
   ``python -m benchmarks.multirank SPEC``; every rank builds the engine, times ``train_step`` on its rows and/or
@@ -50,15 +51,22 @@ QUICK_LAYOUTS = [name for name, (_, world, _) in LAYOUTS.items() if world == 2]
 
 def save_tiny_qwen2(path: str, seed: int = 0, **overrides) -> str:
     """Write a random-init Qwen2ForCausalLM (float32, no tokenizer) to ``path``; returns ``path``."""
-    from transformers import Qwen2ForCausalLM
+    return save_tiny_model(path, "qwen2", seed, **overrides)
 
-    from scaletrain.data.embedded import tiny_qwen2_config
+
+def save_tiny_model(path: str, architecture: str, seed: int = 0, **overrides) -> str:
+    """Write a random-init causal LM of the embedded default's config in ``architecture`` (scaletrain/models/
+    tiny.py's ``ARCHITECTURES``) with ``overrides`` (float32, no tokenizer) to ``path``; returns ``path``."""
+    from transformers import AutoModelForCausalLM
+
+    from scaletrain.data.embedded import tiny_model_config
 
     settings = dict(vocab_size=128, max_position_embeddings=1024)
     settings.update(overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(tiny_qwen2_config(**settings)).to(torch.float32)
+        config = tiny_model_config(architecture, **settings)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
     return path
 

@@ -38,7 +38,14 @@ import torch  # noqa: E402
 
 from backends.rollout.base import RolloutConfig  # noqa: E402
 from benchmarks.common import emit_results, median_ms, print_table  # noqa: E402
-from benchmarks.multirank import LAYOUTS, QUICK_LAYOUTS, launch, layout_spec, save_tiny_qwen2  # noqa: E402
+from benchmarks.multirank import (  # noqa: E402
+    LAYOUTS,
+    QUICK_LAYOUTS,
+    launch,
+    layout_spec,
+    save_tiny_model,
+    save_tiny_qwen2,
+)
 
 QUICK = dict(
     hidden_size=256,
@@ -59,24 +66,11 @@ FULL = dict(
 
 
 # a Qwen3-MoE model of FULL's dense shape, 8 experts of a quarter of the MLP's width in every layer, 2 per token
-MOE_SHAPE = dict(FULL, moe_intermediate_size=512, num_experts=8, num_experts_per_tok=2)
+MOE_SHAPE = dict(FULL, head_dim=64, moe_intermediate_size=512, num_experts=8, num_experts_per_tok=2)
 MOE_LAYOUTS = {  # name -> (world, megatron settings): the experts split over EP ranks (the dense layers' DP)
     "megatron ep2 moe": (2, {"expert_model_parallel_size": 2}),
     "megatron pp2 x ep2 moe": (4, {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}),
 }
-
-
-def save_tiny_qwen3_moe(path: str, seed: int = 0, **shape) -> str:
-    """Write a random-init Qwen3MoeForCausalLM (float32, tied embeddings) of ``shape`` to ``path``."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
-    config = Qwen3MoeConfig(**shape, head_dim=head_dim, norm_topk_prob=True, tie_word_embeddings=True)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3MoeForCausalLM(config).to(torch.float32)
-    model.save_pretrained(path)
-    return path
 
 
 def export_buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -155,7 +149,7 @@ def main() -> None:
     layouts = args.only if args.only is not None else (QUICK_LAYOUTS if args.quick else [*LAYOUTS, *MOE_LAYOUTS])
     specs = [(name, layout_spec(name, model_dir, ("export",), reps)) for name in layouts if name in LAYOUTS]
     if any(name in MOE_LAYOUTS for name in layouts):
-        moe_dir = save_tiny_qwen3_moe(os.path.join(model_dir, "moe"), **MOE_SHAPE)
+        moe_dir = save_tiny_model(os.path.join(model_dir, "moe"), "qwen3_moe", **MOE_SHAPE)
         for name in (n for n in layouts if n in MOE_LAYOUTS):
             world, settings = MOE_LAYOUTS[name]
             spec = {"backend": "megatron", "world": world, "settings": settings, "model_dir": moe_dir}

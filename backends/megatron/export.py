@@ -177,7 +177,8 @@ def _gather_paired(engine, step: ExportStep) -> dict[str, torch.Tensor]:
     group packed into one flat byte buffer, one all-gather over the model-parallel group, and each stage's TP
     shards read out of the gathered buffers in place."""
     lo, plan = engine.layout, engine.export_plan
-    mine = [_param(engine, name).contiguous() for name in step.groups[engine.pp_rank].megatron]
+    names = step.groups[engine.pp_rank].megatron
+    mine = [_param(engine, name).contiguous() for name in names]
     offsets, size = aligned_offsets(t.numel() * t.element_size() for t in mine)
     flat = torch.empty(size, dtype=torch.uint8, device=engine.device)
     for t, offset in zip(mine, offsets):
@@ -185,7 +186,7 @@ def _gather_paired(engine, step: ExportStep) -> dict[str, torch.Tensor]:
     gathered = torch.empty(len(plan.slots) * size, dtype=torch.uint8, device=engine.device)
     dist.all_gather_into_tensor(gathered, flat, group=plan.group)
     # the stages' groups have the same local names, so this rank's offsets and shapes are every member's
-    where = {name: (offset, t) for name, offset, t in zip(step.groups[engine.pp_rank].megatron, offsets, mine)}
+    where = {name: (offset, t) for name, offset, t in zip(names, offsets, mine)}
 
     def shard(stage: int, tp: int, name: str) -> torch.Tensor:
         offset, like = where[name]
